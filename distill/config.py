@@ -1,0 +1,29 @@
+"""Hydra schema for the distillation stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DistillConfig:
+    """Self-distillation / continuation targets made with the frozen target."""
+
+    out_dir: str | None = None  # dataset folder (default <run_dir>/distilled)
+    num_samples: int | None = 64  # conversations to distill (None: all)
+    regenerate: bool = True  # regenerate assistant turns with the target (self-distillation)
+    do_sample: bool = False  # sample instead of greedy
+    temperature: float = 0.7  # sampling temperature (do_sample=true)
+    top_p: float = 0.95  # nucleus sampling threshold (do_sample=true)
+    max_new_tokens: int = 128  # per assistant turn
+    max_turns: int = 2  # assistant turns regenerated per conversation
+    T: int = 5  # continuation length (root + T-1 draft targets)
+    batch_tokens: int = 4096  # token budget per generation batch (length-aware packing)
+    max_batch_size: int = 32  # sequences per batch at most
+    shard_size: int = 32  # conversations per shard
+    save_hidden: bool = False  # cache last-layer hidden states
+    hidden_layers: tuple[int, ...] = ()  # extra intermediate layers to cache (EAGLE-3)
+    topk: int = 0  # cache teacher top-k log-probs (0 = off)
+    feature_dtype: str = "bf16"  # bf16 | fp16 for cached features
+    max_disk_gb: float = 20.0  # refuse to start when the projected feature size exceeds this
+    seed: int = 0  # sampling seed

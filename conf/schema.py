@@ -28,6 +28,9 @@ class BaseModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 (None: transformers' default)
     cache_dir: str | None = None  # where the dequantised GGUF copy is cached (default ~/.cache/specdraft)
+    chat_template: str | None = (
+        None  # override: a builtin name (`vicuna`) or a Jinja string (None: the tokenizer's)
+    )
 
 
 @dataclass

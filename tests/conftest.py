@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny offline models; the Hub is never contacted."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specdraft.testing import tiny_llama as _tiny_llama  # noqa: E402
+from specdraft.testing import tiny_tokenizer as _tiny_tokenizer  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """Character-level tokenizer with a ChatML chat template (vocab < 128)."""
+    return _tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_llama():
+    """A tiny random GQA Llama (vocab 128, hidden 32, 2 layers), fp32, frozen."""
+    return _tiny_llama()
+
+
+@pytest.fixture
+def tiny_llama64():
+    """The same tiny Llama in fp64, for exact-equality decoding checks."""
+    return _tiny_llama(dtype=torch.float64)

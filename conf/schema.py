@@ -14,7 +14,15 @@ from hydra.core.config_store import ConfigStore
 
 from specdraft.distill.config import DistillConfig
 from specdraft.eval.config import EvalConfig
-from specdraft.train.config import LoggerConfig, OptimConfig, ReDrafterSchema, TrainConfig
+from specdraft.train.config import (
+    Eagle3Schema,
+    EagleSchema,
+    LoggerConfig,
+    MedusaSchema,
+    OptimConfig,
+    ReDrafterSchema,
+    TrainConfig,
+)
 
 
 @dataclass
@@ -54,7 +62,7 @@ class RootConfig:
     run_dir: str = "${output_root}/${name}"  # deterministic run dir (same on every rank)
     base_model: BaseModelConfig = field(default_factory=BaseModelConfig)  # frozen target
     data: DataConfig = field(default_factory=DataConfig)  # training conversations
-    drafter: Any = field(default_factory=ReDrafterSchema)  # drafter family hyper-parameters
+    drafter: Any = None  # drafter family hyper-parameters (filled by the `drafter` group: any family schema)
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimiser
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # metric sinks
     train: TrainConfig = field(default_factory=TrainConfig)  # training loop
@@ -62,7 +70,12 @@ class RootConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # evaluation stage
 
 
-DRAFTER_SCHEMAS: dict[str, type] = {"redrafter": ReDrafterSchema}
+DRAFTER_SCHEMAS: dict[str, type] = {
+    "redrafter": ReDrafterSchema,
+    "medusa": MedusaSchema,
+    "eagle": EagleSchema,
+    "eagle3": Eagle3Schema,
+}
 
 
 def register_configs() -> None:

@@ -75,7 +75,7 @@ class RowDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         row = self.rows[int(i)]
-        item = {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long)}
+        item = {"index": torch.tensor(int(i)), "input_ids": torch.tensor(row["input_ids"], dtype=torch.long)}
         item["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.long)
         if row.get("continuations") is not None:
             item["continuations"] = torch.tensor(row["continuations"], dtype=torch.long)
@@ -120,6 +120,8 @@ class Collator:
             for key in ("hidden", "topk_ids", "topk_logprobs"):
                 if key in batch:
                     batch[key][b, :n] = it[key]
+        if "index" in items[0]:
+            batch["index"] = torch.stack([it["index"] for it in items])  # (B,) row ids (feature cache keys)
         batch["num_positions"] = batch["pos_mask"].sum()
         return batch
 

@@ -18,8 +18,10 @@ class DistillConfig:
     max_new_tokens: int = 128  # per assistant turn
     max_turns: int = 2  # assistant turns regenerated per conversation
     T: int = 5  # continuation length (root + T-1 draft targets)
-    batch_tokens: int = 4096  # token budget per generation batch (length-aware packing)
+    batch_tokens: int = 4096  # token budget per generation batch: rows * max(prompt + max_new_tokens)
     max_batch_size: int = 32  # sequences per batch at most
+    refill: bool = True  # splice waiting prompts into the running batch as sequences finish
+    continuation_chunk: int = 256  # positions continued together (original responses; bounds memory)
     shard_size: int = 32  # conversations per shard
     save_hidden: bool = False  # cache last-layer hidden states
     hidden_layers: tuple[int, ...] = ()  # extra intermediate layers to cache (EAGLE-3)

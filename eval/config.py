@@ -1,4 +1,4 @@
-"""Hydra schema for evaluation."""
+"""Hydra schema for evaluation (`python evaluate.py conf=<preset> eval.<field>=...`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,29 @@ class EvalConfig:
 
     drafters: list[str] = field(default_factory=list)  # exported drafter folders / Hub ids (empty: <run_dir>/export)
     benches: list[str] = field(default_factory=lambda: ["mt_bench"])  # mt_bench | alpaca_eval | path | Hub id
-    limit: int | None = 10  # prompts per benchmark (None: all)
+    limit: int | None = 10  # prompts per benchmark, round-robin over categories (None: all)
     max_new_tokens: int = 128  # per turn
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy; > 0 = lossless recursive rejection sampling
+    top_k: int = 0  # sampling: keep the k most likely tokens (0: off); same for every method
+    top_p: float = 1.0  # sampling: nucleus threshold (1.0: off); same for every method
     beam_width: int | None = None  # ReDrafter beam width (None: the drafter's default)
     beam_length: int | None = None  # ReDrafter beam length incl. root (None: draft_len + 1)
-    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # prompt_lookup | assisted
-    assistant_model: str | None = None  # small assistant model for assisted generation
-    check_lossless: bool = False  # compare against AR outputs token for token, explain divergences
-    warmup: int = 1  # warm-up prompts before timing
+    int8_draft_head: bool = True  # ReDrafter on CPU: draft with an int8 copy of the vocab head (output unchanged)
+    tree_nodes: int | None = None  # Medusa/EAGLE node budget (None: the drafter's default)
+    acceptance: str = "exact"  # exact (lossless) | typical (Medusa typical acceptance: LOSSY, needs temperature > 0)
+    typical_epsilon: float = 0.09  # typical acceptance: posterior threshold epsilon
+    typical_delta: float = 0.3  # typical acceptance: entropy-dependent threshold scale delta (sqrt(epsilon) in Medusa)
+    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # transformers: prompt_lookup | assisted
+    prompt_lookup_num_tokens: int = 10  # transformers prompt-lookup decoding: n-gram candidate length
+    assistant_model: str | None = None  # Hub id / folder of a small same-tokenizer model for `assisted`
+    dtype: str | None = None  # override base_model.dtype (fp32 | bf16 | fp16)
+    device: str | None = None  # override base_model.device (cpu | cuda | cuda:N | auto)
+    num_threads: int | None = None  # torch CPU threads (None: torch's default)
+    check_lossless: bool = False  # compare every method's tokens with AR's, explain divergences by near-ties
+    near_tie_gap: float | None = None  # top-2 logit gap counted as a numeric near-tie (None: by dtype)
+    warmup: int = 1  # warm-up prompts per method before timing (not recorded)
+    warmup_tokens: int = 32  # new tokens per warm-up prompt
+    profile: bool = False  # per-phase time breakdown of the speculative loop (adds device syncs)
+    plots: bool = True  # write PNG plots (accepted-length histogram, per-category speedup)
     out_dir: str | None = None  # results folder (default <run_dir>/eval)
     seed: int = 0  # sampling seed

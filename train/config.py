@@ -16,6 +16,7 @@ class ReDrafterSchema:
     share_embeddings: bool = True  # reuse the target's (frozen) token embeddings
     beam_width: int = 8  # default beam width at decode time
     init_from_lm_head: bool = True  # initialise the vocabulary head from the target's LM head
+    exit_dim: int | None = None  # ResBlock width (None: embed + hidden, no projection; hidden: cheaper)
 
 
 @dataclass
@@ -59,3 +60,61 @@ class TrainConfig:
     export_dir: str | None = None  # where to export the drafter (default <run_dir>/export)
     push_to_hub: str | None = None  # Hub repo id to publish the export to (token from HF_TOKEN)
     extra: dict = field(default_factory=dict)  # free-form notes recorded in the export's training summary
+    loss: str = "ce"  # ce (hard teacher tokens) | kl (soft top-k teacher) | ce+kl
+    kl_weight: float = 1.0  # weight of the KL term when loss has "kl"
+    kl_topk: int = 20  # teacher top-k used for online soft targets (cached top-k is used when present)
+    slot_weights: list[float] | None = None  # per draft-slot loss weights (None: all 1)
+    max_positions: int | None = 512  # trained positions per micro-batch, sampled at random (None: all)
+    eval_max_positions: int | None = 512  # positions per eval batch, a fixed sample (None: all)
+    topk_acc: int = 5  # k of the reported top-k accuracy
+    log_every: int = 10  # training metrics to the loggers every N steps
+    progress: bool = True  # progress bar on rank 0
+    use_cached_features: bool = True  # use hidden states cached by distill/ when present
+    cache_target_features: bool = False  # memoise online target hidden states per row in RAM
+    num_workers: int = 0  # DataLoader worker processes
+    export: bool = True  # export the drafter at the end
+    crash_at_step: int | None = None  # testing only: SIGKILL this process right after step N (resume tests)
+
+
+@dataclass
+class MedusaSchema:
+    """Medusa heads hyper-parameters (`drafter=medusa`)."""
+
+    family: str = "medusa"  # drafter family: redrafter | medusa | eagle
+    draft_len: int = 4  # K heads; head k predicts draft slot k (x_{t+2+k})
+    num_layers: int = 1  # ResBlocks per head before its vocabulary projection
+    loss_decay: float = 0.8  # lambda: head k's loss is weighted lambda^k (unless train.slot_weights is set)
+    init_from_lm_head: bool = True  # initialise every head's projection from the target's LM head
+    topk: int = 10  # candidates per head available to the static tree at decode time
+    tree_choices: list[list[int]] | None = (
+        None  # static tree (Medusa rank paths) saved in the export (None: default)
+    )
+
+
+@dataclass
+class EagleSchema:
+    """EAGLE-1 feature head + EAGLE-2 dynamic tree (`drafter=eagle`)."""
+
+    family: str = "eagle"  # drafter family: redrafter | medusa | eagle | eagle3
+    draft_len: int = 4  # draft slots scored at evaluation (the head is unrolled on its own features)
+    fc_bias: bool = True  # bias of fc([e; f]) (as the public EAGLE-1 checkpoints)
+    feature_weight: float = 1.0  # smooth-L1 feature-regression weight
+    token_weight: float = 0.1  # soft cross-entropy token weight
+    noise: float = 0.0  # half-width of uniform noise added to input features in training (0: off)
+    tree_total_tokens: int = 24  # EAGLE-2 decode: draft nodes kept after reranking (root excluded)
+    tree_depth: int = 5  # EAGLE-2 decode: maximum draft depth
+    tree_top_k: int = 6  # EAGLE-2 decode: children per node / nodes expanded per depth
+
+
+@dataclass
+class Eagle3Schema:
+    """EAGLE-3 fused-feature head with training-time test (`drafter=eagle3`)."""
+
+    family: str = "eagle3"  # drafter family
+    draft_len: int = 5  # training-time-test unroll steps (= draft slots trained and scored)
+    ttt_decay: float = 0.8  # loss weight of unroll step i is ttt_decay ** i
+    target_layers: list[int] | None = None  # fused target hidden_states indices (None: 2, L // 2, L - 3)
+    draft_vocab_size: int | None = None  # reduced draft vocabulary of the most frequent tokens (None: full)
+    tree_total_tokens: int = 24  # EAGLE-2 decode: draft nodes kept after reranking (root excluded)
+    tree_depth: int = 5  # EAGLE-2 decode: maximum draft depth
+    tree_top_k: int = 6  # EAGLE-2 decode: children per node / nodes expanded per depth

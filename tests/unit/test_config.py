@@ -36,7 +36,7 @@ def test_every_preset_composes(preset: str) -> None:
     OmegaConf.resolve(cfg)  # every interpolation resolves
     assert cfg.name == preset
     assert cfg.run_dir == f"outputs/{preset}"  # deterministic run dir: no timestamp
-    assert cfg.drafter.family in {"redrafter", "medusa", "eagle"}
+    assert cfg.drafter.family in {"redrafter", "medusa", "eagle", "eagle3"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)

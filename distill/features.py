@@ -1,0 +1,185 @@
+"""Optional cached target features for offline training: hidden states and teacher top-k log-probs.
+
+Stored per row (one conversation) as raw little-endian bf16/fp16 bytes, so Arrow keeps them compact:
+
+| column          | bytes of                          |
+|-----------------|-----------------------------------|
+| `hidden`        | (L, H) last layer, post final norm |
+| `hidden_layers` | list of (L, H), one per `spec.layers` (index into HF `hidden_states`, 0 = embeddings) |
+| `topk_ids`      | list[list[int]] (L, k), not bytes   |
+| `topk_logprobs` | (L, k) log-softmax values           |
+
+`decode_features(row, spec)` turns a row back into tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdraft.models.base_llm import forward_with_hidden
+
+FEATURE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class FeatureSpec:
+    """Which features to cache; recorded in the manifest under `features`."""
+
+    hidden: bool = False  # last-layer hidden states
+    layers: tuple[int, ...] = ()  # extra hidden_states indices (EAGLE-3)
+    topk: int = 0  # teacher top-k (0 = off)
+    dtype: str = "bf16"  # bf16 | fp16
+    hidden_size: int = 0  # H of the target
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes
+
+    @property
+    def enabled(self) -> bool:
+        """True when any feature is cached."""
+        return self.hidden or bool(self.layers) or self.topk > 0
+
+    def bytes_per_token(self) -> int:
+        """Disk bytes per token for the chosen features."""
+        width = 2  # bf16/fp16
+        n = (int(self.hidden) + len(self.layers)) * self.hidden_size * width
+        return n + self.topk * (8 + width)  # ids are int64 in Arrow
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for the manifest."""
+        return {
+            "hidden": self.hidden,
+            "layers": list(self.layers),
+            "topk": self.topk,
+            "dtype": self.dtype,
+            "hidden_size": self.hidden_size,
+        }
+
+
+def make_spec(cfg_distill, model) -> FeatureSpec:
+    """Build and validate a `FeatureSpec` from the `distill` config and the target."""
+    if cfg_distill.feature_dtype not in FEATURE_DTYPES:
+        raise ValueError(
+            f"distill.feature_dtype={cfg_distill.feature_dtype!r} is not one of {sorted(FEATURE_DTYPES)}"
+        )
+    n_layers = int(model.config.num_hidden_layers)
+    layers = tuple(int(i) for i in (cfg_distill.hidden_layers or ()))
+    bad = [i for i in layers if not 0 <= i <= n_layers]
+    if bad:
+        raise ValueError(
+            f"distill.hidden_layers={list(layers)}: {bad} outside [0, {n_layers}] (0 = embeddings)"
+        )
+    if cfg_distill.topk < 0:
+        raise ValueError(f"distill.topk={cfg_distill.topk} must be >= 0")
+    return FeatureSpec(
+        hidden=bool(cfg_distill.save_hidden),
+        layers=layers,
+        topk=int(cfg_distill.topk),
+        dtype=str(cfg_distill.feature_dtype),
+        hidden_size=int(model.config.hidden_size),
+    )
+
+
+def check_disk_budget(spec: FeatureSpec, num_rows: int, max_tokens_per_row: int, max_disk_gb: float) -> float:
+    """Print the projected feature size (an upper bound) and refuse when it exceeds `max_disk_gb`.
+
+    Returns:
+        The projected size in GB (0.0 when no feature is cached).
+
+    Raises:
+        ValueError: projected size > `max_disk_gb`, naming the knobs that shrink it.
+    """
+    if not spec.enabled:
+        return 0.0
+    gb = num_rows * max_tokens_per_row * spec.bytes_per_token() / 1e9
+    print(
+        f"[distill] projected feature size: <= {gb:.3f} GB ({num_rows} rows x <= {max_tokens_per_row} tokens x "
+        f"{spec.bytes_per_token()} B/token; limit distill.max_disk_gb={max_disk_gb})",
+        flush=True,
+    )
+    if gb > max_disk_gb:
+        raise ValueError(
+            f"cached features would take up to {gb:.2f} GB > distill.max_disk_gb={max_disk_gb}. Lower "
+            "distill.num_samples or data.max_length, drop distill.hidden_layers/distill.topk, set "
+            "distill.save_hidden=false, or raise distill.max_disk_gb."
+        )
+    return gb
+
+
+def _to_bytes(x: torch.Tensor, dtype: torch.dtype) -> bytes:
+    return x.detach().to("cpu", dtype).contiguous().view(torch.int16).numpy().tobytes()
+
+
+@torch.no_grad()
+def compute_features(
+    model, sequences: Sequence[Sequence[int]], spec: FeatureSpec, batch_tokens: int = 4096
+) -> list[dict[str, Any]]:
+    """Run the target over whole sequences (right-padded, length-sorted batches) and pack the features.
+
+    Args:
+        model: the frozen target.
+        sequences: token ids per row.
+        spec: which features.
+        batch_tokens: rows * max length per forward at most.
+
+    Returns:
+        One dict per sequence (input order) with the columns of the module docstring that `spec` enables.
+    """
+    dtype = FEATURE_DTYPES[spec.dtype]
+    device = next(model.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    out: list[dict[str, Any]] = [{} for _ in sequences]
+    start = 0
+    while start < len(order):
+        width = len(sequences[order[start]])
+        stop = start + max(1, batch_tokens // max(width, 1))
+        group = order[start:stop]
+        start = stop
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for r, i in enumerate(group):
+            ids[r, : len(sequences[i])] = torch.tensor(list(sequences[i]))
+            mask[r, : len(sequences[i])] = 1
+        res = forward_with_hidden(
+            model, ids.to(device), attention_mask=mask.to(device), layers=spec.layers, logits=spec.topk > 0
+        )
+        for r, i in enumerate(group):
+            n = len(sequences[i])
+            row: dict[str, Any] = {}
+            if spec.hidden:
+                row["hidden"] = _to_bytes(res.hidden[r, :n], dtype)  # (n, H)
+            if spec.layers:
+                row["hidden_layers"] = [
+                    _to_bytes(res.layers[r, :n, m], dtype) for m in range(len(spec.layers))
+                ]
+            if spec.topk > 0:
+                logp = torch.log_softmax(res.logits[r, :n].float(), dim=-1)  # (n, V)
+                vals, idx = logp.topk(spec.topk, dim=-1)  # (n, k)
+                row["topk_ids"] = idx.tolist()
+                row["topk_logprobs"] = _to_bytes(vals, dtype)
+            out[i] = row
+    return out
+
+
+def decode_features(row: dict[str, Any], spec: FeatureSpec | dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors back from a stored row: hidden (L, H), hidden_layers (L, m, H), topk_ids/topk_logprobs (L, k)."""
+    if isinstance(spec, dict):
+        spec = FeatureSpec(
+            spec["hidden"], tuple(spec["layers"]), spec["topk"], spec["dtype"], spec["hidden_size"]
+        )
+    dtype, H = FEATURE_DTYPES[spec.dtype], spec.hidden_size
+
+    def tensor(b: bytes, cols: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b), dtype=torch.int16).view(dtype).view(-1, cols)
+
+    out: dict[str, torch.Tensor] = {}
+    if spec.hidden:
+        out["hidden"] = tensor(row["hidden"], H)
+    if spec.layers:
+        out["hidden_layers"] = torch.stack([tensor(b, H) for b in row["hidden_layers"]], dim=1)
+    if spec.topk > 0:
+        out["topk_ids"] = torch.tensor(row["topk_ids"], dtype=torch.long)
+        out["topk_logprobs"] = tensor(row["topk_logprobs"], spec.topk)
+    return out

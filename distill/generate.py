@@ -1,0 +1,240 @@
+"""Batched generation with a KV cache for prompts of mixed lengths, with length-aware packing and refill.
+
+One decode batch holds up to `max_batch_size` rows. Prompts are taken longest first; a prompt joins the
+batch while `rows * max(prompt_len + max_new)` stays within `batch_tokens`. When rows finish (stop token or
+their token budget), they leave the batch and waiting prompts are prefilled on their own and spliced in:
+
+    cache columns ->   0 1 2 3 4 5 6 7 8 9
+    row 0 (running)    a a a a a a g g g .     a = prompt, g = generated, . = the next token
+    row 1 (new)        0 0 0 0 0 b b b b .     0 = left padding (mask 0, K/V zeros)
+
+Each row keeps its own position ids (real tokens before it), so padding never changes the arithmetic a row
+sees; greedy output equals unbatched greedy output (tested in fp64). Left columns that are padding for
+every row are trimmed after rows leave, so the cache width stays <= max(prompt_len + generated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+@dataclass
+class GenerationSettings:
+    """How to generate; `stop_ids` are EOS / end-of-turn ids (a row stops after emitting one)."""
+
+    max_new_tokens: int = 128  # per prompt (a per-prompt list may lower it)
+    stop_ids: tuple[int, ...] = ()  # EOS / end-of-turn token ids
+    pad_id: int = 0  # id fed at padded positions (masked out, value irrelevant)
+    do_sample: bool = False  # sample instead of greedy
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus threshold
+    batch_tokens: int = 4096  # rows * max(prompt_len + max_new) per batch at most
+    max_batch_size: int = 32  # rows per batch at most
+    refill: bool = True  # splice waiting prompts in as rows finish (False: static batches)
+
+
+@dataclass
+class Generation:
+    """One prompt's output: `tokens` include the stop token when `finish_reason == "eos"`."""
+
+    tokens: list[int]
+    finish_reason: str  # "eos" | "length"
+
+    @property
+    def length(self) -> int:
+        """Number of generated tokens."""
+        return len(self.tokens)
+
+
+def stop_token_ids(tokenizer, model=None) -> tuple[int, ...]:
+    """EOS + end-of-turn ids of the tokenizer (`data.chat.stop_token_ids`) and of the model's generation config."""
+    from specdraft.data.chat import stop_token_ids as chat_stop_ids
+
+    ids = set(chat_stop_ids(tokenizer))
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is not None:
+        ids.update(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+    return tuple(sorted(ids))
+
+
+def pick_tokens(
+    logits: torch.Tensor, s: GenerationSettings, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Next tokens from last-position logits (B, V): argmax, or temperature + top-p sampling. Returns (B,)."""
+    if not s.do_sample or s.temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # (B, V)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < s.top_p  # the top token is always kept
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    layers = cache.layers
+    if not all(type(layer) is DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise NotImplementedError(f"batched refill needs plain DynamicLayer caches, got {kinds}")
+    return layers
+
+
+def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _merge(cache: DynamicCache, mask: torch.Tensor, new_cache: DynamicCache, new_mask: torch.Tensor):
+    """Left-pad two (cache, mask) batches to a common width and stack them along the batch dim."""
+    width = max(mask.shape[1], new_mask.shape[1])
+    for old, new in zip(_layers(cache), _layers(new_cache)):
+        for name in ("keys", "values"):  # (B, heads, W, d)
+            a, b = getattr(old, name), getattr(new, name)
+            a, b = _left_pad(a, width - a.shape[2], 2), _left_pad(b, width - b.shape[2], 2)
+            setattr(old, name, torch.cat([a, b], dim=0))
+    a, b = _left_pad(mask, width - mask.shape[1], 1), _left_pad(new_mask, width - new_mask.shape[1], 1)
+    return cache, torch.cat([a, b], dim=0)  # (B + B', W)
+
+
+def _select(cache: DynamicCache, mask: torch.Tensor, keep: torch.Tensor):
+    """Keep batch rows `keep` (K,) and drop leading columns that are padding in every kept row."""
+    mask = mask[keep]  # (K, W)
+    start = int(mask.any(0).long().argmax()) if mask.numel() else 0
+    for layer in _layers(cache):
+        layer.keys = layer.keys[keep, :, start:]
+        layer.values = layer.values[keep, :, start:]
+    return cache, mask[:, start:]
+
+
+@torch.no_grad()
+def _prefill(model, prompts: list[list[int]], pad_id: int, device) -> tuple:
+    """Left-padded prefill of `prompts`. Returns (last logits (B, V), cache, mask (B, P), next positions (B,))."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P) real tokens before each position
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    return out.logits[:, -1], out.past_key_values, mask, lengths
+
+
+@torch.no_grad()
+def generate_batched(
+    model,
+    prompts: Sequence[Sequence[int]],
+    settings: GenerationSettings,
+    max_new_tokens: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> list[Generation]:
+    """Generate a continuation for every prompt, batched with a KV cache.
+
+    Args:
+        model: a HF causal LM (Llama-style, plain `DynamicCache`), in eval mode.
+        prompts: token ids per prompt (any lengths, >= 1 token each).
+        settings: sampling, stop ids and batch budget.
+        max_new_tokens: optional per-prompt budget (default `settings.max_new_tokens` for all).
+        generator: RNG for sampling.
+        on_tokens: called with the number of tokens emitted after every forward (progress bars).
+
+    Returns:
+        One `Generation` per prompt, in input order.
+    """
+    n = len(prompts)
+    budgets = list(max_new_tokens) if max_new_tokens is not None else [settings.max_new_tokens] * n
+    if len(budgets) != n:
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    device = next(model.parameters()).device
+    stop = torch.tensor(sorted(set(settings.stop_ids)) or [-1], device=device)
+    results: list[Generation | None] = [None] * n
+    out_tokens: dict[int, list[int]] = {}
+    for i in range(n):  # zero budgets finish without a forward
+        if budgets[i] <= 0:
+            results[i] = Generation([], "length")
+    pending = sorted((i for i in range(n) if results[i] is None), key=lambda i: -len(prompts[i]))
+    rows: list[int] = []  # prompt index per batch row
+    cache, mask, next_pos = None, None, None
+
+    def footprint(i: int) -> int:
+        return len(prompts[i]) + budgets[i]
+
+    def admit() -> list[int]:
+        if rows and not settings.refill:
+            return []
+        chosen: list[int] = []
+        widest = max((footprint(i) for i in rows), default=0)
+        while pending and len(rows) + len(chosen) < settings.max_batch_size:
+            w = max(widest, footprint(pending[0]))
+            if (rows or chosen) and (len(rows) + len(chosen) + 1) * w > settings.batch_tokens:
+                break  # the first prompt always fits, however long
+            chosen.append(pending.pop(0))
+            widest = w
+        return chosen
+
+    def emit(logits: torch.Tensor, new_rows: list[int]) -> torch.Tensor:
+        """Pick a token from `logits` (B, V) for each of `new_rows`, record it and any finish; returns (B,)."""
+        tok = pick_tokens(logits, settings, generator)  # (B,)
+        done = torch.isin(tok, stop)
+        for b, (i, t) in enumerate(zip(new_rows, tok.tolist())):
+            out_tokens[i].append(t)
+            if bool(done[b]):
+                results[i] = Generation(out_tokens.pop(i), "eos")
+            elif len(out_tokens[i]) >= budgets[i]:
+                results[i] = Generation(out_tokens.pop(i), "length")
+        if on_tokens is not None:
+            on_tokens(len(new_rows))
+        return tok
+
+    last = torch.empty(0, dtype=torch.long, device=device)
+    while pending or rows:
+        chosen = admit()
+        if chosen:
+            for i in chosen:
+                out_tokens[i] = []
+            logits, new_cache, new_mask, new_pos = _prefill(
+                model, [list(prompts[i]) for i in chosen], settings.pad_id, device
+            )
+            tok = emit(logits, chosen)
+            if cache is None:
+                cache, mask, next_pos = new_cache, new_mask, new_pos
+            else:
+                cache, mask = _merge(cache, mask, new_cache, new_mask)
+                next_pos = torch.cat([next_pos, new_pos])
+            rows, last = rows + chosen, torch.cat([last, tok])
+        keep = torch.tensor([results[i] is None for i in rows], device=device)
+        if not bool(keep.all()):
+            idx = keep.nonzero().squeeze(-1)
+            rows = [rows[b] for b in idx.tolist()]
+            if not rows:
+                cache, mask, next_pos, last = None, None, None, last[:0]
+                continue
+            cache, mask = _select(cache, mask, idx)
+            next_pos, last = next_pos[idx], last[idx]
+            if pending and settings.refill:
+                continue  # refill the freed rows before the next decode step
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)  # (B, W + 1)
+        out = model(
+            input_ids=last[:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache, next_pos = out.past_key_values, next_pos + 1
+        last = emit(out.logits[:, -1], rows)
+    return results  # type: ignore[return-value]  # every entry is set once the loop ends

@@ -1,0 +1,207 @@
+"""`distill(cfg)`: conversations -> self-distilled, sharded, resumable dataset (see docs/design.md).
+
+    load target + conversations -> plan shards of `shard_size` conversations -> refuse on a mismatch with
+    what is on disk -> for every missing shard of this rank: regenerate turns, tokenise, continuations,
+    features -> write shard atomically -> rewrite manifest (rank 0) -> final manifest + summary line.
+
+Under `accelerate launch` rank r takes shards r, r+world, ...; rank 0 writes the manifest from the
+shards on disk (each shard carries its own stats.json), so ranks never write the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from specdraft.data.conversations import load_conversations
+from specdraft.distill.features import check_disk_budget, compute_features, make_spec
+from specdraft.distill.generate import GenerationSettings, stop_token_ids
+from specdraft.distill.shards import (
+    FORMAT_VERSION,
+    build_manifest,
+    check_compatible,
+    completed_shards,
+    ids_digest,
+    row_features,
+    settings_hash,
+    write_manifest,
+    write_shard,
+)
+from specdraft.distill.turns import build_rows
+from specdraft.models.base_llm import load_target, target_fingerprint
+from specdraft.utils import clean_stale_tmp
+
+
+def _dist_state():
+    """(rank, world size, barrier): accelerate's state under a multi-process launch, else a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, lambda: None
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # gloo on CPU-only machines
+    return state.process_index, state.num_processes, state.wait_for_everyone
+
+
+def generation_settings(d: Any, tokenizer, model) -> GenerationSettings:
+    """`GenerationSettings` from the `distill` config and the target's stop/pad tokens."""
+    if d.max_new_tokens <= 0:
+        raise ValueError(f"distill.max_new_tokens={d.max_new_tokens} must be > 0")
+    if d.do_sample and not (d.temperature > 0 and 0 < d.top_p <= 1):
+        raise ValueError(
+            f"distill.temperature={d.temperature} must be > 0 and distill.top_p={d.top_p} in (0, 1]"
+        )
+    return GenerationSettings(
+        max_new_tokens=int(d.max_new_tokens),
+        stop_ids=stop_token_ids(tokenizer, model),
+        pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+        do_sample=bool(d.do_sample),
+        temperature=float(d.temperature),
+        top_p=float(d.top_p),
+        batch_tokens=int(d.batch_tokens),
+        max_batch_size=int(d.max_batch_size),
+        refill=bool(d.refill),
+    )
+
+
+def make_header(
+    cfg: DictConfig, fingerprint: dict, settings: GenerationSettings, spec, limit: int | None
+) -> dict:
+    """The content-deciding part of the manifest (compared on resume)."""
+    d = cfg.distill
+    gen: dict[str, Any] = {
+        "regenerate": bool(d.regenerate),
+        "do_sample": settings.do_sample,
+        "max_new_tokens": settings.max_new_tokens,
+        "max_turns": int(d.max_turns),
+        "stop_ids": list(settings.stop_ids),
+    }
+    if settings.do_sample:
+        gen.update(temperature=settings.temperature, top_p=settings.top_p, seed=int(d.seed))
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": fingerprint,
+        "generation": gen,
+        "T": int(d.T),
+        "data": {
+            "source": str(cfg.data.source),
+            "split": str(cfg.data.split),
+            "max_length": int(cfg.data.max_length),
+            "num_samples": limit,
+        },
+        "features": spec.to_dict() if spec.enabled else None,
+        "shard_size": int(d.shard_size),
+    }
+
+
+def distill(cfg: DictConfig) -> Path:
+    """Run the distillation stage; returns the dataset folder (`distill.out_dir` or `<run_dir>/distilled`)."""
+    t_start = time.time()
+    d = cfg.distill
+    if d.shard_size <= 0 or d.T <= 0 or d.max_turns <= 0:
+        raise ValueError(
+            f"distill.shard_size={d.shard_size}, distill.T={d.T}, distill.max_turns={d.max_turns} must all be > 0"
+        )
+    out_dir = Path(d.out_dir) if d.out_dir else Path(cfg.run_dir) / "distilled"
+    rank, world, barrier = _dist_state()
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    model, tokenizer = load_target(cfg.base_model)
+    fingerprint = target_fingerprint(model, tokenizer)
+    settings = generation_settings(d, tokenizer, model)
+    spec = make_spec(d, model)
+    limit = d.num_samples if d.num_samples is not None else cfg.data.num_samples
+    convs, report = load_conversations(cfg.data.source, split=cfg.data.split, limit=limit)
+    say(f"[distill] {report.summary()}", flush=True)
+    header = make_header(cfg, fingerprint, settings, spec, limit)
+    S = int(d.shard_size)
+    plan = [[c.id for c in convs[i : i + S]] for i in range(0, len(convs), S)]
+    done = check_compatible(out_dir, header, plan)
+    if rank == 0:
+        check_disk_budget(spec, len(convs), int(cfg.data.max_length), float(d.max_disk_gb))
+        clean_stale_tmp(out_dir)  # leftovers of a killed run; before the barrier, so no rank is writing yet
+    need_cont = not (d.regenerate and not d.do_sample)
+    features = row_features(need_cont, header["features"])
+    extra = {
+        "columns": list(features),
+        "batching": {
+            "batch_tokens": settings.batch_tokens,
+            "max_batch_size": settings.max_batch_size,
+            "refill": settings.refill,
+        },
+        "planned_conversations": len(convs),
+        "load_report": {"source": report.source, "kept": report.kept},
+        "world_size": world,
+        "config": OmegaConf.to_container(cfg.distill, resolve=True),
+    }
+    load_skipped = dict(report.reasons)
+
+    def manifest() -> dict:
+        timing = {
+            "run_wall_seconds": round(time.time() - t_start, 3),
+            "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        return build_manifest(
+            header, completed_shards(out_dir), len(plan), load_skipped, {**extra, "timing": timing}
+        )
+
+    if rank == 0:
+        write_manifest(out_dir, manifest())
+    barrier()
+    mine = [i for i in range(len(plan)) if i % world == rank and i not in done]
+    if done:
+        say(f"[distill] resuming {out_dir}: {len(done)}/{len(plan)} shards already complete", flush=True)
+    todo_convs = sum(len(plan[i]) for i in mine)
+    bar = tqdm(total=todo_convs, unit="conv", desc=f"distill[{rank}]", position=rank, disable=todo_convs == 0)
+    gen_tokens, t_loop = 0, time.time()
+
+    def on_tokens(n: int) -> None:
+        nonlocal gen_tokens
+        gen_tokens += n
+        bar.set_postfix_str(f"{gen_tokens / max(time.time() - t_loop, 1e-9):.1f} tok/s", refresh=False)
+
+    for i in mine:
+        t0 = time.time()
+        shard_convs = convs[i * S : (i + 1) * S]
+        gen = torch.Generator().manual_seed(int(d.seed) * 1_000_003 + i)  # per shard: resume reproduces it
+        rows, skipped, counts = build_rows(
+            model, tokenizer, shard_convs, settings, bool(d.regenerate), int(d.max_turns), int(cfg.data.max_length),
+            int(d.T), generator=gen, on_tokens=on_tokens, cont_chunk=int(d.continuation_chunk),
+        )  # fmt: skip
+        if spec.enabled and rows:
+            for row, feats in zip(
+                rows, compute_features(model, [r["input_ids"] for r in rows], spec, settings.batch_tokens)
+            ):
+                row.update(feats)
+        stats = {
+            "settings_hash": settings_hash(header),
+            "ids_digest": ids_digest(plan[i]),
+            "skipped": dict(skipped),
+            "counts": {k: v for k, v in counts.items() if not k.startswith("error:")},
+            "seconds": round(time.time() - t0, 3),
+            "rank": rank,
+        }
+        write_shard(out_dir, i, rows, features, stats)
+        bar.update(len(shard_convs))
+        if rank == 0:
+            write_manifest(out_dir, manifest())
+    bar.close()
+    barrier()
+    if rank == 0:
+        final = manifest()
+        write_manifest(out_dir, final)
+        c, t = Counter(final["counts"]), final["timing"]
+        skipped = ", ".join(f"{k}={v}" for k, v in final["skipped"].items()) or "none"
+        say(
+            f"[distill] done: {final['num_rows']} rows in {len(final['shards'])}/{len(plan)} shards -> {out_dir} | "
+            f"{c['turns']} turns (eos {c['finish_eos']}, length {c['finish_length']}), {c['generated_tokens']} generated "
+            f"tokens, {t['generated_tokens_per_s']} tok/s | skipped: {skipped} | wall {t['run_wall_seconds']:.1f}s",
+            flush=True,
+        )
+    return out_dir

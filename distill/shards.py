@@ -1,0 +1,233 @@
+"""The distilled dataset on disk: atomic shards, a manifest, resume, and the loader the training stage uses.
+
+    <out_dir>/manifest.json     # rewritten (atomically) after every shard; `complete` once all are done
+    <out_dir>/shard-00000/      # `Dataset.save_to_disk` + stats.json, renamed into place in one step
+
+Shard i always holds conversations [i*shard_size, (i+1)*shard_size) of the planned list, whichever rank
+wrote it, so a shard folder that exists is complete and final: resuming skips it (no duplicates), and a
+half-written shard is only ever a `.tmp-*` folder that is cleaned up. Each shard's stats.json carries the
+settings hash and the digest of its conversation ids, so the manifest can always be rebuilt from the shards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from specdraft.utils import atomic_dir, atomic_write_json, sha256_text
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATS = "stats.json"
+# Parts of the manifest that decide the content: a re-run must match them exactly to resume.
+COMPAT_KEYS = ("format_version", "target", "generation", "T", "data", "features", "shard_size")
+
+
+class DistillMismatchError(RuntimeError):
+    """An existing dataset folder was made with a different target, tokenizer or settings."""
+
+
+def shard_name(index: int) -> str:
+    """Folder name of shard `index`."""
+    return f"shard-{index:05d}"
+
+
+def ids_digest(ids: list[str]) -> str:
+    """Short hash of an ordered list of conversation ids."""
+    return sha256_text("\n".join(ids))[:16]
+
+
+def settings_hash(header: dict[str, Any]) -> str:
+    """Hash of the content-deciding part of a manifest header."""
+    return sha256_text(json.dumps({k: header.get(k) for k in COMPAT_KEYS}, sort_keys=True, default=str))[:16]
+
+
+def row_features(continuations: bool, feature_spec: dict[str, Any] | None) -> datasets.Features:
+    """The Arrow schema of a shard (every shard of a run has the same one, even when empty)."""
+    ints = datasets.List(datasets.Value("int32"))
+    cols: dict[str, Any] = {
+        "id": datasets.Value("string"),
+        "input_ids": ints,
+        "loss_mask": datasets.List(datasets.Value("int8")),
+        "response_lengths": ints,
+        "finish_reasons": datasets.List(datasets.Value("string")),
+    }
+    if continuations:
+        cols["continuations"] = datasets.List(ints)
+    spec = feature_spec or {}
+    if spec.get("hidden"):
+        cols["hidden"] = datasets.Value("binary")
+    if spec.get("layers"):
+        cols["hidden_layers"] = datasets.List(datasets.Value("binary"))
+    if spec.get("topk"):
+        cols["topk_ids"] = datasets.List(ints)
+        cols["topk_logprobs"] = datasets.Value("binary")
+    return datasets.Features(cols)
+
+
+def write_shard(
+    out_dir: Path, index: int, rows: list[dict[str, Any]], features: datasets.Features, stats: dict[str, Any]
+) -> Path:
+    """Write shard `index` atomically: a temp folder with the Arrow data + stats.json, then one rename."""
+    path = Path(out_dir) / shard_name(index)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # one bar per shard would drown the run's own progress bar
+    try:
+        with atomic_dir(path) as tmp:
+            ds = datasets.Dataset.from_list(rows, features=features) if rows else features_empty(features)
+            ds.save_to_disk(str(tmp))
+            atomic_write_json(tmp / STATS, {**stats, "index": index, "rows": len(rows)})
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    return path
+
+
+def features_empty(features: datasets.Features) -> datasets.Dataset:
+    """A zero-row dataset with the given schema."""
+    return datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    """The manifest of `out_dir`, or None when there is none yet."""
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DistillMismatchError(f"{path} is not valid JSON ({e}); delete {out_dir} to start over") from e
+
+
+def completed_shards(out_dir: Path) -> dict[int, dict[str, Any]]:
+    """index -> stats of every complete shard folder (read-only; in-progress `.tmp-*` folders are not shards)."""
+    out_dir = Path(out_dir)
+    done: dict[int, dict[str, Any]] = {}
+    for p in sorted(out_dir.glob("shard-*")):
+        stats = p / STATS
+        if p.is_dir() and stats.is_file():
+            s = json.loads(stats.read_text())
+            done[int(s["index"])] = s
+    return done
+
+
+def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    return [] if old == new else [f"  {prefix.rstrip('.')}: {old!r} on disk != {new!r} now"]
+
+
+def check_compatible(
+    out_dir: Path, header: dict[str, Any], plan: list[list[str]]
+) -> dict[int, dict[str, Any]]:
+    """Refuse to mix data: compare the existing manifest and shards with this run; return the done shards.
+
+    Raises:
+        DistillMismatchError: a different target/tokenizer/settings, or shards holding other conversations.
+    """
+    out_dir = Path(out_dir)
+    old = read_manifest(out_dir)
+    fix = f"Use a new distill.out_dir, or delete {out_dir} to start over."
+    if old is not None:
+        lines = _diff({k: old.get(k) for k in COMPAT_KEYS}, {k: header.get(k) for k in COMPAT_KEYS})
+        if lines:
+            raise DistillMismatchError(
+                f"{out_dir / MANIFEST} was made with a different target/tokenizer/settings:\n"
+                + "\n".join(lines)
+                + f"\n{fix}"
+            )
+    done = completed_shards(out_dir)
+    want = settings_hash(header)
+    for i, s in sorted(done.items()):
+        if s.get("settings_hash") != want:
+            raise DistillMismatchError(
+                f"{out_dir / shard_name(i)} was made with different settings ({s.get('settings_hash')} != {want}). {fix}"
+            )
+        if i >= len(plan) or s.get("ids_digest") != ids_digest(plan[i]):
+            raise DistillMismatchError(
+                f"{out_dir / shard_name(i)} holds other conversations than this run plans for it (data changed?). {fix}"
+            )
+    return done
+
+
+def build_manifest(
+    header: dict[str, Any],
+    done: dict[int, dict[str, Any]],
+    num_shards: int,
+    load_skipped: dict[str, int],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The manifest from the static header and the stats of the shards on disk."""
+    skipped: dict[str, int] = dict(load_skipped)
+    counts: dict[str, int] = {}
+    seconds = 0.0
+    for s in done.values():
+        for k, v in s.get("skipped", {}).items():
+            skipped[k] = skipped.get(k, 0) + int(v)
+        for k, v in s.get("counts", {}).items():
+            counts[k] = counts.get(k, 0) + int(v)
+        seconds += float(s.get("seconds", 0.0))
+    gen = counts.get("generated_tokens", 0)
+    timing = {
+        "shard_seconds": round(seconds, 3),
+        "generated_tokens_per_s": round(gen / seconds, 2) if seconds else 0.0,
+        **extra.get("timing", {}),
+    }
+    return {
+        **header,
+        "settings_hash": settings_hash(header),
+        "shards": [{"name": shard_name(i), "rows": done[i]["rows"]} for i in sorted(done)],
+        "num_shards_planned": num_shards,
+        "num_rows": sum(s["rows"] for s in done.values()),
+        "skipped": dict(sorted(skipped.items())),
+        "counts": dict(sorted(counts.items())),
+        "timing": timing,
+        "complete": len(done) == num_shards,
+        **{k: v for k, v in extra.items() if k != "timing"},
+    }
+
+
+def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    """Atomically (re)write `<out_dir>/manifest.json`."""
+    atomic_write_json(Path(out_dir) / MANIFEST, manifest)
+
+
+def load_distilled(
+    path: str | Path, allow_incomplete: bool = False
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Load a distilled dataset folder for training.
+
+    Args:
+        path: the folder `distill` wrote (holds manifest.json and shard-* folders).
+        allow_incomplete: accept a run that has not finished (its complete shards only).
+
+    Returns:
+        (dataset with one row per conversation, in shard order; the manifest dict).
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise FileNotFoundError(
+            f"{path / MANIFEST} not found: run `python distill.py` first (or fix data.distilled path)"
+        )
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path / MANIFEST}: format_version={manifest.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
+    if not manifest.get("complete") and not allow_incomplete:
+        raise ValueError(
+            f"{path} is incomplete ({len(manifest['shards'])}/{manifest.get('num_shards_planned')} shards); re-run distill "
+            "to finish it, or pass allow_incomplete=True"
+        )
+    parts = [datasets.load_from_disk(str(path / s["name"])) for s in manifest["shards"] if s["rows"] > 0]
+    if not parts:
+        return features_empty(
+            row_features("continuations" in manifest.get("columns", []), manifest.get("features"))
+        ), manifest
+    return datasets.concatenate_datasets(parts), manifest

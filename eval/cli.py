@@ -1,0 +1,171 @@
+"""`evaluate(cfg)`: the speedup benchmark behind `python evaluate.py conf=<preset> eval.drafters=[...]`.
+
+Loads the target once, every drafter (dispatching on its family), the benchmarks, runs the AR baseline,
+every drafter and the transformers baselines on the same prompts in the same process (warm-up first),
+prints the tables and writes `<out_dir>/results.json` (settings, machine, summary, per-prompt records)
+plus PNG plots. Returns the results path.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdraft.utils import atomic_write_json, seed_everything
+
+NEAR_TIE_GAP = {"float64": 1e-6, "float32": 1e-2, "bfloat16": 0.5, "float16": 0.25}  # default by dtype
+
+
+def _bench_label(name: str) -> str:
+    """Short benchmark name for tables and file names (a file's stem, a Hub id's last part)."""
+    return Path(name).stem if name.endswith((".json", ".jsonl")) else name.rstrip("/").split("/")[-1]
+
+
+def _drafter_paths(cfg: DictConfig) -> list[str]:
+    """`eval.drafters`, or the run's export folder when that list is empty (nothing if it does not exist)."""
+    if cfg.eval.drafters:
+        return [str(p) for p in cfg.eval.drafters]
+    export = cfg.train.get("export_dir") or os.path.join(str(cfg.run_dir), "export")
+    if Path(export, "config.json").is_file():
+        return [str(export)]
+    print(f"WARNING: eval.drafters is empty and {export} holds no drafter: running the baselines only")
+    return []
+
+
+def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[list, dict[str, str]]:
+    """The AR reference, one method per drafter, then the transformers baselines (and why any was skipped)."""
+    from specdraft.eval import runner
+    from specdraft.eval.proposers import drafter_family, make_proposer
+    from specdraft.models.base_llm import target_fingerprint
+    from specdraft.models.hub import load_drafter
+
+    e = cfg.eval
+    sampling = {"temperature": float(e.temperature), "top_k": int(e.top_k), "top_p": float(e.top_p)}
+    methods = [runner.ar_method(model, tokenizer, stop_ids, sampling)]
+    fingerprint = target_fingerprint(model, tokenizer)
+    for path in _drafter_paths(cfg):
+        drafter = load_drafter(path, model, fingerprint)
+        proposer = make_proposer(drafter, e.beam_width, e.beam_length, e.tree_nodes, bool(e.int8_draft_head))
+        name = f"{drafter_family(drafter)}:{Path(path).name or path}"
+        while any(m.name == name for m in methods):
+            name += "'"
+        spec_sampling = sampling
+        if e.acceptance != "exact":  # Medusa typical acceptance: LOSSY, labelled in every table
+            if e.acceptance != "typical":
+                raise ValueError(f"eval.acceptance={e.acceptance!r}: choose exact (lossless) or typical (lossy)")
+            from specdraft.eval.medusa_tree import typical_rule
+
+            rule = typical_rule(float(e.temperature), float(e.typical_epsilon), float(e.typical_delta), int(e.seed))
+            spec_sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
+        methods.append(runner.spec_method(name, model, tokenizer, proposer, stop_ids, spec_sampling, bool(e.profile)))
+    skipped: dict[str, str] = {}
+    baselines = list(e.baselines)
+    unknown = set(baselines) - {"prompt_lookup", "assisted"}
+    if unknown:
+        raise ValueError(f"eval.baselines: unknown {sorted(unknown)} (choose from prompt_lookup, assisted)")
+    if baselines:
+        methods.append(runner.hf_method("hf_ar", model, tokenizer, stop_ids, sampling))
+    if "prompt_lookup" in baselines:
+        n = int(e.prompt_lookup_num_tokens)
+        methods.append(runner.hf_method("prompt_lookup", model, tokenizer, stop_ids, sampling, prompt_lookup_num_tokens=n))
+    if "assisted" in baselines:
+        if not e.assistant_model:
+            skipped["assisted"] = "no eval.assistant_model set (no smaller model shares the target's tokenizer)"
+        else:
+            from specdraft.models.base_llm import load_target
+
+            base = OmegaConf.to_container(cfg.base_model, resolve=True)
+            base.update(name_or_path=str(e.assistant_model), gguf_file=None, revision=None)
+            assistant, _ = load_target(SimpleNamespace(**base))
+            assistant.to(model.device, model.dtype)
+            methods.append(runner.hf_method("assisted", model, tokenizer, stop_ids, sampling, assistant_model=assistant))
+    return methods, skipped
+
+
+def machine_info(model) -> dict[str, Any]:
+    """Where the numbers were measured."""
+    import transformers
+
+    dev = model.device
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(dev),
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+    return info
+
+
+def evaluate(cfg: DictConfig) -> Path:
+    """Run the benchmark described by `cfg.eval` and write the results; returns `<out_dir>/results.json`."""
+    from specdraft.data.benchmarks import load_benchmark
+    from specdraft.eval.decode import default_stop_ids
+    from specdraft.eval.runner import run_benchmark, warm_up
+    from specdraft.eval.speedup import print_tables, summarize, write_plots
+    from specdraft.models.base_llm import load_target
+
+    e = cfg.eval
+    if e.num_threads:
+        torch.set_num_threads(int(e.num_threads))
+    seed_everything(int(e.seed))
+    base = OmegaConf.to_container(cfg.base_model, resolve=True)
+    base.update({k: v for k, v in (("dtype", e.dtype), ("device", e.device)) if v})
+    model, tokenizer = load_target(SimpleNamespace(**base))
+    stop_ids = default_stop_ids(tokenizer, model)
+    methods, skipped = _methods(cfg, model, tokenizer, stop_ids)
+    dtype = str(model.dtype).replace("torch.", "")
+    gap = float(e.near_tie_gap) if e.near_tie_gap is not None else NEAR_TIE_GAP.get(dtype, 0.5)
+    benches = {_bench_label(str(b)): load_benchmark(str(b), e.limit) for b in e.benches}
+    warm = [i for items in benches.values() for i in items][: int(e.warmup)]
+    if warm:
+        from specdraft.data.chat import prompt_ids
+
+        warm_up(methods, [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in warm], int(e.warmup_tokens))
+    t0 = time.time()
+    records = []
+    for bench, items in benches.items():
+        records += run_benchmark(
+            str(bench), items, methods, model, tokenizer, int(e.max_new_tokens), int(e.seed), bool(e.check_lossless), gap
+        )
+    summary, categories = summarize(records), summarize(records, by_category=True)
+    print_tables(summary, categories)
+    out_dir = Path(e.out_dir or os.path.join(str(cfg.run_dir), "eval"))
+    results = {
+        "settings": {
+            "eval": OmegaConf.to_container(e, resolve=True),
+            "base_model": base,
+            "methods": [{"name": m.name, "kind": m.kind, "reference": m.reference, "draft_len": m.draft_len} for m in methods],
+            "skipped": skipped,
+            "stop_ids": sorted(stop_ids),
+            "near_tie_gap": gap,
+            "definitions": "tokens_per_step = tokens emitted per target forward in the decode phase (accepted "
+            "drafts + 1); acceptance_rate = accepted drafts / (steps x draft_len); speedup = tokens/s over the "
+            "reference's tokens/s on the same prompts (ar for drafters, hf_ar for transformers baselines)",
+        },
+        "machine": machine_info(model),
+        "wall_time_s": time.time() - t0,
+        "summary": summary,
+        "categories": categories,
+        "records": records,
+    }
+    path = out_dir / "results.json"
+    atomic_write_json(path, results)
+    plots = write_plots(records, categories, out_dir) if e.plots else []
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    print(f"results: {path}" + (f" (plots: {', '.join(p.name for p in plots)})" if plots else ""))
+    return path

@@ -1,0 +1,289 @@
+"""Speculative (tree-attention) decoding and the autoregressive baseline, batch size 1.
+
+Both loops share `target_forward` (decoder + LM head on the rows needed), the same `DynamicCache`, the
+same prefill, sampling rule and stop rule, so their timings compare like for like.
+
+Speculative loop (design.md "Decoder contract"):
+
+    prefill(prompt) -> root = pick(logits[-1]); emit root
+    repeat:
+        tree  = proposer.propose(hidden of newly committed positions, their next tokens)   # node 0 = root
+        forward(tree.tokens, 4D ancestor mask, positions P + depth)                        # one target call
+        path, bonus = verify(tree, logits)              # longest accepted path + the target's own token
+        keep only the path's K/V in the cache (gather + crop); emit tree.tokens[path[1:]] + [bonus]
+
+Emitted tokens stop right after the first stop token (kept) or at `max_new_tokens`, exactly as in AR.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from specdraft.eval.kv import cache_len, check_supported, keep_accepted, new_cache
+from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
+from specdraft.eval.verify import greedy_verify, sample_token, sample_verify
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+class Proposer(Protocol):
+    """Turns the newest committed state into a candidate tree (see design.md)."""
+
+    def reset(self) -> None: ...
+
+    def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
+        """hidden (n, H): target last-layer states of the n newly committed positions;
+        tokens (n,): the token each of those positions predicts (tokens[-1] is the new root)."""
+        ...
+
+
+@dataclass
+class DecodeStats:
+    """What one generate call did. `accepted[i]` = drafts accepted at verification step i."""
+
+    new_tokens: int = 0  # emitted tokens (incl. a final stop token)
+    prompt_tokens: int = 0  # prompt length
+    steps: int = 0  # target forwards after the prefill
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per step (speculative only)
+    tree_sizes: list[int] = field(default_factory=list)  # N per step (speculative only)
+    compression: list[float] = field(default_factory=list)  # beam tokens / tree nodes per step (if reported)
+    finish_reason: str = "length"  # "stop" | "length"
+    time_s: float = 0.0  # wall time of the whole call (incl. prefill)
+    prefill_s: float = 0.0  # prefill forward
+    draft_s: float = 0.0  # proposer time
+    verify_s: float = 0.0  # target forward over the tree
+    accept_s: float = 0.0  # acceptance + cache compaction + bookkeeping
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean accepted drafts + 1 (the bonus) per verification forward."""
+        return (sum(self.accepted) + len(self.accepted)) / max(len(self.accepted), 1)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Device of the model's input embeddings."""
+    return model.get_input_embeddings().weight.device
+
+
+def default_stop_ids(tokenizer, model: torch.nn.Module | None = None) -> set[int]:
+    """EOS ids of the tokenizer / generation config plus known end-of-turn tokens present in the vocab."""
+    ids: set[int] = set()
+    cands = [getattr(tokenizer, "eos_token_id", None)]
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None:
+        cands.append(gen_cfg.eos_token_id)
+    for c in cands:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, (list, tuple)):
+            ids.update(int(x) for x in c)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return ids
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued kernels (CUDA) so wall-clock timers are honest; no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def target_forward(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    cache,
+    position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    logits_rows: slice | Tensor | None = None,
+    layers: tuple[int, ...] = (),
+) -> tuple[Tensor, Tensor]:
+    """Decoder forward that appends to `cache`, then the LM head on the requested rows only.
+
+    Args:
+        model: HF causal LM (`<prefix>.model` decoder + output embeddings).
+        input_ids: (1, L).
+        cache: `DynamicCache`, extended by L positions.
+        position_ids: (1, L) or None (consecutive after the cache).
+        attention_mask: (1, 1, L, P+L) additive mask or None (causal).
+        logits_rows: rows of the L positions to project (None: all).
+        layers: `hidden_states` indices to return instead of the last layer (a proposer's `target_layers`).
+
+    Returns:
+        logits: (L', V) for the selected rows; hidden: (L, H) last-layer (post-norm) states, or (L, m*H) the
+        requested layers concatenated when `layers` is given.
+    """
+    decoder = getattr(model, model.base_model_prefix)
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(layers),
+    )
+    hidden = out.last_hidden_state[0]  # (L, H)
+    rows = hidden if logits_rows is None else hidden[logits_rows]
+    logits = model.get_output_embeddings()(rows)  # (L', V)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if layers:
+        hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)  # (L, m*H)
+    return logits, hidden
+
+
+def _emit(out: list[int], new: Iterable[int], stop_ids: set[int], max_new_tokens: int) -> bool:
+    """Append tokens until a stop token (kept) or the budget; True when generation is finished."""
+    for t in new:
+        out.append(t)
+        if t in stop_ids or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
+def _prompt_tensor(prompt_ids: Tensor | list[int], device: torch.device) -> Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)  # (1, L)
+    if ids.shape[1] == 0:
+        raise ValueError("prompt_ids is empty")
+    return ids
+
+
+@torch.inference_mode()
+def ar_generate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt_ids: Tensor | list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_ids: set[int] | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], DecodeStats]:
+    """Autoregressive baseline: same forward, cache, prefill, sampling and stop rule as the decoder.
+
+    Returns:
+        tokens: the new tokens (stop token included when hit); stats.
+    """
+    device = model_device(model)
+    stop_ids = default_stop_ids(tokenizer, model) if stop_ids is None else set(stop_ids)
+    ids = _prompt_tensor(prompt_ids, device)
+    stats = DecodeStats(prompt_tokens=ids.shape[1])
+    sync_device(device)
+    t0 = time.perf_counter()
+    cache = new_cache(model, ids.shape[1] + max_new_tokens)
+    logits, _ = target_forward(model, ids, cache, logits_rows=slice(-1, None))
+    out: list[int] = []
+    done = max_new_tokens <= 0
+    while not done:
+        tok = sample_token(logits[-1], temperature, top_k, top_p, generator)
+        done = _emit(out, [tok], stop_ids, max_new_tokens)
+        if not done:
+            logits, _ = target_forward(model, torch.tensor([[tok]], device=device), cache)
+            stats.steps += 1
+    sync_device(device)
+    stats.time_s = time.perf_counter() - t0
+    stats.new_tokens = len(out)
+    stats.finish_reason = "stop" if out and out[-1] in stop_ids else "length"
+    return out, stats
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt_ids: Tensor | list[int],
+    proposer: Proposer,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_ids: set[int] | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    profile: bool = False,
+    verify_fn: Callable[[DraftTree, Tensor], tuple[Tensor, int]] | None = None,
+) -> tuple[list[int], DecodeStats]:
+    """Tree-attention speculative decoding with `proposer`; lossless w.r.t. `ar_generate`.
+
+    Args:
+        model: HF causal LM (any dtype/device; batch size 1).
+        tokenizer: used only for the default stop ids.
+        prompt_ids: (L,) prompt token ids (chat template already applied).
+        proposer: drafts a `DraftTree` rooted at the newest committed token.
+        max_new_tokens: budget of emitted tokens.
+        temperature: 0 = greedy acceptance, > 0 = recursive rejection sampling.
+        stop_ids: tokens that end generation (default: EOS + end-of-turn).
+        top_k, top_p: sampling filters (T > 0 only), same as the baseline.
+        generator: RNG for sampling.
+        profile: synchronise the device around each phase for an exact time breakdown.
+        verify_fn: replaces the exact acceptance rules: (tree, logits (N, V)) -> (path, bonus), e.g. the
+            LOSSY `medusa_tree.typical_verify` (None: greedy / recursive rejection, both lossless).
+
+    Returns:
+        tokens: the new tokens; stats (accepted drafts per step, tree sizes, timings).
+    """
+    device = model_device(model)
+    stop_ids = default_stop_ids(tokenizer, model) if stop_ids is None else set(stop_ids)
+    ids = _prompt_tensor(prompt_ids, device)
+    stats = DecodeStats(prompt_tokens=ids.shape[1])
+    dtype = model.get_input_embeddings().weight.dtype
+    clock = (lambda: (sync_device(device), time.perf_counter())[1]) if profile else time.perf_counter
+    sync_device(device)
+    t0 = time.perf_counter()
+    cache = new_cache(model, ids.shape[1] + max_new_tokens)
+    proposer.reset()
+    layers = tuple(getattr(proposer, "target_layers", ()) or ())  # EAGLE-3 reads intermediate layers
+    logits, hidden = target_forward(model, ids, cache, logits_rows=slice(-1, None), layers=layers)
+    check_supported(cache)
+    root = sample_token(logits[-1], temperature, top_k, top_p, generator)
+    t1 = clock()
+    stats.prefill_s = t1 - t0
+    out: list[int] = []
+    done = max_new_tokens <= 0 or _emit(out, [root], stop_ids, max_new_tokens)
+    new_hidden = hidden  # (n, H) states of the newly committed positions
+    new_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=device)])  # (n,) what each predicts
+    while not done:
+        tree = proposer.propose(new_hidden, new_tokens).to(device)
+        if int(tree.tokens[0]) != root:
+            raise RuntimeError(f"proposer returned a tree rooted at {int(tree.tokens[0])}, expected {root}")
+        t2 = clock()
+        prefix_len = cache_len(cache)
+        mask = tree_attention_mask(tree, prefix_len, dtype)  # (1, 1, N, P+N)
+        logits, hidden = target_forward(
+            model, tree.tokens[None], cache, tree_position_ids(tree, prefix_len), mask, layers=layers
+        )  # (N, V), (N, H) or (N, m*H)
+        t3 = clock()
+        if verify_fn is not None:  # a custom rule, e.g. Medusa's LOSSY typical acceptance
+            path, bonus = verify_fn(tree, logits)
+        elif temperature <= 0.0:
+            path, bonus = greedy_verify(tree, logits)
+        else:
+            path, bonus = sample_verify(tree, logits, temperature, top_k, top_p, generator)
+        keep_accepted(cache, prefix_len, path)
+        drafts = tree.tokens[path[1:]]  # (a-1,)
+        done = _emit(out, [*drafts.tolist(), bonus], stop_ids, max_new_tokens)
+        new_hidden = hidden[path]  # (a, H)
+        new_tokens = torch.cat([drafts, torch.tensor([bonus], device=device)])  # (a,)
+        root = bonus
+        stats.steps += 1
+        stats.accepted.append(path.shape[0] - 1)
+        stats.tree_sizes.append(tree.num_nodes)
+        ratio = getattr(proposer, "last_compression", None)
+        if ratio is not None:
+            stats.compression.append(float(ratio))
+        t4 = clock()
+        stats.draft_s += t2 - t1
+        stats.verify_s += t3 - t2
+        stats.accept_s += t4 - t3
+        t1 = t4
+    sync_device(device)
+    stats.time_s = time.perf_counter() - t0
+    stats.new_tokens = len(out)
+    stats.finish_reason = "stop" if out and out[-1] in stop_ids else "length"
+    return out, stats

@@ -1,0 +1,336 @@
+"""Medusa static trees: the default tree, trees built from per-head rank accuracies, the proposer, and
+Medusa's *typical acceptance* (a LOSSY alternative to exact verification).
+
+A static tree is a list of rank paths ("Medusa choices"): path (r_0, .., r_{d-1}) is the node at depth d whose
+token is head d-1's rank-r_{d-1} candidate, under the node (r_0, .., r_{d-2}); the root (the committed token)
+is the empty path. At each step every head's top-k is computed once from h_t and the same tree shape is
+filled with tokens, so the node layout, ancestor mask and depths are computed once per proposer.
+
+Tree construction (Medusa paper, s3.3.1): with a_k(i) = P(head k's rank-i token is the right one) measured on
+held-out data and assumed independent across heads, a node's path is fully accepted with probability
+prod_j a_j(r_j), and since siblings carry distinct tokens at most one node per depth is accepted, so
+
+    E[tokens/step] = 1 + sum over non-root nodes of prod_j a_j(r_j).
+
+Every node's value is at most its parent's, so adding nodes greedily by value (a heap over the children of
+the current tree) yields a prefix-closed tree that maximises that sum for every node budget at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from specdraft.eval.tree import DraftTree, ancestor_matrix
+
+# Medusa's default tree for 4 heads x top-10 (`mc_sim_7b_63` in FasterDecoding/Medusa medusa_choices.py, tuned for
+# Vicuna-7B): 63 nodes + root. For another target, build one from measured accuracies (scripts/build_medusa_tree.py).
+DEFAULT_TREE: list[tuple[int, ...]] = [
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0), (0, 5),
+    (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0), (0, 9), (8,),
+    (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0),
+    (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0),
+    (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1),
+    (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
+]  # fmt: skip
+
+
+# ---- tree shapes ----------------------------------------------------------------------------------------------
+def check_tree(
+    choices: Sequence[Sequence[int]], num_heads: int, what: str = "Medusa tree"
+) -> list[tuple[int, ...]]:
+    """Validate rank paths and return them in breadth-first order (so parents come before children).
+
+    Raises:
+        ValueError: naming the offending path (empty, negative rank, deeper than the heads, duplicate,
+            or missing its parent path).
+    """
+    paths = [tuple(int(r) for r in p) for p in choices]
+    seen = set(paths)
+    for p in paths:
+        if not p or min(p) < 0:
+            raise ValueError(f"{what}: path {list(p)} must be a non-empty list of ranks >= 0")
+        if len(p) > num_heads:
+            raise ValueError(
+                f"{what}: path {list(p)} has depth {len(p)} but the drafter has {num_heads} heads"
+            )
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"{what}: path {list(p)} has no parent path {list(p[:-1])}")
+    if len(seen) != len(paths):
+        raise ValueError(f"{what}: duplicate paths")
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+def prune_tree(
+    choices: Sequence[Sequence[int]], num_heads: int, topk: int, max_nodes: int | None = None
+) -> list[tuple[int, ...]]:
+    """Fit a tree to fewer heads / candidates / nodes: keep, in list order, the paths within depth
+    `num_heads` and ranks < `topk` whose parent was kept, until `max_nodes` nodes (root included).
+
+    Returns:
+        breadth-first rank paths (a valid tree for `check_tree`).
+    """
+    kept: list[tuple[int, ...]] = []
+    have: set[tuple[int, ...]] = {()}
+    for p in map(tuple, choices):
+        if max_nodes is not None and len(kept) + 1 >= max_nodes:
+            break
+        if 0 < len(p) <= num_heads and max(p) < topk and p[:-1] in have and p not in have:
+            kept.append(p)
+            have.add(p)
+    return sorted(kept, key=lambda p: (len(p), p))
+
+
+def tree_layout(paths: Sequence[tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Node arrays of a breadth-first tree (node 0 = root, node i = paths[i-1]).
+
+    Returns:
+        parents (N,) long (parents[0] = -1), head (N,) long (depth - 1; -1 at the root),
+        rank (N,) long (0 at the root).
+    """
+    index = {(): 0, **{p: i + 1 for i, p in enumerate(paths)}}
+    parents = torch.tensor([-1] + [index[p[:-1]] for p in paths], dtype=torch.long)
+    head = torch.tensor([-1] + [len(p) - 1 for p in paths], dtype=torch.long)
+    rank = torch.tensor([0] + [p[-1] for p in paths], dtype=torch.long)
+    return parents, head, rank
+
+
+# ---- trees from measured accuracies ----------------------------------------------------------------------------
+def rank_hits(logits: Tensor, targets: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """Per-head, per-rank hit counts: how often head k's rank-i token is the label.
+
+    Args:
+        logits: (N, D, V) head logits.
+        targets: (N, D) long labels, -100 = ignored.
+        topk: ranks counted.
+
+    Returns:
+        hits (D, topk) float64 counts, valid (D,) float64 number of labelled entries per head.
+    """
+    top = logits.topk(topk, dim=-1).indices  # (N, D, k)
+    ok = targets != -100  # (N, D)
+    hit = (top == targets[..., None]) & ok[..., None]  # (N, D, k)
+    return hit.sum(0).double(), ok.sum(0).double()
+
+
+def expected_accept_length(choices: Sequence[Sequence[int]], acc: Tensor) -> float:
+    """E[tokens/step] of a tree under independent heads: 1 + sum over nodes of prod_j acc[j, r_j].
+
+    Args:
+        choices: rank paths.
+        acc: (K, k) rank accuracies, acc[j, i] = P(head j's rank-i token is right).
+    """
+    a = acc.double()
+    total = 1.0
+    for p in choices:
+        total += float(torch.prod(torch.stack([a[j, r] for j, r in enumerate(p)])))
+    return total
+
+
+def build_tree(acc: Tensor, num_nodes: int) -> tuple[list[tuple[int, ...]], float]:
+    """Greedy (optimal) tree for a node budget from per-head rank accuracies (Medusa paper s3.3.1).
+
+    Args:
+        acc: (K, k) rank accuracies, acc[j, i] = P(head j's rank-i token is right) (see `rank_hits`).
+        num_nodes: N, nodes of the verified tree including the root (>= 1).
+
+    Returns:
+        paths: the N-1 rank paths in the order they were added (every prefix is itself a tree for a
+            smaller budget; `check_tree` sorts them breadth-first);
+        expected: E[tokens/step] of the tree (1 + the sum of the node values).
+    """
+    if num_nodes < 1:
+        raise ValueError(f"build_tree: num_nodes={num_nodes} must be >= 1 (the root)")
+    a = acc.double().cpu()
+    heads, k = a.shape
+    heap = [(-float(a[0, i]), (i,)) for i in range(k)] if heads else []
+    heapq.heapify(heap)
+    paths: list[tuple[int, ...]] = []
+    expected = 1.0
+    while heap and len(paths) + 1 < num_nodes:
+        neg, path = heapq.heappop(heap)
+        paths.append(path)
+        expected += -neg
+        if len(path) < heads:
+            for i in range(k):
+                heapq.heappush(heap, (neg * float(a[len(path), i]), (*path, i)))
+    return paths, expected
+
+
+@torch.no_grad()
+def measure_rank_accuracies(
+    drafter: torch.nn.Module,
+    target: torch.nn.Module,
+    batches: Iterable[dict[str, Tensor]],
+    topk: int,
+    max_batches: int | None = None,
+    chunk: int = 256,
+) -> tuple[Tensor, int]:
+    """Per-head rank accuracies of a Medusa on held-out batches (the input of `build_tree`).
+
+    Args:
+        drafter: Medusa heads (`head_logits(hidden (..., H)) -> (..., K, V)`).
+        target: the frozen target (one no-grad forward per batch for h_t).
+        batches: collated batches (`data.collate.Collator` with draft_len = K): `input_ids`, `attention_mask`,
+            `targets` (B, L, K), `pos_mask` (B, L).
+        topk: ranks measured per head.
+        max_batches: stop after this many batches (None: all).
+        chunk: positions per head-logits call (bounds the (chunk, K, V) buffer).
+
+    Returns:
+        acc (K, topk) float64, acc[k, i] = P(head k's rank-i token is the label); positions used.
+    """
+    from specdraft.models.base_llm import forward_with_hidden
+
+    hits = valid = None
+    positions = 0
+    dev = next(target.parameters()).device
+    for i, batch in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
+            break
+        ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+        hidden = forward_with_hidden(target, ids, attention_mask=mask, logits=False).hidden  # (B, L, H)
+        sel = batch["pos_mask"].to(dev)  # (B, L)
+        h, tg = hidden[sel], batch["targets"].to(dev)[sel]  # (N, H), (N, K)
+        for s in range(0, h.shape[0], chunk):
+            logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1]).float()  # (n, K, V)
+            hh, vv = rank_hits(logits, tg[s : s + chunk].to(logits.device), topk)
+            hits, valid = (hh, vv) if hits is None else (hits + hh, valid + vv)
+        positions += int(h.shape[0])
+    if hits is None:
+        raise ValueError("measure_rank_accuracies: no held-out batch")
+    return (hits / valid.clamp_min(1.0)[:, None]).cpu(), positions
+
+
+# ---- decoding ---------------------------------------------------------------------------------------------------
+class MedusaProposer:
+    """Static-tree proposer: fill one fixed tree with every head's top-k tokens (one drafter call per step).
+
+    Args:
+        drafter: a `models.medusa.Medusa` (`topk_tokens(hidden (H,), k) -> (K, k)`, `config.draft_len`,
+            `config.topk`, `config.tree_choices`).
+        choices: rank paths (None: the export's `tree_choices`, else `DEFAULT_TREE` pruned to the heads and
+            `config.topk`).
+        max_nodes: node budget N (root included) applied to the tree (None: the whole tree).
+    """
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        choices: Sequence[Sequence[int]] | None = None,
+        max_nodes: int | None = None,
+    ) -> None:
+        cfg = drafter.config
+        heads = int(cfg.draft_len)
+        given = choices if choices is not None else getattr(cfg, "tree_choices", None)
+        if given:
+            paths = check_tree(given, heads)
+            if max_nodes is not None:  # keep the first paths in the given (importance) order
+                paths = prune_tree(given, heads, 1 << 30, max_nodes)
+        else:
+            paths = prune_tree(DEFAULT_TREE, heads, int(getattr(cfg, "topk", 10)), max_nodes)
+        self.drafter = drafter
+        self.paths = paths
+        self.parents, self.head, self.rank = tree_layout(paths)  # (N,) each
+        self.ancestors, self.depth = ancestor_matrix(self.parents)  # (N, N), (N,)
+        self.topk = int(self.rank.max()) + 1
+        self.last_compression: float | None = None
+
+    def reset(self) -> None:
+        """No state across prompts."""
+
+    @property
+    def num_nodes(self) -> int:
+        """N, nodes of every proposed tree (root included)."""
+        return int(self.parents.shape[0])
+
+    @torch.inference_mode()
+    def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
+        """The static tree filled from the heads at the newest position.
+
+        Args:
+            hidden: (n, H) target states of the newly committed positions (only hidden[-1] is used).
+            tokens: (n,) the token each predicts; tokens[-1] is the root.
+
+        Returns:
+            DraftTree with N = `num_nodes` nodes; node i's token is head[i]'s rank[i] candidate.
+        """
+        dev = tokens.device
+        out = tokens[-1:].repeat(self.num_nodes)  # (N,)
+        if self.num_nodes > 1:
+            top = self.drafter.topk_tokens(hidden[-1], self.topk).to(dev)  # (K, k)
+            out[1:] = top[self.head[1:].to(dev), self.rank[1:].to(dev)]
+        return DraftTree(out, self.parents.to(dev), self.depth.to(dev), self.ancestors.to(dev))
+
+
+def typical_verify(
+    tree: DraftTree,
+    logits: Tensor,
+    temperature: float,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, int]:
+    """Medusa typical acceptance. **LOSSY**: the output does NOT follow the target's distribution.
+
+    With p_u = softmax(logits[u] / T) and H(p_u) its entropy, child c of node u is accepted iff
+    p_u(c) > min(epsilon, delta * exp(-H(p_u))); the deepest fully accepted node wins (ties: the highest
+    sum of log p along the path, as in Medusa), and the bonus token is drawn from p at that node restricted
+    to the same typical set (Medusa's `get_typical_one_token`). top-k / top-p are not applied.
+
+    Args:
+        tree: N nodes.
+        logits: (N, V) target logits at every node.
+        temperature: > 0 (at T = 0 use exact greedy verification, which is lossless).
+        epsilon: the posterior threshold (Medusa's `posterior_threshold`).
+        delta: the entropy-dependent threshold scale (Medusa's `posterior_alpha`).
+        generator: RNG for the bonus token.
+
+    Returns:
+        path: (a,) long node indices, root first; bonus: the next token.
+    """
+    if temperature <= 0.0:
+        raise ValueError("typical acceptance needs temperature > 0 (use exact verification at temperature 0)")
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (N, V)
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)  # (N,)
+    thresh = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))  # (N,)
+    par = tree.parents.clamp(min=0)
+    p_tok = probs[par, tree.tokens]  # (N,) p_parent(token)
+    ok = p_tok > thresh[par]  # (N,)
+    ok[0] = True
+    accepted = ~(tree.ancestors & ~ok[None, :]).any(1)  # (N,) whole path accepted
+    logp = torch.log(p_tok.clamp_min(1e-30))
+    logp[0] = 0.0
+    path_logp = tree.ancestors.double() @ logp.double()  # (N,) sum along each path
+    depth = torch.where(accepted, tree.depth, torch.full_like(tree.depth, -1))
+    best_depth = depth.max()
+    score = torch.where(depth == best_depth, path_logp, torch.full_like(path_logp, float("-inf")))
+    best = int(score.argmax())
+    path = tree.ancestors[best].nonzero().squeeze(1)
+    p = probs[best]
+    typical = torch.where(p >= thresh[best], p, torch.zeros_like(p))  # (V,)
+    if float(typical.sum()) <= 0.0:
+        typical = p
+    bonus = int(torch.multinomial(typical / typical.sum(), 1, generator=generator))
+    return path, bonus
+
+
+def typical_rule(
+    temperature: float, epsilon: float = 0.09, delta: float = 0.3, seed: int = 0
+) -> Callable[[DraftTree, Tensor], tuple[Tensor, int]]:
+    """`typical_verify` bound to its settings, as `decode.speculative_generate(verify_fn=...)` takes it
+    (**LOSSY**); the bonus-token RNG is seeded once and created on the logits' device at the first call."""
+    if temperature <= 0.0:
+        raise ValueError(
+            f"typical acceptance needs eval.temperature > 0 (got {temperature}); at 0 exact greedy is lossless"
+        )
+    gens: dict[torch.device, torch.Generator] = {}
+
+    def rule(tree: DraftTree, logits: Tensor) -> tuple[Tensor, int]:
+        gen = gens.setdefault(logits.device, torch.Generator(logits.device).manual_seed(seed))
+        return typical_verify(tree, logits, temperature, epsilon, delta, gen)
+
+    return rule

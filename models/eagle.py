@@ -1,0 +1,208 @@
+"""EAGLE-1 feature head (arXiv 2401.15077); shared pieces live in `models/eagle_common.py`.
+
+Alignment (docs/design.md): the head's input at position t is the pair (f_t, x_{t+1}): the target's last-layer
+feature f_t (post final norm, the LM-head input) and the token the target committed after it. It predicts the
+*next feature* f_{t+1}; the target's frozen LM head turns that into a distribution over x_{t+2} (draft slot 0):
+
+    f_t ─┐
+         ├─ fc([e(x_{t+1}); f_t]) ─> decoder layer (target's block type, causal, own KV cache) ─> f̂_{t+1}
+    x_{t+1} ─ e (borrowed) ─┘                                                                     │
+                                                                 target LM head (borrowed) <──────┘ -> x_{t+2}
+
+Drafting deeper feeds f̂ back as the next input feature (f̂_{t+1}, x̂_{t+2}) -> f̂_{t+2} ... (EAGLE-2 tree in
+`eval/eagle_tree.py`). `forward` runs this as a *training-time-test unroll* over whole sequences: step 0 is the
+teacher-forced pass (every position sees the real features of its prefix), step i feeds each position the head's
+own step i-1 output plus the true token x_{t+1+i}; its queries see the step-0 keys of the prefix and the keys of
+steps 1..i at the same position only, exactly what a depth-i draft node sees at decode time (positions t + i).
+
+Loss (EAGLE-1): smooth-L1(f̂_{t+1}, f_{t+1}) * feature_weight + soft CE(head(f̂), softmax(head(f_{t+1}))) *
+token_weight, optional uniform noise on the input features. Embeddings and LM head are borrowed from the target
+(`attach`), kept out of `state_dict()`, never trained and never exported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+
+from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagle3 / tests)
+    FORMAT_VERSION,
+    Borrowed,
+    block_config_of,
+    common_config,
+    next_tokens,
+    select_positions,
+    smooth_l1_feature_loss,
+    soft_cross_entropy,
+    target_block,
+    unroll,
+)
+
+
+# ---- EAGLE-1 ---------------------------------------------------------------------------------------------------
+class EagleConfig(PretrainedConfig):
+    """EAGLE-1 head hyper-parameters plus the identity of its target."""
+
+    model_type = "specdraft_eagle"
+
+    architecture: str = "eagle"  # family name used by models/registry.py
+    format_version: int = FORMAT_VERSION  # export format of specdraft drafters
+    base_model_name_or_path: str = ""  # the target (Hub id, folder, gguf, or embedded alias)
+    base_revision: str | None = None  # target revision / GGUF hash
+    base_hidden_size: int = 64  # H: the target's feature width
+    vocab_size: int = 128  # V: target vocabulary
+    tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
+    block_config: dict = field(default_factory=dict)  # the target's text config; the head is one such block
+    fc_bias: bool = True  # bias of fc([e; f]) (True in the public EAGLE-1 checkpoints)
+    draft_len: int = 4  # unrolled slots scored by held-out evaluation
+    feature_weight: float = 1.0  # smooth-L1 feature loss weight
+    token_weight: float = 0.1  # soft CE token loss weight
+    noise: float = 0.0  # half-width of uniform noise added to input features in training
+    tree_total_tokens: int = 24  # EAGLE-2: draft nodes kept after reranking (root excluded)
+    tree_depth: int = 5  # EAGLE-2: maximum draft depth
+    tree_top_k: int = 6  # EAGLE-2: children per expanded node / nodes expanded per depth
+    training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
+
+
+class EagleDrafter(PreTrainedModel):
+    """fc([e(x_{t+1}); f_t]) -> one target-type decoder layer (no input norm) -> f̂_{t+1}."""
+
+    config_class = EagleConfig
+    base_model_prefix = "eagle"
+    _no_split_modules: list[str] = []
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__(config)
+        h = config.base_hidden_size
+        layer, self.rotary = target_block(config.block_config)
+        layer.input_layernorm = nn.Identity()  # EAGLE-1 drops the first block's input norm
+        self.layers = nn.ModuleList([layer])
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+        self.borrowed = Borrowed()
+        self.post_init()
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids (...) long -> (..., H) borrowed target embeddings in the head's dtype."""
+        return F.embedding(ids, self.borrowed.weight("embed", self.fc.weight))
+
+    def encode_target(self, feats: Tensor) -> Tensor:
+        """Target features of committed positions (..., H) -> the head's input features (identity for EAGLE-1)."""
+        return feats.to(self.fc.weight.dtype)
+
+    def step(
+        self, feats: Tensor, tokens: Tensor, cache: DynamicCache, positions: Tensor, mask: Tensor
+    ) -> Tensor:
+        """One pass of the head over n new inputs appended to `cache`.
+
+        Args:
+            feats: (B, n, H) input features (target's or the head's own outputs).
+            tokens: (B, n) long, the token paired with each feature.
+            cache: the head's KV cache, extended by n.
+            positions: (B, n) long rotary positions.
+            mask: (n, C + n) or (B, 1, n, C + n) bool, True = attend (C = cached length).
+
+        Returns:
+            (B, n, H) predicted next features.
+        """
+        x = self.fc(torch.cat([self.embed(tokens), feats.to(self.fc.weight.dtype)], dim=-1))  # (B, n, H)
+        rope = self.rotary(x, positions)
+        out = self.layers[0](
+            x,
+            attention_mask=mask if mask.ndim == 4 else mask[None, None],
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=rope,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def draft_logits(self, out: Tensor) -> Tensor:
+        """(..., H) head outputs -> (..., V) logits through the borrowed target LM head."""
+        return F.linear(out, self.borrowed.weight("lm_head", out))
+
+    def to_target_ids(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (identity: EAGLE-1 drafts over the full vocabulary)."""
+        return ids
+
+    def forward(
+        self, feats: Tensor, tokens: Tensor, steps: int = 1, grad_steps: int | None = None, noise: float = 0.0
+    ) -> Tensor:
+        """Training-time-test unroll over whole sequences: see `unroll`; (B, L, H), (B, L+S-1) -> (B, L, S, H)."""
+        return unroll(self, feats, tokens, steps, grad_steps, noise)
+
+
+# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+MODEL, CONFIG = EagleDrafter, EagleConfig
+TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer feature is needed
+
+
+def attach(model: EagleDrafter, target: PreTrainedModel) -> EagleDrafter:
+    """Borrow the target's input embeddings and LM head (after construction or `from_pretrained`)."""
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    h, v = model.config.base_hidden_size, model.config.vocab_size
+    if tuple(emb.weight.shape) != (v, h) or tuple(head.weight.shape) != (v, h):
+        raise ValueError(
+            f"target embeddings {tuple(emb.weight.shape)} / LM head {tuple(head.weight.shape)} do not "
+            f"match the EAGLE head (vocab_size={v}, base_hidden_size={h})"
+        )
+    model.borrowed.set("embed", emb)
+    model.borrowed.set("lm_head", head)
+    return model
+
+
+def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any], **_: Any) -> EagleDrafter:
+    """A fresh EAGLE-1 head for `target` from the `drafter` config group (`train.config.EagleSchema`)."""
+    config = EagleConfig(
+        **common_config(schema, target, fingerprint),
+        fc_bias=bool(schema.fc_bias),
+        feature_weight=float(schema.feature_weight),
+        token_weight=float(schema.token_weight),
+        noise=float(schema.noise),
+    )
+    return attach(EagleDrafter(config), target)
+
+
+def compute_loss(
+    model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """EAGLE-1 loss on sampled trainable positions; in eval mode the head is also unrolled for D metric slots.
+
+    Args:
+        model: the (possibly accelerate-wrapped) EagleDrafter.
+        batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate.
+        target_out: `TargetOutput` with `hidden` (B, L, H).
+        opts: `draft_len`, `max_positions`, `generator` (the `loss`/`kl_*` options do not apply to EAGLE).
+
+    Returns:
+        (loss, aux) with aux["logits"] (N, S, V) detached (S = 1 in training, D in eval) and aux["targets"] (N, S).
+    """
+    opts = opts or {}
+    inner = getattr(model, "module", model)
+    cfg = inner.config
+    d = int(opts.get("draft_len") or batch["targets"].shape[-1])
+    steps = 1 if inner.training else d
+    f = target_out.hidden  # (B, L, H)
+    outs = model(
+        f,
+        next_tokens(batch["input_ids"], steps),
+        steps=steps,
+        grad_steps=1,
+        noise=cfg.noise if inner.training else 0.0,
+    )  # (B, L, S, H)
+    b, t = select_positions(batch, opts)
+    pred = outs[b, t, 0]  # (N, H) predicts f_{t+1}
+    true = f[b, t + 1].to(pred.dtype)  # (N, H)
+    logits0 = inner.draft_logits(pred)  # (N, V)
+    with torch.no_grad():
+        teacher = torch.softmax(inner.draft_logits(true).float(), dim=-1)  # (N, V) target's p(x_{t+2})
+    loss = cfg.feature_weight * smooth_l1_feature_loss(pred, true) + cfg.token_weight * soft_cross_entropy(
+        logits0, teacher
+    )
+    with torch.no_grad():
+        logits = torch.stack([logits0] + [inner.draft_logits(outs[b, t, i]) for i in range(1, steps)], dim=1)
+    return loss, {"logits": logits.detach(), "targets": batch["targets"][b, t, :steps]}

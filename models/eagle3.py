@@ -1,0 +1,260 @@
+"""EAGLE-3 head (arXiv 2503.01840): fused low/mid/high target features, token-level training-time test.
+
+Differences from EAGLE-1 (`models/eagle.py`, whose alignment, unroll and masks this file reuses):
+
+    g_t = fc([l_low; l_mid; l_high]_t)                      (target layers, e.g. HF hidden_states 2, L/2, L-3)
+    a   = attn([input_norm(e(x_{t+1})); hidden_norm(g_t)])  (q/k/v take 2H; residual = g_t)
+    o_t = a + g_t;  o_t = o_t + mlp(post_norm(o_t))         -> fed back as the next step's g (pre-norm)
+    logits = lm_head(norm(o_t))                             (own head over a draft vocabulary of Vd tokens)
+
+No feature-regression loss: training unrolls the head S = draft_len steps on its own outputs (training-time test)
+with the soft-target CE of step i (target distribution at t+1+i, restricted to the draft vocabulary) weighted
+`ttt_decay ** i`. The optional reduced draft vocabulary keeps the Vd most frequent training tokens, with EAGLE-3's
+mapping buffers `d2t` (Vd,) (target id = draft id + d2t[draft id]) and `t2d` (V,) bool (target token is drafted).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+
+from specdraft.models.eagle_common import (
+    FORMAT_VERSION,
+    Borrowed,
+    common_config,
+    next_tokens,
+    select_positions,
+    soft_cross_entropy,
+    target_block,
+    unroll,
+)
+
+
+def default_target_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high layers as HF `hidden_states` indices: (2, L // 2, L - 3), deduplicated."""
+    return sorted({min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)})
+
+
+class Eagle3Config(PretrainedConfig):
+    """EAGLE-3 head hyper-parameters plus the identity of its target."""
+
+    model_type = "specdraft_eagle3"
+
+    architecture: str = "eagle3"  # family name used by models/registry.py
+    format_version: int = FORMAT_VERSION  # export format of specdraft drafters
+    base_model_name_or_path: str = ""  # the target (Hub id, folder, gguf, or embedded alias)
+    base_revision: str | None = None  # target revision / GGUF hash
+    base_hidden_size: int = 64  # H: the target's hidden width
+    vocab_size: int = 128  # V: target vocabulary
+    tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
+    block_config: dict = field(default_factory=dict)  # the target's text config; the head is one such block
+    target_layers: list = field(default_factory=list)  # fused HF hidden_states indices (0 = embeddings)
+    draft_vocab_size: int | None = None  # Vd (None: the full vocabulary)
+    draft_len: int = 5  # training-time-test unroll steps = draft slots scored
+    ttt_decay: float = 0.8  # weight of unroll step i is ttt_decay ** i
+    tree_total_tokens: int = 24  # EAGLE-2 tree: draft nodes kept after reranking (root excluded)
+    tree_depth: int = 5  # EAGLE-2 tree: maximum draft depth
+    tree_top_k: int = 6  # EAGLE-2 tree: children per expanded node / nodes expanded per depth
+    training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
+        super().__post_init__(**kwargs)
+
+
+class Eagle3Drafter(PreTrainedModel):
+    """fc(fused layers) -> midlayer over [norm(e); norm(g)] -> norm -> lm_head (draft vocabulary)."""
+
+    config_class = Eagle3Config
+    base_model_prefix = "eagle3"
+    _no_split_modules: list[str] = []
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__(config)
+        h, vd, m = config.base_hidden_size, int(config.draft_vocab_size), max(len(config.target_layers), 1)
+        layer, self.rotary = target_block(config.block_config)
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [e; g]: 2H inputs
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
+        self.midlayer = layer
+        self.fc = nn.Linear(m * h, h, bias=False)
+        self.norm = copy.deepcopy(layer.post_attention_layernorm)
+        self.lm_head = nn.Linear(h, vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id - draft id
+        self.register_buffer(
+            "t2d", torch.ones(config.vocab_size, dtype=torch.bool)
+        )  # target id is in the draft vocab
+        self.borrowed = Borrowed()
+        self.post_init()
+
+    def draft_ids(self) -> Tensor:
+        """(Vd,) long: the target id of every draft-vocabulary entry."""
+        return self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids (...) long -> (..., H) borrowed target embeddings in the head's dtype."""
+        return F.embedding(ids, self.borrowed.weight("embed", self.fc.weight))
+
+    def encode_target(self, feats: Tensor) -> Tensor:
+        """Concatenated target layers of committed positions (..., m*H) -> g (..., H)."""
+        return self.fc(feats.to(self.fc.weight.dtype))
+
+    def step(
+        self, feats: Tensor, tokens: Tensor, cache: DynamicCache, positions: Tensor, mask: Tensor
+    ) -> Tensor:
+        """One pass over n new inputs appended to `cache` (same contract as `EagleDrafter.step`).
+
+        Args:
+            feats: (B, n, H) g (fused target features after fc, or the head's previous pre-norm outputs).
+            tokens: (B, n) long.
+            cache: the head's KV cache.
+            positions: (B, n) long.
+            mask: (n, C + n) or (B, 1, n, C + n) bool, True = attend.
+
+        Returns:
+            (B, n, H) pre-norm outputs o.
+        """
+        lay = self.midlayer
+        g = feats.to(self.fc.weight.dtype)  # (B, n, H)
+        x = torch.cat([lay.input_layernorm(self.embed(tokens)), lay.hidden_norm(g)], dim=-1)  # (B, n, 2H)
+        a, _ = lay.self_attn(
+            hidden_states=x,
+            position_embeddings=self.rotary(g, positions),
+            attention_mask=mask if mask.ndim == 4 else mask[None, None],
+            past_key_values=cache,
+        )
+        o = g + a
+        return o + lay.mlp(lay.post_attention_layernorm(o))
+
+    def draft_logits(self, out: Tensor) -> Tensor:
+        """(..., H) pre-norm outputs -> (..., Vd) draft-vocabulary logits."""
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids (...) -> target ids (...)."""
+        return ids + self.d2t[ids]
+
+    def forward(
+        self, feats: Tensor, tokens: Tensor, steps: int = 1, grad_steps: int | None = None, noise: float = 0.0
+    ) -> Tensor:
+        """Training-time-test unroll (`models.eagle.unroll`): (B, L, m*H), (B, L+S-1) -> (B, L, S, H)."""
+        return unroll(self, feats, tokens, steps, grad_steps, noise)
+
+
+# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+MODEL, CONFIG = Eagle3Drafter, Eagle3Config
+TARGET_LAYERS: tuple[int, ...] = ()  # per target: the loop reads `config.target_layers` of the built head
+USES_TOKEN_COUNTS = True  # `build` takes the training-label counts (reduced draft vocabulary)
+
+
+def attach(model: Eagle3Drafter, target: PreTrainedModel) -> Eagle3Drafter:
+    """Borrow the target's input embeddings (drafting) and LM head (training teacher only)."""
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    h, v = model.config.base_hidden_size, model.config.vocab_size
+    if tuple(emb.weight.shape) != (v, h) or tuple(head.weight.shape) != (v, h):
+        raise ValueError(
+            f"target embeddings {tuple(emb.weight.shape)} / LM head {tuple(head.weight.shape)} do not "
+            f"match the EAGLE-3 head (vocab_size={v}, base_hidden_size={h})"
+        )
+    model.borrowed.set("embed", emb)
+    model.borrowed.set("lm_head", head)
+    return model
+
+
+def build(
+    schema: Any,
+    target: PreTrainedModel,
+    fingerprint: dict[str, Any],
+    token_counts: Tensor | None = None,
+    **_: Any,
+) -> Eagle3Drafter:
+    """A fresh EAGLE-3 head from the `drafter` config group (`train.config.Eagle3Schema`).
+
+    Args:
+        schema: `cfg.drafter`.
+        target: the frozen target (block type, embeddings, LM head for the draft head's initialisation).
+        fingerprint: `base_llm.target_fingerprint(target, tokenizer)`.
+        token_counts: (V,) training-label frequencies; required when `draft_vocab_size` < V.
+    """
+    v = int(fingerprint["vocab_size"])
+    n_layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
+    layers = list(schema.target_layers) if schema.target_layers else default_target_layers(n_layers)
+    if any(not 0 <= i <= n_layers for i in layers):
+        raise ValueError(
+            f"drafter.target_layers={layers}: every index must be in [0, {n_layers}] (0 = embeddings)"
+        )
+    vd = int(schema.draft_vocab_size or v)
+    if not 0 < vd <= v:
+        raise ValueError(f"drafter.draft_vocab_size={vd} must be in [1, vocab_size={v}]")
+    if vd < v and token_counts is None:
+        raise ValueError(f"drafter.draft_vocab_size={vd} < vocab_size={v} needs training token counts")
+    config = Eagle3Config(
+        **common_config(schema, target, fingerprint),
+        target_layers=layers,
+        draft_vocab_size=vd,
+        ttt_decay=float(schema.ttt_decay),
+    )
+    model = attach(Eagle3Drafter(config), target)
+    ids = torch.arange(v) if vd == v else token_counts.topk(vd).indices.sort().values  # (Vd,) ascending
+    with torch.no_grad():
+        model.d2t.copy_(ids - torch.arange(vd))
+        model.t2d.zero_()
+        model.t2d[ids] = True
+        model.lm_head.weight.copy_(
+            target.get_output_embeddings().weight[ids.to(model.lm_head.weight.device)].float()
+        )
+    return model
+
+
+def compute_loss(
+    model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Training-time-test loss: sum_i ttt_decay^i * softCE(step i, target distribution at t+1+i).
+
+    Args:
+        model: the (possibly accelerate-wrapped) Eagle3Drafter.
+        batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate.
+        target_out: `TargetOutput` with `hidden` (B, L, H) and `layers` (B, L, m, H) of `config.target_layers`.
+        opts: `draft_len` (S), `max_positions`, `generator`.
+
+    Returns:
+        (loss, aux) with aux["logits"] (N, S, V) (full vocabulary, -inf-like outside the draft vocab) and
+        aux["targets"] (N, S).
+    """
+    opts = opts or {}
+    inner = getattr(model, "module", model)
+    if target_out.layers is None:
+        raise ValueError(
+            f"EAGLE-3 needs the target layers {inner.config.target_layers} in TargetOutput.layers"
+        )
+    steps = int(opts.get("draft_len") or inner.config.draft_len)
+    feats = target_out.layers.flatten(2)  # (B, L, m*H)
+    outs = model(feats, next_tokens(batch["input_ids"], steps), steps=steps)  # (B, L, S, H)
+    b, t = select_positions(batch, opts)
+    targets = batch["targets"][b, t, :steps]  # (N, S)
+    f, ids = target_out.hidden, inner.draft_ids()  # (B, L, H), (Vd,)
+    length, v = f.shape[1], inner.config.vocab_size
+    loss, logits = outs.new_zeros((), dtype=torch.float32), []
+    for i in range(steps):
+        p = t + 1 + i  # (N,) position whose target distribution step i imitates
+        valid = (p < length) & (targets[:, i] != -100)
+        q = inner.draft_logits(outs[b, t, i])  # (N, Vd)
+        with torch.no_grad():
+            tl = F.linear(f[b, p.clamp_max(length - 1)], inner.borrowed.weight("lm_head", f))[
+                :, ids
+            ]  # (N, Vd)
+            teacher = torch.softmax(tl.float(), dim=-1)
+        loss = loss + inner.config.ttt_decay**i * soft_cross_entropy(q, teacher, valid)
+        full = q.new_full((q.shape[0], v), torch.finfo(q.dtype).min)
+        full[:, ids] = q.detach()
+        logits.append(full)
+    return loss, {"logits": torch.stack(logits, dim=1), "targets": targets}

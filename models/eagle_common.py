@@ -1,0 +1,191 @@
+"""Building blocks shared by the EAGLE-1 (`models/eagle.py`) and EAGLE-3 (`models/eagle3.py`) heads.
+
+A head exposes `encode_target(target feats) -> g`, `step(g, tokens, cache, positions, mask) -> out`,
+`draft_logits(out)` and `to_target_ids(ids)`; `unroll` (training-time test) and the EAGLE-2 proposer
+(`eval/eagle_tree.py`) only use those. The target's embeddings / LM head are `Borrowed` (never saved).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModel, DynamicCache, PreTrainedModel
+
+FORMAT_VERSION = 1
+DROP_BLOCK_KEYS = (
+    "architectures",
+    "layer_types",
+    "specdraft_source",
+    "quantization_config",
+    "auto_map",
+    "dtype",
+    "torch_dtype",
+    "id2label",
+    "label2id",
+)
+
+
+def block_config_of(target: PreTrainedModel) -> dict[str, Any]:
+    """The target's text config as a plain dict (model_type + sizes), from which one decoder block is rebuilt."""
+    cfg = target.config.get_text_config(decoder=True).to_dict()
+    return {k: v for k, v in cfg.items() if k not in DROP_BLOCK_KEYS and not k.startswith("_")}
+
+
+def target_block(block_config: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
+    """One decoder layer of the target's own type (GQA, biases, norms as the target) and its rotary embedding.
+
+    Built through `AutoModel.from_config` on a 1-layer, 1-token copy of the config, so any HF decoder family
+    with `layers[0]` and `rotary_emb` works. Attention is SDPA, which takes our boolean tree masks.
+    """
+    kwargs = dict(block_config)
+    kwargs.update(
+        num_hidden_layers=1,
+        vocab_size=1,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_sliding_window=False,
+    )
+    cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    base = AutoModel.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    return base.layers[0], base.rotary_emb
+
+
+def causal_tree_mask(n_queries: int, n_keys: int, device: torch.device) -> Tensor:
+    """Boolean (n_queries, n_keys) mask where the last n_queries keys are the queries themselves (causal)."""
+    past = n_keys - n_queries
+    q = torch.arange(n_queries, device=device)[:, None]
+    k = torch.arange(n_keys, device=device)[None, :]
+    return k <= q + past
+
+
+def unroll_mask(length: int, step: int, device: torch.device) -> Tensor:
+    """TTT attention mask of unroll step `step`: (L, L*(step+1)) = [causal | eye | ... | eye] (True = attend)."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def smooth_l1_feature_loss(pred: Tensor, target: Tensor) -> Tensor:
+    """EAGLE-1 feature regression: mean smooth-L1 between predicted and true features, (N, H) -> scalar."""
+    return F.smooth_l1_loss(pred.float(), target.float())
+
+
+def soft_cross_entropy(logits: Tensor, target_probs: Tensor, valid: Tensor | None = None) -> Tensor:
+    """-sum_v p(v) log q(v), averaged over valid rows.
+
+    Args:
+        logits: (N, V) drafter logits q.
+        target_probs: (N, V) teacher probabilities p (rows sum to 1).
+        valid: (N,) bool rows that count (None: all).
+
+    Returns:
+        scalar float32 (0 when no row is valid).
+    """
+    ce = -(target_probs.float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (N,)
+    if valid is None:
+        return ce.mean()
+    vf = valid.float()
+    return (ce * vf).sum() / vf.sum().clamp_min(1.0)
+
+
+def select_positions(batch: dict[str, Tensor], opts: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """Trainable (b, t) pairs: `pos_mask`, x_{t+1} in the sequence and equal to the root; random cap.
+
+    Returns:
+        b, t: (N,) long each.
+    """
+    ids, pos = batch["input_ids"], batch["pos_mask"].clone()  # (B, L)
+    pos[:, -1] = False
+    pos[:, :-1] &= batch["root"][:, :-1] == ids[:, 1:]  # EAGLE reads the sequence's own next token
+    sel = pos.nonzero()  # (N, 2)
+    cap = opts.get("max_positions")
+    if cap and sel.shape[0] > cap:
+        keep = torch.randperm(sel.shape[0], generator=opts.get("generator"))[:cap].sort().values
+        sel = sel[keep.to(sel.device)]
+    return sel[:, 0], sel[:, 1]
+
+
+def next_tokens(input_ids: Tensor, steps: int) -> Tensor:
+    """(B, L) -> (B, L + steps - 1) with column t = x_{t+1} (0-padded past the end): step i reads [:, i:i+L]."""
+    b, n = input_ids.shape
+    out = input_ids.new_zeros(b, n + steps - 1)
+    out[:, : n - 1] = input_ids[:, 1:]
+    return out
+
+
+class Borrowed:
+    """The target's embedding / LM head, hidden from `state_dict` and cached per dtype for the drafter."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, nn.Module] = {}
+        self._cast: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+    def set(self, name: str, module: nn.Module) -> None:
+        self.modules[name] = module
+        self._cast = {k: v for k, v in self._cast.items() if k[0] != name}
+
+    def weight(self, name: str, like: Tensor) -> Tensor:
+        """The borrowed module's weight in `like`'s dtype/device (cast once, then cached)."""
+        if name not in self.modules:
+            raise RuntimeError(
+                f"the EAGLE head has no borrowed `{name}`: call `attach(model, target)` after loading"
+            )
+        key = (name, like.dtype, like.device)
+        if key not in self._cast:
+            self._cast[key] = self.modules[name].weight.detach().to(device=like.device, dtype=like.dtype)
+        return self._cast[key]
+
+
+def unroll(
+    head: nn.Module,
+    feats: Tensor,
+    tokens: Tensor,
+    steps: int = 1,
+    grad_steps: int | None = None,
+    noise: float = 0.0,
+) -> Tensor:
+    """Training-time-test unroll of an EAGLE head over whole sequences (see the module docstring).
+
+    Args:
+        head: exposes `encode_target` and `step` (EagleDrafter, Eagle3Drafter).
+        feats: (B, L, F) target features of every position (F = H for EAGLE-1, the fused width for EAGLE-3).
+        tokens: (B, L + steps - 1) long, column j = x_{j+1} (`next_tokens`).
+        steps: unroll steps S (1 = teacher forcing only).
+        grad_steps: steps run with autograd (None: all); later ones run under no_grad (metrics only).
+        noise: uniform noise half-width added to the step-0 input features.
+
+    Returns:
+        (B, L, S, H): the output of step i at position t predicts the feature at t + 1 + i.
+    """
+    bsz, length = feats.shape[:2]
+    h = head.encode_target(feats)  # (B, L, H)
+    if noise > 0:
+        h = h + (torch.rand_like(h) * 2 - 1) * noise
+    cache, outs = DynamicCache(), []
+    pos = torch.arange(length, device=h.device)[None].expand(bsz, -1)  # (B, L)
+    for i in range(steps):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (grad_steps is None or i < grad_steps)):
+            mask = unroll_mask(length, i, h.device)  # (L, L*(i+1))
+            h = head.step(h, tokens[:, i : i + length], cache, pos + i, mask)  # (B, L, H)
+        outs.append(h)
+    return torch.stack(outs, dim=2)
+
+
+def common_config(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """Config fields shared by EAGLE-1 and EAGLE-3 heads, from the `drafter` schema and the target."""
+    return dict(
+        base_model_name_or_path=str(fingerprint["name_or_path"]),
+        base_revision=fingerprint.get("revision"),
+        base_hidden_size=int(fingerprint["hidden_size"]),
+        vocab_size=int(fingerprint["vocab_size"]),
+        tokenizer_hash=str(fingerprint["tokenizer_hash"]),
+        block_config=block_config_of(target),
+        draft_len=int(schema.draft_len),
+        tree_total_tokens=int(schema.tree_total_tokens),
+        tree_depth=int(schema.tree_depth),
+        tree_top_k=int(schema.tree_top_k),
+    )

@@ -1,0 +1,171 @@
+"""Export, load and publish drafters as Hugging Face folders.
+
+An export is `config.json` (family `architecture`, `base_model_name_or_path`, `format_version`, the target's
+hidden size / vocab / tokenizer hash and a `training_summary`), `model.safetensors` (drafter weights only, never
+the target's) and a `README.md` model card. `load_drafter` reads `architecture` and dispatches through
+`models/registry.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+from specdraft.utils import atomic_dir
+
+log = logging.getLogger(__name__)
+MATCH_KEYS = ("hidden_size", "vocab_size", "tokenizer_hash")
+
+
+def check_target_match(found: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    """Refuse a drafter/dataset made for another target.
+
+    Args:
+        found: what the artifact records (`hidden_size`, `vocab_size`, `tokenizer_hash`; missing keys are skipped).
+        expected: `base_llm.target_fingerprint` of the target in use.
+        what: a name for the message, e.g. "drafter outputs/x/export".
+
+    Raises:
+        ValueError: naming every mismatching field with both values.
+    """
+    bad = [
+        f"{k}: {found[k]!r} (artifact) != {expected[k]!r} (target)"
+        for k in MATCH_KEYS
+        if found.get(k) not in (None, "") and expected.get(k) not in (None, "") and found[k] != expected[k]
+    ]
+    if bad:
+        made_for = found.get("name_or_path") or found.get("base_model_name_or_path") or "another model"
+        raise ValueError(
+            f"{what} was made for a different target ({made_for}) than {expected.get('name_or_path')!r}: "
+            + "; ".join(bad)
+        )
+
+
+def drafter_target_info(config: PretrainedConfig) -> dict[str, Any]:
+    """The target identity a drafter config records, in `target_fingerprint` keys."""
+    return {
+        "name_or_path": getattr(config, "base_model_name_or_path", None),
+        "hidden_size": getattr(config, "base_hidden_size", None),
+        "vocab_size": getattr(config, "vocab_size", None),
+        "tokenizer_hash": getattr(config, "tokenizer_hash", None),
+    }
+
+
+def model_card(config: PretrainedConfig, summary: dict[str, Any]) -> str:
+    """README.md text: what the drafter is, for which target, how it was trained, its metrics."""
+    metrics = summary.get("final_eval", {}) or {}
+    rows = "\n".join(
+        f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()
+    )
+    return f"""---
+library_name: transformers
+tags: [speculative-decoding, drafter, specdraft, {config.architecture}]
+base_model: {config.base_model_name_or_path}
+---
+# {config.architecture} drafter for `{config.base_model_name_or_path}`
+
+A speculative-decoding drafter trained with specdraft. It does **not** contain the target's weights: load it
+next to its target (hidden size {config.base_hidden_size}, vocab {config.vocab_size}, tokenizer hash
+`{config.tokenizer_hash}`):
+
+```python
+from specdraft.models.base_llm import load_target
+from specdraft.models.hub import load_drafter
+drafter = load_drafter("<this folder or Hub id>", target=target_model)
+```
+
+## Training
+- steps: {summary.get("steps")}, wall time: {summary.get("wall_time_s")} s, data: {summary.get("data")}
+- draft length: {getattr(config, "draft_len", "?")}, format version: {config.format_version}
+
+## Held-out metrics (last evaluation)
+| metric | value |
+|---|---|
+{rows}
+"""
+
+
+def export_drafter(
+    model: PreTrainedModel, out_dir: str | os.PathLike[str], summary: dict[str, Any] | None = None
+) -> Path:
+    """Write the HF folder atomically (replacing an older export).
+
+    Args:
+        model: an unwrapped drafter (`accelerator.unwrap_model`); borrowed embeddings are not in its state dict.
+        out_dir: destination folder.
+        summary: training summary stored in config.json (`training_summary`) and shown in README.md.
+
+    Returns:
+        the folder path.
+    """
+    out = Path(out_dir)
+    model.config.training_summary = summary or {}
+    with atomic_dir(out, overwrite=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "README.md").write_text(model_card(model.config, summary or {}), encoding="utf-8")
+    return out
+
+
+def read_config(path_or_hub_id: str) -> dict[str, Any]:
+    """config.json of a local export or a Hub repo, as a dict."""
+    local = Path(path_or_hub_id) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text(encoding="utf-8"))
+    if Path(path_or_hub_id).exists():
+        raise FileNotFoundError(f"{path_or_hub_id}: not a drafter export (no config.json)")
+    cfg, _ = PretrainedConfig.get_config_dict(path_or_hub_id)
+    return cfg
+
+
+def load_drafter(
+    path_or_hub_id: str, target: PreTrainedModel | None = None, fingerprint: dict[str, Any] | None = None
+) -> PreTrainedModel:
+    """Load any specdraft drafter, dispatching on its `architecture` (models/registry.py).
+
+    Args:
+        path_or_hub_id: an export folder or Hub repo id.
+        target: the frozen target; when given, the drafter is checked against it and its embeddings attached.
+        fingerprint: `target_fingerprint(target, tokenizer)`; adds the tokenizer-hash check.
+
+    Returns:
+        the drafter in eval mode, on the target's device when a target is given.
+    """
+    from specdraft.models.registry import get_family
+
+    raw = read_config(path_or_hub_id)
+    arch = raw.get("architecture")
+    if arch is None:
+        raise ValueError(f"{path_or_hub_id}/config.json has no `architecture` field: not a specdraft drafter")
+    family = get_family(arch)
+    model = family.MODEL.from_pretrained(path_or_hub_id)
+    if target is not None:
+        expected = dict(fingerprint or {})
+        expected.setdefault("hidden_size", int(target.config.hidden_size))
+        expected.setdefault("vocab_size", int(target.config.vocab_size))
+        check_target_match(drafter_target_info(model.config), expected, f"drafter {path_or_hub_id}")
+        family.attach(model, target)
+        model.to(target.device)
+    return model.eval()
+
+
+def push_to_hub(folder: str | os.PathLike[str], repo_id: str, private: bool = True) -> str:
+    """Upload an export folder to the Hub; the token comes from HF_TOKEN (never printed or logged).
+
+    Returns:
+        the repo URL.
+    """
+    from huggingface_hub import HfApi
+
+    token = os.environ.get("HF_TOKEN")
+    if not token:
+        raise RuntimeError("train.push_to_hub is set but HF_TOKEN is not in the environment")
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="specdraft drafter export")
+    log.info("pushed %s to the Hub as %s", folder, repo_id)
+    return f"https://huggingface.co/{repo_id}"

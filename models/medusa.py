@@ -1,0 +1,210 @@
+"""Medusa heads: K independent decoding heads on the frozen target's last hidden state (arXiv 2401.10774).
+
+Alignment (docs/design.md): the target's own LM head on h_t gives the root x_{t+1}; Medusa head k (0-based)
+on the same h_t predicts x_{t+2+k}, i.e. draft slot k. Medusa-1: the backbone stays frozen, only the heads
+train. Unlike ReDrafter the heads never see the root or any drafted token, so every head's top-k is computed
+once per step and a *static* tree over their ranks (eval/medusa_tree.py) turns them into candidates:
+
+    h_t ─┬─> ResBlock^n ─> W_0 ─> logits of slot 0 (x_{t+2})
+         ├─> ResBlock^n ─> W_1 ─> logits of slot 1 (x_{t+3})
+         ...
+         └─> ResBlock^n ─> W_{K-1} ─> logits of slot K-1 (x_{t+1+K})
+
+ResBlock(x) = x + SiLU(A x + b) with A, b zero-initialised (the identity at the start), and every W_k is
+initialised from the target's LM head, so before training each head predicts x_{t+1} (a reasonable start).
+Loss: sum_k lambda^k CE_k (lambda = `loss_decay`, 0.8 by default), or the soft (top-k KL) variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+FORMAT_VERSION = 1
+
+
+class MedusaConfig(PretrainedConfig):
+    """Hyper-parameters plus the identity of the target the heads were trained for."""
+
+    model_type = "specdraft_medusa"
+
+    architecture: str = "medusa"  # family name used by models/registry.py
+    format_version: int = FORMAT_VERSION  # export format of specdraft drafters
+    base_model_name_or_path: str = ""  # the target (Hub id, folder, gguf, or embedded alias)
+    base_revision: str | None = None  # target revision / GGUF hash
+    base_hidden_size: int = 64  # H: width of the target's last hidden state
+    vocab_size: int = 128  # V: target vocabulary size (width of every head's projection)
+    tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
+    draft_len: int = 4  # K heads; head k predicts draft slot k = x_{t+2+k}
+    num_layers: int = 1  # ResBlocks per head before its vocabulary projection
+    loss_decay: float = 0.8  # lambda: head k's CE is weighted lambda^k
+    topk: int = 10  # candidates per head the static tree may use at decode time
+    tree_choices: list | None = None  # static tree as Medusa rank paths (None: eval/medusa_tree.DEFAULT_TREE)
+    training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
+
+
+class _ZeroInitLinear(nn.Linear):
+    """A Linear that `Medusa._init_weights` starts at zero."""
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b); zero-initialised, so the identity at the start."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = _ZeroInitLinear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., dim) -> (..., dim)."""
+        return x + F.silu(self.linear(x))
+
+
+class Medusa(PreTrainedModel):
+    """K Medusa heads; see the module docstring for the alignment."""
+
+    config_class = MedusaConfig
+    base_model_prefix = "medusa"
+    _no_split_modules: list[str] = []
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__(config)
+        h, v = config.base_hidden_size, config.vocab_size
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)], nn.Linear(h, v, bias=False))
+            for _ in range(config.draft_len)
+        )
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            if isinstance(module, _ZeroInitLinear):
+                nn.init.zeros_(module.weight)
+            else:
+                nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def head_logits(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
+        """Logits of the first `num_heads` heads.
+
+        Args:
+            hidden: (..., H) target last-layer states h_t (cast to the heads' dtype/device).
+            num_heads: how many heads to run (None: all K).
+
+        Returns:
+            (..., num_heads, V); entry k predicts x_{t+2+k}.
+        """
+        w = self.heads[0][-1].weight
+        x = hidden.to(device=w.device, dtype=w.dtype)
+        n = self.config.draft_len if num_heads is None else num_heads
+        if n > self.config.draft_len:
+            raise ValueError(
+                f"Medusa has {self.config.draft_len} heads, {n} requested (lower drafter.draft_len)"
+            )
+        return torch.stack([self.heads[k](x) for k in range(n)], dim=-2)  # (..., n, V)
+
+    def forward(self, hidden: Tensor, root: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits in the shared drafter signature (docs/design.md).
+
+        Args:
+            hidden: (B, L, H) target last-layer states.
+            root: (B, L) ignored (Medusa heads do not condition on tokens; kept for the shared protocol).
+            targets: (B, L, D) ignored except for D, the number of heads run (None: all K).
+
+        Returns:
+            logits: (B, L, D, V).
+        """
+        return self.head_logits(hidden, None if targets is None else targets.shape[-1])
+
+    @torch.no_grad()
+    def topk_tokens(self, hidden: Tensor, k: int) -> Tensor:
+        """Each head's k most likely tokens at one position (decode time, batch size 1).
+
+        Args:
+            hidden: (H,) the target's last-layer state at the newest committed position.
+            k: candidates per head.
+
+        Returns:
+            (K, k) long, row j sorted by head j's logit (rank 0 first).
+        """
+        return self.head_logits(hidden).topk(k, dim=-1).indices  # (K, k)
+
+
+# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+MODEL, CONFIG = Medusa, MedusaConfig
+TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer hidden state is needed
+
+
+def attach(model: Medusa, target: PreTrainedModel) -> Medusa:
+    """Nothing is borrowed from the target (every head owns its projection)."""
+    return model
+
+
+def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> Medusa:
+    """Fresh Medusa heads for `target` from the `drafter` config group.
+
+    Args:
+        schema: `cfg.drafter` (fields of `train.config.MedusaSchema`).
+        target: the frozen target; its LM head initialises every head's projection.
+        fingerprint: `base_llm.target_fingerprint(target, tokenizer)`.
+    """
+    tree = getattr(schema, "tree_choices", None)
+    config = MedusaConfig(
+        base_model_name_or_path=str(fingerprint["name_or_path"]),
+        base_revision=fingerprint.get("revision"),
+        base_hidden_size=int(fingerprint["hidden_size"]),
+        vocab_size=int(fingerprint["vocab_size"]),
+        tokenizer_hash=str(fingerprint["tokenizer_hash"]),
+        draft_len=int(schema.draft_len),
+        num_layers=int(schema.num_layers),
+        loss_decay=float(schema.loss_decay),
+        topk=int(schema.topk),
+        tree_choices=[list(map(int, p)) for p in tree] if tree else None,
+    )
+    model = Medusa(config)
+    if schema.init_from_lm_head:
+        lm_head = target.get_output_embeddings().weight  # (V, H)
+        with torch.no_grad():
+            for head in model.heads:
+                head[-1].weight.copy_(lm_head.detach().float())
+    return model
+
+
+def head_weights(decay: float, num_heads: int) -> Tensor:
+    """(D,) float32 Medusa loss weights lambda^k, k = 0..D-1."""
+    return torch.tensor([decay**k for k in range(num_heads)], dtype=torch.float32)
+
+
+def compute_loss(
+    model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-head CE weighted by lambda^k (or the soft top-k KL), on the positions that train.
+
+    Position selection, hard labels and soft-teacher alignment are those of every teacher-forced drafter
+    (`models.redrafter.compute_loss`, which only needs `model(hidden, root, targets)`); Medusa adds the
+    lambda^k head weights unless `opts["slot_weights"]` is set explicitly.
+
+    Args:
+        model: the (possibly accelerate-wrapped) Medusa.
+        batch: from `data.collate` - `root` (B, L), `targets` (B, L, D'), `pos_mask` (B, L) bool, optional
+            cached teacher `topk_ids`/`topk_logprobs` (B, L, k).
+        target_out: `TargetOutput` of the frozen target (`hidden` (B, L, H); `logits` for online soft targets).
+        opts: as in `redrafter.compute_loss` (`loss`, `kl_weight`, `kl_topk`, `slot_weights`, `draft_len`,
+            `max_positions`, `generator`).
+
+    Returns:
+        (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D).
+    """
+    from specdraft.models.redrafter import compute_loss as teacher_forced_loss
+
+    opts = dict(opts or {})
+    config = getattr(model, "module", model).config  # unwrap DDP
+    d = int(opts.get("draft_len") or batch["targets"].shape[-1])
+    if not opts.get("slot_weights"):
+        opts["slot_weights"] = head_weights(float(config.loss_decay), d).tolist()
+    return teacher_forced_loss(model, batch, target_out, opts)

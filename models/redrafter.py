@@ -1,0 +1,342 @@
+"""ReDrafter: a recurrent drafter over the frozen target's last hidden state (arXiv 2403.09919, s3.1).
+
+Alignment (docs/design.md): at position t the drafter gets h_t (target last-layer state, post norm) and the
+root token x_{t+1}; draft slot k (0-based) predicts x_{t+2+k}. The recurrence runs over token embeddings e(.)
+taken from the target:
+
+    s_1 = e(root)                                   (slot 0)
+    s_k = SiLU(U s_{k-1} + W e(tok_k) + b)          (slot k-1; tok_k = the token drafted at slot k-2)
+    g_k = [s_k, h_t] -> input_proj? -> ResBlock x num_layers -> vocab head -> logits for slot k-1
+
+Embedding choice: with `share_embeddings=True` (default) the drafter *borrows* the target's frozen input
+embedding module. It is attached with `attach_embeddings(target)` after construction or loading, is kept out
+of `state_dict()`/`parameters()` (so it is never trained, never handed to the optimizer and never exported),
+and an export is therefore only usable next to its target. `share_embeddings=False` gives the drafter its own
+trainable table (copied from the target at build time) that is saved with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+FORMAT_VERSION = 1
+LOG_0 = -1e9  # "log(0)" that stays finite, so beam scores never become nan
+
+
+class ReDrafterConfig(PretrainedConfig):
+    """Hyper-parameters plus the identity of the target the drafter was trained for."""
+
+    model_type = "specdraft_redrafter"
+
+    architecture: str = "redrafter"  # family name used by models/registry.py
+    format_version: int = FORMAT_VERSION  # export format of specdraft drafters
+    base_model_name_or_path: str = ""  # the target (Hub id, folder, gguf, or embedded alias)
+    base_revision: str | None = None  # target revision / GGUF hash
+    base_hidden_size: int = 64  # H: width of the target's last hidden state
+    vocab_size: int = 128  # V: target vocabulary size (drafter head width)
+    tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
+    embed_dim: int | None = None  # E: token-embedding / RNN-state width (None: base_hidden_size)
+    exit_dim: int | None = (
+        None  # width of the ResBlock stack (None: embed_dim + base_hidden_size, no projection)
+    )
+    draft_len: int = 4  # D: tokens drafted after the root
+    num_layers: int = 2  # ResBlocks after [s, h]
+    rnn: bool = True  # True: s_k = SiLU(U s + W e + b); False: s_k = s_{k-1} + e (no recurrence weights)
+    share_embeddings: bool = (
+        True  # borrow the target's frozen embeddings (not saved) instead of owning a table
+    )
+    beam_width: int = 8  # default beam width at decode time
+    training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.embed_dim is None:
+            self.embed_dim = self.base_hidden_size
+        if self.exit_dim is None:
+            self.exit_dim = self.embed_dim + self.base_hidden_size
+        super().__post_init__(**kwargs)
+
+
+class _ZeroInitLinear(nn.Linear):
+    """A Linear that `ReDrafter._init_weights` starts at zero."""
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b) (zero-initialised W makes it the identity at the start)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = _ZeroInitLinear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., dim) -> (..., dim)."""
+        return x + F.silu(self.linear(x))
+
+
+class ReDrafter(PreTrainedModel):
+    """The recurrent drafter; see the module docstring for the maths and the alignment."""
+
+    config_class = ReDrafterConfig
+    base_model_prefix = "redrafter"
+    _no_split_modules: list[str] = []
+
+    def __init__(self, config: ReDrafterConfig) -> None:
+        super().__init__(config)
+        e, h, x = config.embed_dim, config.base_hidden_size, config.exit_dim
+        if config.rnn:
+            self.rnn_u = nn.Linear(e, e, bias=True)  # U s + b
+            self.rnn_w = nn.Linear(e, e, bias=False)  # W e
+        self.input_proj = nn.Linear(e + h, x) if x != e + h else None
+        self.blocks = nn.ModuleList(ResBlock(x) for _ in range(config.num_layers))
+        self.head = nn.Linear(x, config.vocab_size, bias=False)
+        self.embed = None if config.share_embeddings else nn.Embedding(config.vocab_size, e)
+        self._borrowed: list[nn.Module] = []  # the target's embedding, hidden from state_dict/parameters
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            if isinstance(module, _ZeroInitLinear):
+                nn.init.zeros_(module.weight)
+            else:
+                nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    # ---- embeddings -------------------------------------------------------------------------------------
+    def attach_embeddings(self, target: PreTrainedModel | nn.Module) -> ReDrafter:
+        """Borrow the target's (frozen) input embeddings; a no-op when the drafter owns its table."""
+        emb = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else target
+        if emb.weight.shape != (self.config.vocab_size, self.config.embed_dim):
+            raise ValueError(
+                f"target embeddings {tuple(emb.weight.shape)} do not match the drafter's "
+                f"(vocab_size={self.config.vocab_size}, embed_dim={self.config.embed_dim})"
+            )
+        self._borrowed = [emb]
+        return self
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        """ids (...) long -> (..., E) in the drafter's dtype; ids < 0 (ignored slots) embed as token 0."""
+        if self.embed is not None:
+            emb = self.embed
+        elif self._borrowed:
+            emb = self._borrowed[0]
+        else:
+            raise RuntimeError("ReDrafter has no embeddings: call `attach_embeddings(target)` after loading")
+        out = emb(ids.clamp_min(0).to(emb.weight.device))
+        return out.to(device=self.head.weight.device, dtype=self.head.weight.dtype)
+
+    # ---- step-level helpers (used by forward, beam_search and decoders) ---------------------------------
+    def init_state(self, root: Tensor) -> Tensor:
+        """root (...) long -> s_1 = e(root) (..., E)."""
+        return self.embed_tokens(root)
+
+    def next_state(self, state: Tensor, token: Tensor) -> Tensor:
+        """state (..., E), token (...) long -> s_{k+1} (..., E)."""
+        e = self.embed_tokens(token)  # (..., E)
+        if self.config.rnn:
+            return F.silu(self.rnn_u(state) + self.rnn_w(e))
+        return state + e
+
+    def state_logits(self, state: Tensor, hidden: Tensor) -> Tensor:
+        """state (..., E), hidden (..., H) -> logits (..., V) for the slot this state belongs to."""
+        g = torch.cat([state, hidden.to(state.dtype)], dim=-1)  # (..., E + H)
+        if self.input_proj is not None:
+            g = self.input_proj(g)  # (..., X)
+        for block in self.blocks:
+            g = block(g)
+        return self.head(g)  # (..., V)
+
+    # ---- training ---------------------------------------------------------------------------------------
+    def forward(self, hidden: Tensor, root: Tensor, targets: Tensor) -> Tensor:
+        """Teacher-forced logits of every draft slot at every position.
+
+        The recurrence unrolled over D slots for one position t (targets[t] = x_{t+2} .. x_{t+1+D}):
+
+            h_t ────────────┬──────────────────┬─────────────── ... ──┐
+                            v                  v                      v
+            e(x_{t+1}) ─> s_1 ──U──> s_2 ──U──> s_3 ...          s_D
+                            │  W e(x_{t+2})─^  W e(x_{t+3})─^       │
+                            v                  v                      v
+                      MLP([s_1,h_t])     MLP([s_2,h_t])         MLP([s_D,h_t])
+                            v                  v                      v
+                      slot 0: x_{t+2}    slot 1: x_{t+3}        slot D-1: x_{t+1+D}
+
+        Args:
+            hidden: (B, L, H) target last-layer states h_t.
+            root: (B, L) long, the root token x_{t+1} of each position.
+            targets: (B, L, D) long, the draft labels (-100 = ignored); slot k-1's label is fed to slot k.
+
+        Returns:
+            logits: (B, L, D, V).
+        """
+        state = self.init_state(root)  # (B, L, E)
+        logits = []
+        for k in range(targets.shape[-1]):
+            if k > 0:
+                state = self.next_state(state, targets[..., k - 1])  # (B, L, E)
+            logits.append(self.state_logits(state, hidden))  # (B, L, V)
+        return torch.stack(logits, dim=2)  # (B, L, D, V)
+
+    # ---- decoding ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def beam_search(
+        self, hidden: Tensor, root_token: int, beam_width: int, draft_len: int
+    ) -> tuple[Tensor, Tensor]:
+        """Beam search over the drafter for one position (batch size 1).
+
+        Args:
+            hidden: (H,) the target's last-layer state at the newest committed position.
+            root_token: the token the target just committed (not drafted, always beams[:, 0]).
+            beam_width: W beams kept.
+            draft_len: D tokens drafted after the root.
+
+        Returns:
+            beams: (W, 1 + D) long, sorted by score, beams[:, 0] == root_token.
+            scores: (W,) float32 sum of drafter log-probs of each beam's D draft tokens (LOG_0-ish for
+            filler beams when W exceeds the number of distinct beams).
+        """
+        dev = self.head.weight.device
+        h = hidden.reshape(1, -1).to(dev).expand(beam_width, -1)  # (W, H)
+        beams = torch.full((beam_width, 1), int(root_token), dtype=torch.long, device=dev)  # (W, 1)
+        # Only beam 0 is live at first, so step 1 spreads its top-W tokens over the W beams.
+        scores = torch.full((beam_width,), LOG_0, dtype=torch.float32, device=dev)
+        scores[0] = 0.0
+        state = self.init_state(beams[:, 0])  # (W, E)
+        for k in range(draft_len):
+            if k > 0:
+                state = self.next_state(state, beams[:, -1])  # (W, E)
+            logp = torch.log_softmax(self.state_logits(state, h).float(), dim=-1)  # (W, V)
+            vocab = logp.shape[-1]
+            cand = (scores[:, None] + logp).reshape(-1)  # (W * V,)
+            scores, idx = cand.topk(beam_width)  # (W,), sorted descending
+            parent, token = idx // vocab, idx % vocab  # (W,), (W,)
+            beams = torch.cat([beams[parent], token[:, None]], dim=1)  # (W, k + 2)
+            state = state[parent]  # (W, E)
+        if draft_len == 0:
+            scores = torch.where(scores > LOG_0, 0.0, scores)
+        return beams, scores
+
+
+# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+MODEL, CONFIG = ReDrafter, ReDrafterConfig
+TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer hidden state is needed
+
+
+def attach(model: ReDrafter, target: PreTrainedModel) -> ReDrafter:
+    """Re-borrow the target's embeddings after `from_pretrained` (no-op for an owned table)."""
+    return model.attach_embeddings(target) if model.config.share_embeddings else model
+
+
+def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> ReDrafter:
+    """A fresh ReDrafter for `target` from the `drafter` config group.
+
+    Args:
+        schema: `cfg.drafter` (fields of `train.config.ReDrafterSchema`).
+        target: the frozen target (embeddings borrowed or copied, LM head used for the optional init).
+        fingerprint: `base_llm.target_fingerprint(target, tokenizer)`.
+    """
+    hidden = int(fingerprint["hidden_size"])
+    share = bool(schema.share_embeddings)
+    config = ReDrafterConfig(
+        base_model_name_or_path=str(fingerprint["name_or_path"]),
+        base_revision=fingerprint.get("revision"),
+        base_hidden_size=hidden,
+        vocab_size=int(fingerprint["vocab_size"]),
+        tokenizer_hash=str(fingerprint["tokenizer_hash"]),
+        embed_dim=hidden,  # the target's embedding width (borrowed or copied)
+        exit_dim=getattr(schema, "exit_dim", None),
+        draft_len=int(schema.draft_len),
+        num_layers=int(schema.num_layers),
+        rnn=bool(schema.rnn),
+        share_embeddings=share,
+        beam_width=int(schema.beam_width),
+    )
+    model = ReDrafter(config)
+    emb = target.get_input_embeddings().weight
+    with torch.no_grad():
+        if share:
+            model.attach_embeddings(target)
+        else:
+            model.embed.weight.copy_(emb.float())
+        if schema.init_from_lm_head:
+            init_from_lm_head(model, target.get_output_embeddings().weight)
+    return model
+
+
+@torch.no_grad()
+def init_from_lm_head(model: ReDrafter, lm_head: Tensor) -> None:
+    """Start from the target's next-token head applied to h (Medusa-style): logits = W_lm h at step 0.
+
+    Args:
+        model: the drafter; with no input projection the head becomes [0 | W_lm], with a projection to width
+            H the projection becomes [small noise | I] and the head W_lm; other widths keep the random init.
+        lm_head: (V, H) the target's output embedding weight.
+    """
+    e, h, x = model.config.embed_dim, model.config.base_hidden_size, model.config.exit_dim
+    w = lm_head.detach().to(model.head.weight)  # (V, H)
+    if model.input_proj is None:
+        model.head.weight.zero_()
+        model.head.weight[:, e:] = w
+    elif x == h:
+        model.input_proj.weight.normal_(std=0.02)
+        model.input_proj.weight[:, e:] = torch.eye(h, dtype=w.dtype, device=w.device)
+        model.input_proj.bias.zero_()
+        model.head.weight.copy_(w)
+
+
+def compute_loss(
+    model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Teacher-forced loss on the positions that train (`batch["pos_mask"]`).
+
+    Args:
+        model: the (possibly accelerate-wrapped) ReDrafter.
+        batch: from `data.collate` - `root` (B, L), `targets` (B, L, D'), `pos_mask` (B, L) bool, and optionally
+            `topk_ids`/`topk_logprobs` (B, L, k) cached teacher top-k.
+        target_out: `TargetOutput` of the frozen target on `batch["input_ids"]` (`hidden` (B, L, H); `logits`
+            (B, L, V) needed only for online soft targets).
+        opts: `loss` ("ce" | "kl" | "ce+kl"), `kl_weight`, `kl_topk`, `slot_weights` (list), `draft_len`,
+            `max_positions` (random subset of positions per call), `generator` (torch.Generator).
+
+    Returns:
+        (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) for metrics.
+    """
+    from specdraft.train.losses import multi_position_ce, soft_kl
+
+    opts = opts or {}
+    d = int(opts.get("draft_len") or batch["targets"].shape[-1])
+    sel = batch["pos_mask"].nonzero()  # (N, 2) (b, t) pairs
+    cap = opts.get("max_positions")
+    if cap and sel.shape[0] > cap:
+        keep = torch.randperm(sel.shape[0], generator=opts.get("generator"))[:cap].sort().values
+        sel = sel[keep.to(sel.device)]
+    b, t = sel[:, 0], sel[:, 1]
+    hidden = target_out.hidden[b, t]  # (N, H)
+    root, targets = batch["root"][b, t], batch["targets"][b, t, :d]  # (N,), (N, D)
+    logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, V)
+    weights = torch.tensor(opts["slot_weights"][:d]) if opts.get("slot_weights") else None
+    kind = opts.get("loss", "ce")
+    loss = multi_position_ce(logits, targets, weights) if "ce" in kind else logits.new_zeros(())
+    if "kl" in kind:
+        # Teacher for slot k at position t: the target's distribution at t+1+k (greedy-path sequences only).
+        seq_len = batch["root"].shape[1]
+        pos = t[:, None] + 1 + torch.arange(d, device=t.device)  # (N, D)
+        valid = (pos < seq_len) & (targets != -100)
+        pos = pos.clamp_max(seq_len - 1)
+        if "topk_ids" in batch:
+            ids, lps = (
+                batch["topk_ids"][b[:, None], pos],
+                batch["topk_logprobs"][b[:, None], pos],
+            )  # (N, D, k)
+        else:
+            full = torch.log_softmax(target_out.logits[b[:, None], pos].float(), dim=-1)  # (N, D, V)
+            lps, ids = full.topk(int(opts.get("kl_topk", 20)), dim=-1)
+        loss = loss + float(opts.get("kl_weight", 1.0)) * soft_kl(logits, ids, lps, valid, weights)
+    return loss, {"logits": logits.detach(), "targets": targets}

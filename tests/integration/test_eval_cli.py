@@ -1,0 +1,111 @@
+"""`evaluate(cfg)` / `python evaluate.py` end to end on a tiny target with a random ReDrafter export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from specdraft.conf.schema import register_configs
+from specdraft.eval.cli import evaluate
+from specdraft.models import redrafter
+from specdraft.models.base_llm import target_fingerprint
+from specdraft.models.hub import export_drafter
+from specdraft.testing import tiny_llama, tiny_tokenizer
+from specdraft.train.config import ReDrafterSchema
+
+REPO = Path(__file__).resolve().parents[2]
+SUMMARY_KEYS = {"bench", "method", "tokens_per_step", "acceptance_rate", "ar_tokens_per_s", "spec_tokens_per_s", "speedup"}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """Tiny target folder + a randomly initialised ReDrafter exported next to it."""
+    root = tmp_path_factory.mktemp("eval_assets")
+    target, tok = tiny_llama(), tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    schema = ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, init_from_lm_head=True)
+    drafter = redrafter.build(schema, target, target_fingerprint(target, tok))
+    export_drafter(drafter, root / "drafter", {"steps": 0})
+    rows = [  # short MT-Bench-style questions (the char-level tokenizer makes real prompts long)
+        {"question_id": i, "category": c, "turns": [f"Say {w}.", "Again, shorter."]}
+        for i, (c, w) in enumerate([("writing", "hello"), ("math", "one two"), ("writing", "yes")])
+    ]
+    (root / "mini_mt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "mini_alpaca.jsonl").write_text(json.dumps({"instruction": "List two colors.", "dataset": "x"}) + "\n")
+    return root
+
+
+def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        f"base_model.name_or_path={assets / 'target'}", "base_model.dtype=fp32", "base_model.device=cpu",
+        f"output_root={assets / 'runs'}", f"eval.drafters=[{assets / 'drafter'}]", f"eval.out_dir={out}",
+        "eval.max_new_tokens=12", "eval.warmup_tokens=4", "eval.num_threads=1", *extra,
+    ]  # fmt: skip
+
+
+def test_evaluate_writes_tables_json_and_plots(assets, tmp_path, capsys):
+    GlobalHydra.instance().clear()
+    register_configs()
+    extra = [
+        f"eval.benches=[{assets / 'mini_mt.jsonl'},{assets / 'mini_alpaca.jsonl'}]", "eval.limit=2",
+        "eval.check_lossless=true",
+        "eval.baselines=[prompt_lookup,assisted]", f"eval.assistant_model={assets / 'target'}",
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path, *extra))
+    path = evaluate(cfg)
+    printed = capsys.readouterr().out
+    assert "mini_mt: speedup over autoregressive decoding" in printed and f"results: {path}" in printed
+
+    res = json.loads(path.read_text())
+    methods = ["ar", "redrafter:drafter", "hf_ar", "prompt_lookup", "assisted"]
+    assert [m["name"] for m in res["settings"]["methods"]] == methods
+    assert {(s["bench"], s["method"]) for s in res["summary"]} == {
+        (b, m) for b in ("mini_mt", "mini_alpaca") for m in methods
+    }
+    for s in res["summary"]:
+        assert SUMMARY_KEYS <= set(s)
+        if s["method"] != "ar":
+            assert {"identical", "total", "near_tie_divergences"} <= set(s)
+    spec = next(s for s in res["summary"] if s["bench"] == "mini_mt" and s["method"] == "redrafter:drafter")
+    assert spec["total"] == 4  # 2 questions x 2 turns
+    assert spec["identical"] + spec["near_tie_divergences"] == spec["total"]  # lossless up to numeric ties
+    assert spec["tokens_per_step"] >= 1.0 and 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["compression"] >= 1.0
+    assert {r["category"] for r in res["records"] if r["bench"] == "mini_mt"} == {"writing", "math"}
+    turns = {(r["id"], r["turn"]) for r in res["records"] if r["bench"] == "mini_mt"}
+    assert len(turns) == 4  # MT-Bench: both turns asked
+    t2 = next(r for r in res["records"] if r["turn"] == 2 and r["method"] == "ar")
+    t1 = next(r for r in res["records"] if r["turn"] == 1 and r["method"] == "ar" and r["id"] == t2["id"])
+    assert t2["prompt_tokens"] > t1["prompt_tokens"] + t1["new_tokens"] - 1  # turn 2 sees the first answer
+    assert res["machine"]["torch_threads"] >= 1 and res["settings"]["eval"]["limit"] == 2
+    assert {p.name for p in tmp_path.glob("*.png")} == {
+        f"{kind}_{b}.png" for kind in ("accept_hist", "category_speedup") for b in ("mini_mt", "mini_alpaca")
+    }
+
+
+def test_entry_point_with_sampling(assets, tmp_path):
+    args = [sys.executable, "evaluate.py", *_overrides(assets, tmp_path, "eval.limit=1", "eval.benches=[mt_bench]", "eval.temperature=0.8",
+            "eval.top_p=0.9", "eval.baselines=[]", "eval.plots=false", "eval.warmup=0")]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [s["method"] for s in res["summary"]] == ["ar", "redrafter:drafter"]
+    assert all(r["new_tokens"] >= 1 for r in res["records"])
+
+
+def test_unknown_baseline_is_a_clear_error(assets, tmp_path):
+    GlobalHydra.instance().clear()
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path, "eval.baselines=[medusa_magic]"))
+    with pytest.raises(ValueError, match="eval.baselines"):
+        evaluate(cfg)

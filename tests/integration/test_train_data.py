@@ -1,0 +1,103 @@
+"""data/collate.py: root/targets/pos_mask alignment (docs/design.md) and batching."""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.data.collate import Collator, EpochSampler, RowDataset, label_counts, make_targets
+
+
+def test_make_targets_shift_follows_the_design_alignment():
+    # x:    10 11 12 13 14 15 ; assistant tokens are 12..14 (positions 2-4)
+    ids = torch.tensor([10, 11, 12, 13, 14, 15])
+    mask = torch.tensor([0, 0, 1, 1, 1, 0])
+    root, targets, pos = make_targets(ids, mask, draft_len=2)
+    # position t trains iff x_{t+1} is an assistant token: t = 1, 2, 3
+    assert pos.tolist() == [False, True, True, True, False, False]
+    assert root.tolist()[:5] == [11, 12, 13, 14, 15]
+    # slot k of position t is x_{t+2+k}, ignored when past the end or not an assistant token
+    assert targets[1].tolist() == [13, 14]
+    assert targets[2].tolist() == [14, -100]
+    assert targets[3].tolist() == [-100, -100]
+
+
+def test_make_targets_from_continuations():
+    ids = torch.tensor([10, 11, 12, 13])
+    mask = torch.tensor([0, 1, 1, 1])
+    cont = torch.tensor([[11, 20, 21], [12, 22, 23], [13, 24, -100], [-100, -100, -100]])
+    root, targets, pos = make_targets(ids, mask, draft_len=2, continuations=cont)
+    assert pos.tolist() == [True, True, True, False]
+    assert root.tolist() == [11, 12, 13, 0]
+    assert targets.tolist() == [[20, 21], [22, 23], [24, -100], [-100, -100]]
+    try:
+        make_targets(ids, mask, draft_len=3, continuations=cont)
+    except ValueError as e:
+        assert "distill.T" in str(e)
+    else:
+        raise AssertionError("draft_len > T-1 must be refused")
+
+
+def test_collator_pads_and_keeps_alignment():
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]},
+        {"input_ids": [5, 9], "loss_mask": [0, 1]},
+    ]
+    batch = Collator(pad_id=0, draft_len=2)([RowDataset(rows)[0], RowDataset(rows)[1]])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["pos_mask"].tolist() == [[True, True, True, False], [True, False, False, False]]
+    assert batch["targets"][1].tolist() == [[-100, -100]] * 4
+    assert batch["targets"][0, 0].tolist() == [7, 8] and batch["index"].tolist() == [0, 1]
+    assert int(batch["num_positions"]) == 4
+
+
+def test_epoch_sampler_is_a_function_of_seed_and_epoch():
+    s = EpochSampler(10, seed=3)
+    a = list(s)
+    s.set_epoch(1)
+    b = list(s)
+    s.set_epoch(0)
+    assert list(s) == a and b != a and sorted(b) == list(range(10))
+
+
+def test_label_counts_only_assistant_tokens():
+    rows = [{"input_ids": [1, 2, 2, 3], "loss_mask": [0, 1, 1, 0]}]
+    assert label_counts(rows, 5).tolist() == [0, 0, 2, 0, 0]
+
+
+def test_distilled_dataset_rows_features_and_guard(tmp_path):
+    import pytest
+    from omegaconf import OmegaConf
+
+    from specdraft.data.collate import distilled_rows
+    from specdraft.distill.shards import FORMAT_VERSION, row_features, write_manifest, write_shard
+
+    spec = {"hidden": True, "layers": [], "topk": 0, "dtype": "bf16", "hidden_size": 4}
+    rows = []
+    for i in range(6):
+        hidden = torch.full((5, 4), float(i), dtype=torch.bfloat16)
+        rows.append({
+            "id": str(i), "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1], "response_lengths": [3],
+            "finish_reasons": ["eos"], "continuations": [[2, 3, 4], [3, 4, 5], [4, 5, 9], [5, 9, 9], [9, 9, -100]],
+            "hidden": hidden.view(torch.int16).numpy().tobytes(),
+        })  # fmt: skip
+    write_shard(tmp_path, 0, rows, row_features(True, spec), {})
+    target = {"name_or_path": "t", "hidden_size": 4, "vocab_size": 16, "tokenizer_hash": "abc"}
+    write_manifest(tmp_path, {"format_version": FORMAT_VERSION, "target": target, "features": spec,
+                              "shards": [{"name": "shard-00000", "rows": 6}], "num_rows": 6, "complete": True})  # fmt: skip
+    cfg = OmegaConf.create({"train": {"data_dir": str(tmp_path)}, "data": {"seed": 0, "val_fraction": 0.34}})
+    train, val, manifest = distilled_rows(cfg, target)
+    assert len(train) == 4 and len(val) == 2
+    items = [RowDataset(train, manifest["features"])[i] for i in range(2)]
+    batch = Collator(pad_id=0, draft_len=2)(items)
+    assert batch["hidden"].shape == (2, 5, 4) and batch["hidden"].dtype == torch.bfloat16
+    assert batch["root"][0].tolist() == [2, 3, 4, 5, 9]  # from continuations, not the shift
+    assert batch["targets"][0, 2].tolist() == [5, 9] and batch["pos_mask"][0].tolist() == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
+    with pytest.raises(ValueError, match="hidden_size"):
+        distilled_rows(cfg, {**target, "hidden_size": 8})

@@ -1,0 +1,98 @@
+"""The real entry point (`python train.py ...`) on a tiny target: trains, beats the unigram baseline, exports,
+and resumes exactly after `kill -9`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.models.hub import load_drafter
+from specdraft.testing import tiny_llama, tiny_tokenizer
+from specdraft.train.logging import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+WORDS = ["alpha", "beta", "gamma", "delta", "omega"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """A tiny target folder (random Llama + char tokenizer with ChatML) and 48 synthetic conversations."""
+    root = tmp_path_factory.mktemp("train_assets")
+    tiny_llama().save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    rng = random.Random(0)
+    with (root / "convs.jsonl").open("w") as f:
+        for i in range(48):
+            q, a = (" ".join(rng.choice(WORDS) for _ in range(n)) for n in (3, 6))
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            f.write(json.dumps({"id": str(i), "messages": msgs}) + "\n")
+    return root
+
+
+def run_train(assets: Path, name: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    args = [
+        sys.executable, "train.py",
+        f"base_model.name_or_path={assets / 'target'}", "base_model.dtype=fp32", "base_model.device=cpu",
+        f"data.source={assets / 'convs.jsonl'}", "data.num_samples=null", "data.val_fraction=0.125",
+        "data.max_length=96", f"output_root={assets / 'runs'}", f"name={name}",
+        "drafter.draft_len=3", "drafter.init_from_lm_head=false", "optim.lr=1e-2", "optim.warmup_steps=2",
+        "train.max_steps=24", "train.batch_size=4", "train.eval_every=8", "train.eval_batches=2",
+        "train.ckpt_every=8", "train.log_every=1", "train.progress=false", "train.cache_target_features=true",
+        "logger.tensorboard=false", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference(assets) -> Path:
+    run_train(assets, "ref")
+    return assets / "runs" / "ref"
+
+
+def test_entry_point_trains_beats_unigram_and_exports(reference, assets):
+    evals = [r for r in read_metrics(reference) if "eval/acc1_mean" in r]
+    assert [r["step"] for r in evals] == [8, 16, 24]
+    last = evals[-1]
+    assert last["eval/acc1_s0"] > last["eval/unigram_acc1_s0"] + 0.05
+    assert last["eval/sim_accept_len"] > last["eval/unigram_sim_accept_len"]
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step-00000016", "step-00000024"]
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["steps"] == 24 and summary["final_eval"]["eval/acc1_s0"] == last["eval/acc1_s0"]
+    drafter = load_drafter(str(reference / "export"), target=tiny_llama())
+    assert drafter.config.draft_len == 3 and drafter.config.training_summary["steps"] == 24
+    beams, _ = drafter.beam_search(torch.randn(32), 7, beam_width=4, draft_len=3)
+    assert beams.shape == (4, 4)
+
+
+def test_resume_after_kill_continues_the_same_curve(reference, assets):
+    crashed = run_train(assets, "killed", "train.crash_at_step=13", check=False)
+    assert crashed.returncode in (-9, 137), crashed.stderr[-2000:]
+    run_dir = assets / "runs" / "killed"
+    assert max(r["step"] for r in read_metrics(run_dir)) == 13  # steps 9..13 were done, then lost
+    run_train(assets, "killed", "train.resume=true")
+    ref = {
+        (r["step"], k): v
+        for r in read_metrics(reference)
+        for k, v in r.items()
+        if k.startswith(("train/loss", "eval/"))
+    }
+    got = {
+        (r["step"], k): v
+        for r in read_metrics(run_dir)
+        for k, v in r.items()
+        if k.startswith(("train/loss", "eval/"))
+    }
+    assert got.keys() == ref.keys()
+    for key, v in ref.items():
+        assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key

@@ -1,0 +1,154 @@
+"""Acceptance rules on stub logits: greedy always/never/partial, and exactness of rejection sampling."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specdraft.eval.tree import DraftTree
+from specdraft.eval.verify import greedy_verify, sample_verify, warp_probs
+
+V = 6
+
+
+def _onehot_logits(argmaxes: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(argmaxes), V)
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return logits  # (N, V)
+
+
+CHAIN = DraftTree(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 1, 2]))
+#        root 0 ─ 1 ─ 2            nodes: 0:r  1:'1'  2:'2'  3:'3'  4:'4'  5:'5'
+#               ├ 3                 (node 3 is a second child of the root, node 5 a child of node 3)
+#               └ 4 ─ ...
+BRANCHY = DraftTree(torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([-1, 0, 1, 0, 0, 3]))
+
+
+def test_greedy_always_accepts():
+    path, bonus = greedy_verify(CHAIN, _onehot_logits([1, 2, 3, 5]))
+    assert path.tolist() == [0, 1, 2, 3] and bonus == 5
+
+
+def test_greedy_never_accepts():
+    path, bonus = greedy_verify(CHAIN, _onehot_logits([4, 2, 3, 5]))
+    assert path.tolist() == [0] and bonus == 4
+
+
+def test_greedy_partial_acceptance():
+    path, bonus = greedy_verify(CHAIN, _onehot_logits([1, 2, 0, 5]))
+    assert path.tolist() == [0, 1, 2] and bonus == 0
+
+
+def test_greedy_picks_the_matching_branch():
+    # root's argmax is '3' -> node 3; node 3's argmax is '5' -> node 5; bonus from node 5
+    path, bonus = greedy_verify(BRANCHY, _onehot_logits([3, 2, 0, 5, 0, 1]))
+    assert path.tolist() == [0, 3, 5] and bonus == 1
+    # a mismatch deep in the first branch does not leak acceptance into it
+    path, bonus = greedy_verify(BRANCHY, _onehot_logits([1, 4, 0, 5, 0, 1]))
+    assert path.tolist() == [0, 1] and bonus == 4
+
+
+def test_sampling_at_near_zero_temperature_is_greedy():
+    g = torch.Generator().manual_seed(0)
+    logits = _onehot_logits([3, 2, 0, 5, 0, 1]) * 10
+    path, bonus = sample_verify(BRANCHY, logits, temperature=0.01, generator=g)
+    assert path.tolist() == [0, 3, 5] and bonus == 1
+
+
+# ---- exactness of the sampling rule ------------------------------------------------------------------
+# Tree with a duplicate sibling (node 3 repeats node 1's token) and a leaf-only branch.
+SAMPLE_TREE = DraftTree(torch.tensor([0, 1, 2, 1, 3, 0, 4]), torch.tensor([-1, 0, 0, 0, 1, 1, 2]))
+
+
+def _target_outcomes(tree: DraftTree, probs: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """The target's law of the emitted sequence: at node u draw x ~ p_u; descend if x is a child token."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(node: int, prefix: tuple[int, ...], prob: float) -> None:
+        children = {}
+        for c in (tree.parents == node).nonzero().squeeze(1).tolist():
+            children.setdefault(int(tree.tokens[c]), c)  # first sibling wins for duplicates
+        for x in range(probs.shape[1]):
+            q = prob * float(probs[node, x])
+            if x in children:
+                walk(children[x], (*prefix, x), q)
+            else:
+                out[(*prefix, x)] = q
+
+    walk(0, (), 1.0)
+    return out
+
+
+def _chi2_pvalue(counts: Counter, expected: dict, n: int) -> float:
+    """Pearson chi-square p-value; cells with expected count < 5 are pooled."""
+    obs, exp = [], []
+    pool_o, pool_e = 0.0, 0.0
+    for key, p in expected.items():
+        if p * n < 5:
+            pool_o, pool_e = pool_o + counts.get(key, 0), pool_e + p * n
+        else:
+            obs.append(counts.get(key, 0))
+            exp.append(p * n)
+    unknown = sum(c for k, c in counts.items() if k not in expected)
+    obs.append(pool_o + unknown)
+    exp.append(max(pool_e, 1e-9))
+    o, e = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((o - e) ** 2 / e).sum()
+    df = torch.tensor((len(obs) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
+def _broken_residual(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
+    """BROKEN: correct acceptance, but the bonus is drawn from p_u instead of the residual."""
+    path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
+    probs = warp_probs(logits[path[-1]], temperature, top_k, top_p)
+    return path, int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _broken_no_renorm(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
+    """BROKEN: each child accepted with p_u(c) without renormalising after earlier rejections."""
+    probs = warp_probs(logits, temperature, top_k, top_p)
+    node, path = 0, [0]
+    while True:
+        children = (tree.parents == node).nonzero().squeeze(1).tolist()
+        nxt = next((c for c in children if torch.rand(1, generator=generator) < probs[node, tree.tokens[c]]), None)
+        if nxt is None:
+            residual = probs[node].clone()
+            residual[tree.tokens[children]] = 0
+            return torch.tensor(path), int(torch.multinomial(residual, 1, generator=generator))
+        node = nxt
+        path.append(node)
+
+
+def _sample_outcomes(rule, logits, n, temperature, top_k=0, top_p=1.0):
+    g = torch.Generator().manual_seed(1234)
+    counts: Counter = Counter()
+    for _ in range(n):
+        path, bonus = rule(SAMPLE_TREE, logits, temperature, top_k, top_p, g)
+        counts[(*SAMPLE_TREE.tokens[path[1:]].tolist(), bonus)] += 1
+    return counts
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_sampling_rule_matches_target_distribution(temperature, top_k, top_p):
+    logits = torch.randn(SAMPLE_TREE.num_nodes, V, generator=torch.Generator().manual_seed(3)) * 1.5
+    expected = _target_outcomes(SAMPLE_TREE, warp_probs(logits, temperature, top_k, top_p))
+    n = 4000
+    counts = _sample_outcomes(sample_verify, logits, n, temperature, top_k, top_p)
+    assert _chi2_pvalue(counts, expected, n) > 1e-3
+
+
+@pytest.mark.parametrize("broken", [_broken_residual, _broken_no_renorm])
+def test_chi_square_detects_broken_rules(broken):
+    logits = torch.randn(SAMPLE_TREE.num_nodes, V, generator=torch.Generator().manual_seed(3)) * 1.5
+    expected = _target_outcomes(SAMPLE_TREE, warp_probs(logits, 1.0))
+    n = 4000
+    counts = _sample_outcomes(broken, logits, n, 1.0)
+    assert _chi2_pvalue(counts, expected, n) < 1e-6
+
+
+def test_warp_top_k_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert (warp_probs(logits, 1.0, top_k=2)[0, 2:] == 0).all()
+    p = warp_probs(logits, 1.0, top_p=0.5)  # the top token alone has mass ~0.64 >= 0.5
+    assert p[0, 0] == 1.0

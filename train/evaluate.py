@@ -1,0 +1,150 @@
+"""Held-out evaluation of a drafter against the target's tokens, with a unigram baseline beside it."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specdraft.models.base_llm import TargetOutput, forward_with_hidden
+from specdraft.train.losses import (
+    IGNORE_INDEX,
+    per_slot_ce,
+    simulated_acceptance_length,
+    topk_hits,
+    unigram_hits,
+)
+
+
+class TargetFeatures:
+    """Frozen-target features for batches, under `torch.no_grad()`, optionally memoised per row.
+
+    With `cache=True` each row's hidden states (L, H) are computed once, by a forward over that row alone (so the
+    values never depend on batch composition or padding, which keeps resumed runs exact), kept on the CPU in
+    the target's dtype and reused in later epochs and evaluations. Cached distill/ features in the batch
+    (`hidden`) are used as they are. Logits (online soft targets) are never memoised; extra layers (EAGLE-3) are
+    memoised with the hidden states.
+    """
+
+    def __init__(self, target: Any, cache: bool = False, layers: tuple[int, ...] = ()) -> None:
+        self.target, self.cache, self.layers = target, cache, tuple(layers)
+        self.memo: dict[int, Tensor] = {}
+
+    def __call__(self, batch: dict[str, Tensor], need_logits: bool = False) -> TargetOutput:
+        """batch -> TargetOutput with hidden (B, L, H) (and logits (B, L, V) when `need_logits`)."""
+        if "hidden" in batch and not need_logits and not self.layers:
+            return TargetOutput(batch["hidden"].new_empty(0), batch["hidden"], None, None)
+        with torch.no_grad():
+            if need_logits or not self.cache or "index" not in batch:
+                return forward_with_hidden(
+                    self.target,
+                    batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    layers=self.layers,
+                    logits=need_logits,
+                )
+            ids, lens = batch["input_ids"], batch["attention_mask"].sum(1).tolist()
+            rows = []
+            for b, key in enumerate(batch["index"].tolist()):
+                if key not in self.memo:
+                    row = ids[b : b + 1, : lens[b]]  # (1, n)
+                    out = forward_with_hidden(self.target, row, layers=self.layers, logits=False)
+                    self.memo[key] = (
+                        out.hidden[0].cpu(),
+                        None if out.layers is None else out.layers[0].cpu(),
+                    )
+                rows.append(self.memo[key])  # (n, H), (n, m, H) | None
+            hidden = ids.new_zeros((*ids.shape, rows[0][0].shape[-1]), dtype=rows[0][0].dtype)  # (B, L, H)
+            layers = (
+                None
+                if rows[0][1] is None
+                else ids.new_zeros((*ids.shape, *rows[0][1].shape[1:]), dtype=rows[0][1].dtype)
+            )
+            for b, (h, lay) in enumerate(rows):
+                hidden[b, : h.shape[0]] = h.to(hidden.device)
+                if layers is not None:
+                    layers[b, : lay.shape[0]] = lay.to(layers.device)  # (B, L, m, H)
+            return TargetOutput(hidden.new_empty(0), hidden, layers, None)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    family: ModuleType,
+    features: TargetFeatures,
+    batches: Any,
+    opts: dict[str, Any],
+    unigram_counts: Tensor,
+    topk: int = 5,
+    max_batches: int | None = None,
+) -> dict[str, float]:
+    """Per-slot CE, top-1/top-k accuracy, simulated and chain acceptance length; the same for the unigram baseline.
+
+    Args:
+        model: the (unwrapped) drafter, switched to eval mode for the call.
+        family: its family module (`compute_loss`).
+        features: gives the frozen target's outputs for a batch.
+        batches: iterable of collated batches on the model's device.
+        opts: `compute_loss` options; `max_positions` is the fixed per-batch sample, `generator` is reseeded.
+        unigram_counts: (V,) training label counts.
+        topk: k of the top-k accuracy.
+        max_batches: stop after this many batches (None: all).
+
+    Returns:
+        flat dict of floats keyed `eval/...` (slot k in `..._s{k}`).
+    """
+    was_training = model.training
+    model.eval()
+    ce_sum = hits1 = hitsk = uni1 = unik = valid = None
+    lead_sum, rows = 0.0, 0
+    gen = torch.Generator().manual_seed(1234)  # the same positions at every evaluation
+    for i, batch in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
+            break
+        tout = features(batch, "kl" in opts.get("loss", "ce") and "topk_ids" not in batch)
+        _, aux = family.compute_loss(model, batch, tout, {**opts, "generator": gen})
+        logits, targets = aux["logits"], aux["targets"]  # (N, D, V), (N, D)
+        ok = targets != IGNORE_INDEX  # (N, D)
+        n = ok.sum(0).double()  # (D,)
+        h1, hk = topk_hits(logits, targets, 1), topk_hits(logits, targets, topk)
+        parts = (
+            per_slot_ce(logits, targets).double() * n,
+            h1.sum(0).double(),
+            hk.sum(0).double(),
+            unigram_hits(unigram_counts, targets, 1).sum(0).double(),
+            unigram_hits(unigram_counts, targets, topk).sum(0).double(),
+            n,
+        )
+        if ce_sum is None:
+            ce_sum, hits1, hitsk, uni1, unik, valid = (p.cpu() for p in parts)
+        else:
+            ce_sum, hits1, hitsk, uni1, unik, valid = (
+                a + p.cpu() for a, p in zip((ce_sum, hits1, hitsk, uni1, unik, valid), parts)
+            )
+        first = ok[:, 0]
+        lead_sum += float(torch.cumprod((h1 & ok)[first].long(), dim=1).sum())
+        rows += int(first.sum())
+    if was_training:
+        model.train()
+    if valid is None:
+        return {}
+    denom = valid.clamp_min(1.0)
+    acc1, acck, u1, uk = hits1 / denom, hitsk / denom, uni1 / denom, unik / denom
+    out: dict[str, float] = {
+        "eval/loss": float((ce_sum / denom).sum()),
+        "eval/acc1_mean": float(acc1.mean()),
+        f"eval/acc{topk}_mean": float(acck.mean()),
+        "eval/sim_accept_len": simulated_acceptance_length(acc1),
+        "eval/chain_accept_len": 1.0 + lead_sum / max(rows, 1),
+        "eval/unigram_acc1_mean": float(u1.mean()),
+        "eval/unigram_sim_accept_len": simulated_acceptance_length(u1),
+        "eval/positions": float(rows),
+    }
+    for k in range(acc1.numel()):
+        out[f"eval/acc1_s{k}"] = float(acc1[k])
+        out[f"eval/acc{topk}_s{k}"] = float(acck[k])
+        out[f"eval/unigram_acc1_s{k}"] = float(u1[k])
+        out[f"eval/unigram_acc{topk}_s{k}"] = float(uk[k])
+    return out

@@ -1,0 +1,311 @@
+"""The training loop: `train(cfg) -> export folder`. Reads top to bottom: build, loop, evaluate, checkpoint, export.
+
+Works for every drafter family through models/registry.py (`build`, `compute_loss`), single process or under
+`accelerate launch` (DDP over gloo on CPU, NCCL or DeepSpeed ZeRO-2 on GPUs). The frozen target is loaded once,
+kept out of `accelerator.prepare` and the optimizer, and only ever run under `torch.no_grad()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator, InitProcessGroupKwargs
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+
+from specdraft.data.collate import Collator, EpochSampler, RowDataset, distilled_rows, label_counts, raw_rows
+from specdraft.models.base_llm import load_target, target_fingerprint
+from specdraft.models.hub import export_drafter, push_to_hub
+from specdraft.models.registry import get_family
+from specdraft.train import checkpoint as ckpt
+from specdraft.train.evaluate import TargetFeatures, evaluate
+from specdraft.train.logging import make_logger, truncate_metrics
+from specdraft.train.losses import per_slot_accuracy, topk_hits
+from specdraft.utils import atomic_write_json, seed_everything
+
+log = logging.getLogger(__name__)
+
+
+def make_accelerator(cfg: DictConfig) -> Accelerator:
+    """CPU (gloo) when there is no CUDA, else the launcher's choice (DDP/DeepSpeed from the accelerate config)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    cpu = not torch.cuda.is_available() and not deepspeed  # cpu=True would bypass DeepSpeed entirely
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # Under a launcher on CPU, force gloo (DeepSpeed on CPU would otherwise pick ccl); never when single-process.
+    handlers = (
+        [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() and distributed else []
+    )
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision=cfg.train.mixed_precision,
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        kwargs_handlers=handlers,
+    )
+
+
+def lr_lambda(warmup: int, total: int, kind: str, calls_per_step: int):
+    """LambdaLR factor: linear warm-up then cosine (or constant). accelerate steps a prepared scheduler
+    `num_processes` times per optimiser step, hence `calls_per_step`."""
+
+    def f(calls: int) -> float:
+        step = calls / calls_per_step
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return f
+
+
+def loss_options(cfg: DictConfig, eval_mode: bool = False) -> dict[str, Any]:
+    """Options handed to `family.compute_loss`."""
+    t = cfg.train
+    return {
+        "loss": t.loss,
+        "kl_weight": t.kl_weight,
+        "kl_topk": t.kl_topk,
+        "slot_weights": list(t.slot_weights) if t.slot_weights else None,
+        "draft_len": int(cfg.drafter.draft_len),
+        "max_positions": t.eval_max_positions if eval_mode else t.max_positions,
+    }
+
+
+def train(cfg: DictConfig) -> Path:
+    """Train a drafter on the frozen target and export it.
+
+    Args:
+        cfg: the composed root config (conf/schema.py `RootConfig`).
+
+    Returns:
+        the export folder (`train.export_dir`, default `<run_dir>/export`).
+    """
+    t0 = time.time()
+    run_dir = Path(cfg.run_dir)
+    acc = make_accelerator(cfg)
+    seed_everything(cfg.train.seed)
+    main = acc.is_main_process
+    if main:
+        log.info(
+            "run dir %s | %d process(es) on %s | %s",
+            run_dir,
+            acc.num_processes,
+            acc.device,
+            acc.distributed_type,
+        )
+
+    # ---- 1. frozen target (never prepared, never optimised) ------------------------------------------------
+    target, tokenizer = load_target(cfg.base_model)
+    if cfg.base_model.device == "auto":
+        target.to(acc.device)
+    fingerprint = target_fingerprint(target, tokenizer)
+    family = get_family(cfg.drafter.family)
+
+    # ---- 2. data ----------------------------------------------------------------------------------------------
+    if cfg.train.data_dir:
+        train_rows, val_rows, manifest = distilled_rows(cfg, fingerprint)
+        feats = manifest.get("features") if cfg.train.use_cached_features else None
+        data_info = f"distilled {cfg.train.data_dir} ({manifest.get('num_rows')} rows)"
+    else:
+        train_rows, val_rows, data_info = raw_rows(cfg, tokenizer)
+        feats = None
+    if len(train_rows) < cfg.train.batch_size * acc.num_processes or not len(val_rows):
+        raise ValueError(
+            f"too little data: {len(train_rows)} train / {len(val_rows)} val rows for train.batch_size="
+            f"{cfg.train.batch_size} x {acc.num_processes} processes (raise data.num_samples or data.val_fraction)"
+        )
+    collate = Collator(pad_id=int(tokenizer.pad_token_id), draft_len=int(cfg.drafter.draft_len))
+    sampler = EpochSampler(len(train_rows), cfg.train.seed)
+    loader = DataLoader(
+        RowDataset(train_rows, feats),
+        batch_size=cfg.train.batch_size,
+        sampler=sampler,
+        collate_fn=collate,
+        drop_last=True,
+        num_workers=cfg.train.num_workers,
+    )
+    val_loader = DataLoader(RowDataset(val_rows, feats), batch_size=cfg.train.batch_size, collate_fn=collate)
+    counts = label_counts(train_rows, int(fingerprint["vocab_size"]))
+    if main:
+        log.info("data: %s | %d train / %d val conversations", data_info, len(train_rows), len(val_rows))
+
+    # ---- 3. drafter, optimiser, schedule -------------------------------------------------------------------
+    extra = (
+        {"token_counts": counts} if getattr(family, "USES_TOKEN_COUNTS", False) else {}
+    )  # EAGLE-3 draft vocab
+    model = family.build(cfg.drafter, target, fingerprint, **extra).to(acc.device)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(o.warmup_steps, cfg.train.max_steps, o.scheduler, acc.num_processes)
+    )
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    # ---- 4. resume ----------------------------------------------------------------------------------------------
+    ckpt_root = ckpt.checkpoint_dir(run_dir)
+    step, epoch, batch_in_epoch = 0, 0, 0
+    if main:
+        ckpt.clean_partial(ckpt_root)
+    latest = ckpt.latest_checkpoint(ckpt_root) if cfg.train.resume else None
+    if latest is not None:
+        meta = ckpt.load_checkpoint(acc, latest)
+        step, epoch, batch_in_epoch = meta["step"], meta["data"]["epoch"], meta["data"]["batch_in_epoch"]
+        if main:
+            truncate_metrics(run_dir, step)
+            log.info("resumed from %s (step %d, epoch %d, batch %d)", latest, step, epoch, batch_in_epoch)
+    elif cfg.train.resume and main:
+        log.info("train.resume=true but no checkpoint in %s: starting fresh", ckpt_root)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    logger = make_logger(run_dir, cfg.logger, str(cfg.name), resolved, main)  # type: ignore[arg-type]
+    if main:
+        log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.family, n_params / 1e6)
+
+    # ---- 5. loop --------------------------------------------------------------------------------------------
+    opts, eval_opts = loss_options(cfg), loss_options(cfg, eval_mode=True)
+    need_logits = "kl" in cfg.train.loss
+    # Intermediate target layers: per-model (EAGLE-3 `config.target_layers`, depends on the target's depth) or per family.
+    layers = tuple(
+        getattr(acc.unwrap_model(model).config, "target_layers", None) or getattr(family, "TARGET_LAYERS", ())
+    )
+    train_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
+    val_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
+    bar = _progress(cfg, main, step)
+    last_eval: dict[str, float] = {}
+    tick, tick_step, tokens, positions = time.time(), step, 0, 0
+    model.train()
+    while step < cfg.train.max_steps:
+        loader.set_epoch(epoch)
+        batches = acc.skip_first_batches(loader, batch_in_epoch) if batch_in_epoch else loader
+        for batch in batches:
+            with acc.accumulate(model):
+                tout = train_feats(batch, need_logits and "topk_ids" not in batch)
+                gen = torch.Generator().manual_seed(
+                    hash((cfg.train.seed, epoch, batch_in_epoch, acc.process_index)) % 2**62
+                )
+                loss, aux = family.compute_loss(model, batch, tout, {**opts, "generator": gen})
+                acc.backward(loss)
+                if acc.sync_gradients and cfg.optim.max_grad_norm > 0:
+                    acc.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            batch_in_epoch += 1
+            tokens += int(batch["attention_mask"].sum())
+            positions += int(aux["targets"].shape[0])
+            if not acc.sync_gradients:
+                continue
+            step += 1
+            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                dt = max(time.time() - tick, 1e-9)
+                acc1 = per_slot_accuracy(topk_hits(aux["logits"], aux["targets"]), aux["targets"] != -100)
+                rec = {
+                    "train/loss": float(loss.detach()),
+                    "train/acc1_s0": float(acc1[0]),
+                    "lr": scheduler.get_last_lr()[0],
+                    "steps_per_s": (step - tick_step) / dt,
+                    "tokens_per_s": tokens * acc.num_processes / dt,
+                    "positions_per_s": positions * acc.num_processes / dt,
+                    "epoch": epoch,
+                }
+                logger.log(rec, step)
+                bar.set_postfix(
+                    loss=f"{rec['train/loss']:.3f}",
+                    it_s=f"{rec['steps_per_s']:.2f}",
+                    tok_s=f"{rec['tokens_per_s']:.0f}",
+                )
+                tick, tick_step, tokens, positions = time.time(), step, 0, 0
+            bar.update(1)
+            if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
+                last_eval = evaluate(
+                    acc.unwrap_model(model),
+                    family,
+                    val_feats,
+                    _on(val_loader, acc.device),
+                    eval_opts,
+                    counts,
+                    cfg.train.topk_acc,
+                    cfg.train.eval_batches,
+                )
+                logger.log(last_eval, step)
+                if main:
+                    log.info("step %d eval: %s", step, _fmt(last_eval))
+                tick, tick_step, tokens, positions = time.time(), step, 0, 0  # rates exclude evaluation
+            if step % cfg.train.ckpt_every == 0 or step == cfg.train.max_steps:
+                meta = {
+                    "step": step,
+                    "data": {"epoch": epoch, "batch_in_epoch": batch_in_epoch},
+                    "config": resolved,
+                }
+                ckpt.save_checkpoint(acc, ckpt_root, meta, cfg.train.keep_last)
+            if cfg.train.crash_at_step is not None and step == cfg.train.crash_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # testing: die like `kill -9`, no cleanup
+            if step >= cfg.train.max_steps:
+                break
+        else:
+            epoch, batch_in_epoch = epoch + 1, 0
+    bar.close()
+    logger.close()
+
+    # ---- 6. export --------------------------------------------------------------------------------------------
+    export_dir = Path(cfg.train.export_dir or run_dir / "export")
+    summary = {
+        "steps": step,
+        "wall_time_s": round(time.time() - t0, 1),
+        "data": data_info,
+        "final_eval": last_eval,
+        "target": fingerprint,
+        "processes": acc.num_processes,
+        "trainable_params": n_params,
+        "extra": OmegaConf.to_container(cfg.train.extra),
+    }
+    acc.wait_for_everyone()
+    if main:
+        atomic_write_json(run_dir / "summary.json", summary)
+        if cfg.train.export:
+            export_drafter(acc.unwrap_model(model), export_dir, summary)
+            if cfg.train.push_to_hub:
+                push_to_hub(export_dir, cfg.train.push_to_hub)
+        log.info("done in %.0f s: %s | export %s", summary["wall_time_s"], _fmt(last_eval), export_dir)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return export_dir
+
+
+def _on(loader: DataLoader, device: torch.device):
+    """Yield `loader`'s batches moved to `device` (the eval loader is not prepared: every rank sees all of it)."""
+    for batch in loader:
+        yield {k: v.to(device) for k, v in batch.items()}
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    keys = (
+        "eval/loss",
+        "eval/acc1_s0",
+        "eval/acc1_mean",
+        "eval/unigram_acc1_mean",
+        "eval/sim_accept_len",
+        "eval/chain_accept_len",
+    )
+    return ", ".join(f"{k[5:]}={metrics[k]:.3f}" for k in keys if k in metrics)
+
+
+def _progress(cfg: DictConfig, main: bool, start: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=cfg.train.max_steps,
+        initial=start,
+        disable=not (main and cfg.train.progress),
+        desc="train",
+        dynamic_ncols=True,
+    )

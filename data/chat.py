@@ -42,8 +42,8 @@ def tokenize_conversation(
 ) -> dict[str, list[int]]:
     """Tokenise a conversation with the chat template and mark the assistant tokens.
 
-    The mask covers each assistant turn's content and its end-of-turn marker, not the role header, so a
-    model trained on it learns what the assistant says. The template must be prefix-stable (rendering
+    The mask covers each assistant turn's content and its end-of-turn marker (not the role header, not
+    template text after the marker), so a model trained on it learns what the assistant says. The template must be prefix-stable (rendering
     messages[:i] is a prefix of rendering messages[:i+1]), which holds for common chat templates.
 
     Args:
@@ -65,7 +65,7 @@ def tokenize_conversation(
                 "chat template is not prefix-stable: rendering the conversation up to an assistant turn is not "
                 "a prefix of rendering it with that turn; set base_model.chat_template to a template that is"
             )
-        spans.append((len(head), len(full)))
+        spans.append((len(head), _turn_end(tokenizer, full, len(head), msg["content"])))
     text = render(tokenizer, messages, add_generation_prompt=False)
     enc: Any = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -79,6 +79,15 @@ def tokenize_conversation(
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return {"input_ids": ids, "loss_mask": mask}
+
+
+def _turn_end(tokenizer: PreTrainedTokenizerBase, full: str, start: int, content: str) -> int:
+    """Char offset just past the assistant turn's end-of-turn marker (template text after it is not trained)."""
+    if not full.startswith(content, start):
+        return len(full)
+    after = start + len(content)
+    ends = [full.find(t, after) + len(t) for t in {tokenizer.eos_token, *END_OF_TURN_TOKENS} if t and t in full[after:]]
+    return min(ends) if ends else len(full)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

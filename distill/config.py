@@ -10,7 +10,7 @@ class DistillConfig:
     """Self-distillation / continuation targets made with the frozen target."""
 
     out_dir: str | None = None  # dataset folder (default <run_dir>/distilled)
-    num_samples: int | None = 64  # conversations to distill (None: all)
+    num_samples: int | None = 64  # conversations to distill (None: data.num_samples)
     regenerate: bool = True  # regenerate assistant turns with the target (self-distillation)
     do_sample: bool = False  # sample instead of greedy
     temperature: float = 0.7  # sampling temperature (do_sample=true)

@@ -82,8 +82,10 @@ def make_spec(cfg_distill, model) -> FeatureSpec:
     )
 
 
-def check_disk_budget(spec: FeatureSpec, num_rows: int, max_tokens_per_row: int, max_disk_gb: float) -> float:
-    """Print the projected feature size (an upper bound) and refuse when it exceeds `max_disk_gb`.
+def check_disk_budget(
+    spec: FeatureSpec, num_rows: int, max_tokens_per_row: int, max_disk_gb: float, show: bool = True
+) -> float:
+    """Print the projected feature size (an upper bound; `show`) and refuse when it exceeds `max_disk_gb`.
 
     Returns:
         The projected size in GB (0.0 when no feature is cached).
@@ -94,11 +96,12 @@ def check_disk_budget(spec: FeatureSpec, num_rows: int, max_tokens_per_row: int,
     if not spec.enabled:
         return 0.0
     gb = num_rows * max_tokens_per_row * spec.bytes_per_token() / 1e9
-    print(
-        f"[distill] projected feature size: <= {gb:.3f} GB ({num_rows} rows x <= {max_tokens_per_row} tokens x "
-        f"{spec.bytes_per_token()} B/token; limit distill.max_disk_gb={max_disk_gb})",
-        flush=True,
-    )
+    if show:
+        print(
+            f"[distill] projected feature size: <= {gb:.3f} GB ({num_rows} rows x <= {max_tokens_per_row} tokens x "
+            f"{spec.bytes_per_token()} B/token; limit distill.max_disk_gb={max_disk_gb})",
+            flush=True,
+        )
     if gb > max_disk_gb:
         raise ValueError(
             f"cached features would take up to {gb:.2f} GB > distill.max_disk_gb={max_disk_gb}. Lower "
@@ -143,7 +146,7 @@ def compute_features(
             ids[r, : len(sequences[i])] = torch.tensor(list(sequences[i]))
             mask[r, : len(sequences[i])] = 1
         res = forward_with_hidden(
-            model, ids.to(device), attention_mask=mask.to(device), layers=spec.layers, logits=spec.topk > 0
+            model, ids.to(device), attention_mask=mask.to(device), layers=spec.layers, logits=False
         )
         for r, i in enumerate(group):
             n = len(sequences[i])
@@ -155,7 +158,8 @@ def compute_features(
                     _to_bytes(res.layers[r, :n, m], dtype) for m in range(len(spec.layers))
                 ]
             if spec.topk > 0:
-                logp = torch.log_softmax(res.logits[r, :n].float(), dim=-1)  # (n, V)
+                head = model.get_output_embeddings()  # one row's (n, V) logits at a time, not the batch's
+                logp = torch.log_softmax(head(res.hidden[r, :n]).float(), dim=-1)  # (n, V)
                 vals, idx = logp.topk(spec.topk, dim=-1)  # (n, k)
                 row["topk_ids"] = idx.tolist()
                 row["topk_logprobs"] = _to_bytes(vals, dtype)

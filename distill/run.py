@@ -123,8 +123,8 @@ def distill(cfg: DictConfig) -> Path:
     S = int(d.shard_size)
     plan = [[c.id for c in convs[i : i + S]] for i in range(0, len(convs), S)]
     done = check_compatible(out_dir, header, plan)
+    check_disk_budget(spec, len(convs), int(cfg.data.max_length), float(d.max_disk_gb), show=rank == 0)
     if rank == 0:
-        check_disk_budget(spec, len(convs), int(cfg.data.max_length), float(d.max_disk_gb))
         clean_stale_tmp(out_dir)  # leftovers of a killed run; before the barrier, so no rank is writing yet
     need_cont = not (d.regenerate and not d.do_sample)
     features = row_features(need_cont, header["features"])
@@ -169,21 +169,21 @@ def distill(cfg: DictConfig) -> Path:
     for i in mine:
         t0 = time.time()
         shard_convs = convs[i * S : (i + 1) * S]
-        gen = torch.Generator().manual_seed(int(d.seed) * 1_000_003 + i)  # per shard: resume reproduces it
+        seed = int(d.seed) * 1_000_003 + i  # per shard: a resumed run draws the same samples
+        gen = torch.Generator(device=model.device).manual_seed(seed)
         rows, skipped, counts = build_rows(
             model, tokenizer, shard_convs, settings, bool(d.regenerate), int(d.max_turns), int(cfg.data.max_length),
             int(d.T), generator=gen, on_tokens=on_tokens, cont_chunk=int(d.continuation_chunk),
         )  # fmt: skip
         if spec.enabled and rows:
-            for row, feats in zip(
-                rows, compute_features(model, [r["input_ids"] for r in rows], spec, settings.batch_tokens)
-            ):
-                row.update(feats)
+            feats = compute_features(model, [r["input_ids"] for r in rows], spec, settings.batch_tokens)
+            for row, f in zip(rows, feats):
+                row.update(f)
         stats = {
             "settings_hash": settings_hash(header),
             "ids_digest": ids_digest(plan[i]),
             "skipped": dict(skipped),
-            "counts": {k: v for k, v in counts.items() if not k.startswith("error:")},
+            "counts": dict(counts),
             "seconds": round(time.time() - t0, 3),
             "rank": rank,
         }

@@ -180,9 +180,8 @@ def build_rows(
             continue
         try:
             enc = tokenize_conversation(tokenizer, r.messages, max_length)
-        except (ValueError, KeyError, TypeError) as e:  # template cannot render this conversation
+        except (ValueError, KeyError, TypeError):  # the template cannot render this conversation
             skipped["chat_template_error"] += 1
-            stats[f"error:{type(e).__name__}"] += 1
             continue
         ids, mask = enc["input_ids"], list(enc["loss_mask"])
         if regen and not need_cont:  # greedy: shifting must give exact continuations

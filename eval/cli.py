@@ -39,10 +39,25 @@ def _drafter_paths(cfg: DictConfig) -> list[str]:
     return []
 
 
+def _spec(cfg: DictConfig, runner, name: str, model, tokenizer, proposer, stop_ids: set[int], sampling: dict):
+    """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name)."""
+    e = cfg.eval
+    if e.acceptance != "exact":  # Medusa typical acceptance: LOSSY, labelled in every table
+        if e.acceptance != "typical":
+            raise ValueError(f"eval.acceptance={e.acceptance!r}: choose exact (lossless) or typical (lossy)")
+        from specdraft.eval.medusa_tree import typical_rule
+
+        rule = typical_rule(
+            float(e.temperature), float(e.typical_epsilon), float(e.typical_delta), int(e.seed)
+        )
+        sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
+    return runner.spec_method(name, model, tokenizer, proposer, stop_ids, sampling, bool(e.profile))
+
+
 def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[list, dict[str, str]]:
     """The AR reference, one method per drafter, then the transformers baselines (and why any was skipped)."""
     from specdraft.eval import runner
-    from specdraft.eval.proposers import drafter_family, make_proposer
+    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
     from specdraft.models.base_llm import target_fingerprint
     from specdraft.models.hub import load_drafter
 
@@ -52,32 +67,50 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     fingerprint = target_fingerprint(model, tokenizer)
     for path in _drafter_paths(cfg):
         drafter = load_drafter(path, model, fingerprint)
-        proposer = make_proposer(drafter, e.beam_width, e.beam_length, e.tree_nodes, bool(e.int8_draft_head))
-        name = f"{drafter_family(drafter)}:{Path(path).name or path}"
-        while any(m.name == name for m in methods):
-            name += "'"
-        spec_sampling = sampling
-        if e.acceptance != "exact":  # Medusa typical acceptance: LOSSY, labelled in every table
-            if e.acceptance != "typical":
-                raise ValueError(f"eval.acceptance={e.acceptance!r}: choose exact (lossless) or typical (lossy)")
-            from specdraft.eval.medusa_tree import typical_rule
-
-            rule = typical_rule(float(e.temperature), float(e.typical_epsilon), float(e.typical_delta), int(e.seed))
-            spec_sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
-        methods.append(runner.spec_method(name, model, tokenizer, proposer, stop_ids, spec_sampling, bool(e.profile)))
+        base_name = f"{drafter_family(drafter)}:{Path(path).name or path}"
+        variants = [(base_name, 0)]
+        if e.lookup_tokens and drafter_family(drafter) == "redrafter":  # also with a prompt-lookup beam
+            variants.append((base_name + "+lookup", int(e.lookup_tokens)))
+        for name, lookup_tokens in variants:
+            proposer = make_proposer(
+                drafter,
+                e.beam_width,
+                e.beam_length,
+                e.tree_nodes,
+                bool(e.int8_draft_head),
+                lookup_tokens,
+                float(e.draft_min_prob),
+            )
+            while any(m.name == name for m in methods):
+                name += "'"
+            methods.append(_spec(cfg, runner, name, model, tokenizer, proposer, stop_ids, sampling))
     skipped: dict[str, str] = {}
     baselines = list(e.baselines)
-    unknown = set(baselines) - {"prompt_lookup", "assisted"}
+    unknown = set(baselines) - {"prompt_lookup", "assisted", "tree_lookup"}
     if unknown:
-        raise ValueError(f"eval.baselines: unknown {sorted(unknown)} (choose from prompt_lookup, assisted)")
+        raise ValueError(
+            f"eval.baselines: unknown {sorted(unknown)} (choose from prompt_lookup, assisted, tree_lookup)"
+        )
+    if "tree_lookup" in baselines:  # prompt lookup through our decoder: compares the two implementations
+        lookup = PromptLookupProposer(int(e.prompt_lookup_num_tokens))
+        methods.append(
+            runner.spec_method("tree_lookup", model, tokenizer, lookup, stop_ids, sampling, bool(e.profile))
+        )
+        baselines.remove("tree_lookup")
     if baselines:
         methods.append(runner.hf_method("hf_ar", model, tokenizer, stop_ids, sampling))
     if "prompt_lookup" in baselines:
         n = int(e.prompt_lookup_num_tokens)
-        methods.append(runner.hf_method("prompt_lookup", model, tokenizer, stop_ids, sampling, prompt_lookup_num_tokens=n))
+        methods.append(
+            runner.hf_method(
+                "prompt_lookup", model, tokenizer, stop_ids, sampling, prompt_lookup_num_tokens=n
+            )
+        )
     if "assisted" in baselines:
         if not e.assistant_model:
-            skipped["assisted"] = "no eval.assistant_model set (no smaller model shares the target's tokenizer)"
+            skipped["assisted"] = (
+                "no eval.assistant_model set (no smaller model shares the target's tokenizer)"
+            )
         else:
             from specdraft.models.base_llm import load_target
 
@@ -85,7 +118,9 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             base.update(name_or_path=str(e.assistant_model), gguf_file=None, revision=None)
             assistant, _ = load_target(SimpleNamespace(**base))
             assistant.to(model.device, model.dtype)
-            methods.append(runner.hf_method("assisted", model, tokenizer, stop_ids, sampling, assistant_model=assistant))
+            methods.append(
+                runner.hf_method("assisted", model, tokenizer, stop_ids, sampling, assistant_model=assistant)
+            )
     return methods, skipped
 
 
@@ -134,12 +169,28 @@ def evaluate(cfg: DictConfig) -> Path:
     if warm:
         from specdraft.data.chat import prompt_ids
 
-        warm_up(methods, [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in warm], int(e.warmup_tokens))
+        warm_up(
+            methods,
+            [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in warm],
+            int(e.warmup_tokens),
+        )
+    check = bool(e.check_lossless)
+    if check and e.temperature > 0:  # sampled outputs differ run to run; exactness is tested in distribution
+        print("eval.check_lossless: skipped for temperature > 0 (token-for-token equality is a greedy check)")
+        check = False
     t0 = time.time()
     records = []
     for bench, items in benches.items():
         records += run_benchmark(
-            str(bench), items, methods, model, tokenizer, int(e.max_new_tokens), int(e.seed), bool(e.check_lossless), gap
+            str(bench),
+            items,
+            methods,
+            model,
+            tokenizer,
+            int(e.max_new_tokens),
+            int(e.seed),
+            check,
+            gap,
         )
     summary, categories = summarize(records), summarize(records, by_category=True)
     print_tables(summary, categories)
@@ -148,7 +199,10 @@ def evaluate(cfg: DictConfig) -> Path:
         "settings": {
             "eval": OmegaConf.to_container(e, resolve=True),
             "base_model": base,
-            "methods": [{"name": m.name, "kind": m.kind, "reference": m.reference, "draft_len": m.draft_len} for m in methods],
+            "methods": [
+                {"name": m.name, "kind": m.kind, "reference": m.reference, "draft_len": m.draft_len}
+                for m in methods
+            ],
             "skipped": skipped,
             "stop_ids": sorted(stop_ids),
             "near_tie_gap": gap,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class EvalConfig:
     """Speculative decoding benchmark settings."""
 
-    drafters: list[str] = field(default_factory=list)  # exported drafter folders / Hub ids (empty: <run_dir>/export)
+    drafters: list[str] = field(default_factory=list)  # export folders / Hub ids (empty: <run_dir>/export)
     benches: list[str] = field(default_factory=lambda: ["mt_bench"])  # mt_bench | alpaca_eval | path | Hub id
     limit: int | None = 10  # prompts per benchmark, round-robin over categories (None: all)
     max_new_tokens: int = 128  # per turn
@@ -18,13 +18,15 @@ class EvalConfig:
     top_p: float = 1.0  # sampling: nucleus threshold (1.0: off); same for every method
     beam_width: int | None = None  # ReDrafter beam width (None: the drafter's default)
     beam_length: int | None = None  # ReDrafter beam length incl. root (None: draft_len + 1)
-    int8_draft_head: bool = True  # ReDrafter on CPU: draft with an int8 copy of the vocab head (output unchanged)
+    int8_draft_head: bool = True  # ReDrafter on CPU: draft with an int8 vocab head (output unchanged)
+    draft_min_prob: float = 0.0  # ReDrafter: prune beam positions whose drafter probability is below this
+    lookup_tokens: int = 0  # > 0: also run each ReDrafter with a prompt-lookup beam of this length added
     tree_nodes: int | None = None  # Medusa/EAGLE node budget (None: the drafter's default)
-    acceptance: str = "exact"  # exact (lossless) | typical (Medusa typical acceptance: LOSSY, needs temperature > 0)
+    acceptance: str = "exact"  # exact (lossless) | typical (Medusa typical acceptance: LOSSY, needs T > 0)
     typical_epsilon: float = 0.09  # typical acceptance: posterior threshold epsilon
-    typical_delta: float = 0.3  # typical acceptance: entropy-dependent threshold scale delta (sqrt(epsilon) in Medusa)
-    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # transformers: prompt_lookup | assisted
-    prompt_lookup_num_tokens: int = 10  # transformers prompt-lookup decoding: n-gram candidate length
+    typical_delta: float = 0.3  # typical acceptance: entropy-dependent threshold scale (sqrt(eps) in Medusa)
+    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # or assisted, tree_lookup
+    prompt_lookup_num_tokens: int = 10  # prompt lookup (transformers' and tree_lookup): candidate length
     assistant_model: str | None = None  # Hub id / folder of a small same-tokenizer model for `assisted`
     dtype: str | None = None  # override base_model.dtype (fp32 | bf16 | fp16)
     device: str | None = None  # override base_model.device (cpu | cuda | cuda:N | auto)

@@ -25,11 +25,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from specdraft.data.chat import stop_token_ids
 from specdraft.eval.kv import cache_len, check_supported, keep_accepted, new_cache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify, sample_token, sample_verify
-
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
 
 class Proposer(Protocol):
@@ -72,19 +71,13 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def default_stop_ids(tokenizer, model: torch.nn.Module | None = None) -> set[int]:
-    """EOS ids of the tokenizer / generation config plus known end-of-turn tokens present in the vocab."""
-    ids: set[int] = set()
-    cands = [getattr(tokenizer, "eos_token_id", None)]
-    gen_cfg = getattr(model, "generation_config", None)
-    if gen_cfg is not None:
-        cands.append(gen_cfg.eos_token_id)
-    for c in cands:
-        if isinstance(c, int):
-            ids.add(c)
-        elif isinstance(c, (list, tuple)):
-            ids.update(int(x) for x in c)
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    """`data.chat.stop_token_ids` (EOS + known end-of-turn tokens) plus the generation config's EOS ids."""
+    ids: set[int] = set(stop_token_ids(tokenizer)) if tokenizer is not None else set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(x) for x in eos)
     return ids
 
 

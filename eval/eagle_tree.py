@@ -37,13 +37,16 @@ class EagleTreeProposer:
         total_tokens: N, draft nodes kept after reranking (root excluded).
         depth: maximum draft depth below the root.
         top_k: children per expanded node and nodes expanded per depth.
+        int8_head: on CPU, draft with a dynamic-int8 copy of the vocabulary head (`proposers.Int8Linear`).
 
     Attributes:
         target_layers: target `hidden_states` indices the decoder must pass instead of the last layer
             (EAGLE-3; empty for EAGLE-1).
     """
 
-    def __init__(self, drafter: torch.nn.Module, total_tokens: int, depth: int, top_k: int) -> None:
+    def __init__(
+        self, drafter: torch.nn.Module, total_tokens: int, depth: int, top_k: int, int8_head: bool = False
+    ) -> None:
         if min(total_tokens, depth, top_k) < 1:
             raise ValueError(
                 f"EagleTreeProposer: total_tokens={total_tokens}, depth={depth}, top_k={top_k} must be >= 1"
@@ -56,6 +59,14 @@ class EagleTreeProposer:
         self.cache = DynamicCache()
         self.committed = 0
         self.last_pool: dict[str, Tensor] | None = None  # candidates of the latest call (tests, analysis)
+        self.int8 = (
+            None  # int8 copy of the draft vocabulary head (CPU): only the drafts change, never the output
+        )
+        if int8_head and next(drafter.parameters()).device.type == "cpu":
+            from specdraft.eval.proposers import Int8Linear, int8_supported
+
+            pre, head = drafter.draft_head()
+            self.int8 = (pre, Int8Linear(head)) if int8_supported() else None
 
     def reset(self) -> None:
         """Forget the previous prompt's cache."""
@@ -102,7 +113,11 @@ class EagleTreeProposer:
 
     def _topk(self, out: Tensor) -> tuple[Tensor, Tensor]:
         """(m, H) head outputs -> top-k log-probs (m, k) float32 and target token ids (m, k)."""
-        logp = torch.log_softmax(self.drafter.draft_logits(out).float(), dim=-1)  # (m, Vd)
+        if self.int8 is not None:
+            logits = self.int8[1](self.int8[0](out))  # (m, Vd)
+        else:
+            logits = self.drafter.draft_logits(out)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (m, Vd)
         sc, ix = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
         return sc, self.drafter.to_target_ids(ix)
 

@@ -210,8 +210,8 @@ class MedusaProposer:
     """Static-tree proposer: fill one fixed tree with every head's top-k tokens (one drafter call per step).
 
     Args:
-        drafter: a `models.medusa.Medusa` (`topk_tokens(hidden (H,), k) -> (K, k)`, `config.draft_len`,
-            `config.topk`, `config.tree_choices`).
+        drafter: a `models.medusa.Medusa` (`topk_tokens(hidden (H,), k, num_heads) -> (num_heads, k)`,
+            `config.draft_len`, `config.topk`, `config.tree_choices`).
         choices: rank paths (None: the export's `tree_choices`, else `DEFAULT_TREE` pruned to the heads and
             `config.topk`).
         max_nodes: node budget N (root included) applied to the tree (None: the whole tree).
@@ -237,6 +237,7 @@ class MedusaProposer:
         self.parents, self.head, self.rank = tree_layout(paths)  # (N,) each
         self.ancestors, self.depth = ancestor_matrix(self.parents)  # (N, N), (N,)
         self.topk = int(self.rank.max()) + 1
+        self.depth_used = int(self.depth.max())  # heads the tree reaches (deeper heads are never run)
         self.last_compression: float | None = None
 
     def reset(self) -> None:
@@ -261,7 +262,7 @@ class MedusaProposer:
         dev = tokens.device
         out = tokens[-1:].repeat(self.num_nodes)  # (N,)
         if self.num_nodes > 1:
-            top = self.drafter.topk_tokens(hidden[-1], self.topk).to(dev)  # (K, k)
+            top = self.drafter.topk_tokens(hidden[-1], self.topk, self.depth_used).to(dev)  # (depth, k)
             out[1:] = top[self.head[1:].to(dev), self.rank[1:].to(dev)]
         return DraftTree(out, self.parents.to(dev), self.depth.to(dev), self.ancestors.to(dev))
 

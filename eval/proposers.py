@@ -7,12 +7,13 @@ W*(1+D) / N for the latest tree. `make_proposer` dispatches on the drafter famil
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 from torch import Tensor
 
-from specdraft.eval.tree import DraftTree, pack_beams
+from specdraft.eval.tree import PAD, DraftTree, pack_beams, pad_beams
 
 
 class Int8Linear(torch.nn.Module):
@@ -40,13 +41,17 @@ class Int8Linear(torch.nn.Module):
 def int8_supported() -> bool:
     """Whether the fbgemm int8 dynamic linear ops exist in this torch build."""
     try:
-        return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+        return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+            torch.ops.quantized, "linear_dynamic"
+        )
     except (AttributeError, RuntimeError):
         return False
 
 
 @torch.inference_mode()
-def redrafter_beam_search(drafter, head, hidden: Tensor, root: int, beam_width: int, draft_len: int) -> tuple[Tensor, Tensor]:
+def redrafter_beam_search(
+    drafter, head, hidden: Tensor, root: int, beam_width: int, draft_len: int
+) -> tuple[Tensor, Tensor]:
     """`ReDrafter.beam_search` with a replaceable vocabulary head (same algorithm and result for the same head).
 
     Step 1 scores only the live root beam (the other W-1 rows would be LOG_0 fillers).
@@ -58,7 +63,8 @@ def redrafter_beam_search(drafter, head, hidden: Tensor, root: int, beam_width: 
         root, beam_width, draft_len: as in `ReDrafter.beam_search`.
 
     Returns:
-        beams (W', 1 + D) long sorted by score (W' = W unless V < W), scores (W',).
+        beams (W', 1 + D) long sorted by score (W' = W unless V < W); cum (W', 1 + D) float32, the
+        cumulative drafter log-prob of each beam prefix (cum[:, 0] = 0, cum[:, -1] = the beam score).
     """
     dev = drafter.blocks[0].linear.weight.device if len(drafter.blocks) else hidden.device
     h = hidden.reshape(1, -1)  # (1, H)
@@ -66,10 +72,13 @@ def redrafter_beam_search(drafter, head, hidden: Tensor, root: int, beam_width: 
     state = drafter.init_state(root_t)  # (1, E)
     beams = root_t[:, None]  # (1, 1)
     scores = torch.zeros(1, dtype=torch.float32, device=dev)
+    cum = scores[:, None]  # (1, 1)
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[:, -1])  # (W, E)
-        g = torch.cat([state, h.to(device=state.device, dtype=state.dtype).expand(state.shape[0], -1)], dim=-1)
+        g = torch.cat(
+            [state, h.to(device=state.device, dtype=state.dtype).expand(state.shape[0], -1)], dim=-1
+        )
         if drafter.input_proj is not None:
             g = drafter.input_proj(g)  # (W, X)
         for block in drafter.blocks:
@@ -79,8 +88,60 @@ def redrafter_beam_search(drafter, head, hidden: Tensor, root: int, beam_width: 
         scores, idx = (scores[:, None] + logp).reshape(-1).topk(min(beam_width, logp.numel()))  # (W,)
         parent, token = idx // vocab, idx % vocab
         beams = torch.cat([beams[parent], token[:, None]], dim=1)  # (W, k + 2)
+        cum = torch.cat([cum[parent], scores[:, None]], dim=1)  # (W, k + 2)
         state = state[parent]  # (W, E)
-    return beams, scores
+    return beams, cum
+
+
+def prompt_lookup(context: Tensor, max_ngram: int, num_tokens: int) -> Tensor:
+    """Prompt-lookup drafting: the tokens that followed an earlier occurrence of the context's last n-gram
+    (n = max_ngram down to 1; the first n with a match wins). Among the matches, the most recent one with
+    `num_tokens` tokens after it is used, else the earliest (the longest continuation).
+
+    Args:
+        context: (T,) long, the committed sequence (ends with the root).
+        max_ngram: longest suffix n-gram tried.
+        num_tokens: at most this many continuation tokens.
+
+    Returns:
+        (k,) long continuation, k <= num_tokens (empty when nothing matches).
+    """
+    t = context.shape[0]
+    for n in range(min(max_ngram, t - 1), 0, -1):
+        windows = context[: t - 1].unfold(0, n, 1)  # (T-n, n): every earlier n-gram with a successor
+        hits = (windows == context[t - n :]).all(1).nonzero()  # (h, 1)
+        if hits.numel():
+            full = hits[hits + n + num_tokens <= t]  # matches followed by a full-length continuation
+            start = int(full[-1] if full.numel() else hits[0]) + n  # most recent full one, else the longest
+            return context[start : start + num_tokens]
+    return context[:0]
+
+
+class PromptLookupProposer:
+    """Prompt-lookup decoding through the tree decoder: one chain root + `prompt_lookup(...)` per step.
+
+    Args:
+        num_tokens: continuation length (draft depth).
+        max_ngram: longest suffix n-gram matched against the context.
+    """
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3) -> None:
+        self.draft_len, self.max_ngram = int(num_tokens), int(max_ngram)
+        self.context: Tensor | None = None
+
+    def reset(self) -> None:
+        """Forget the previous prompt."""
+        self.context = None
+
+    def _extend(self, tokens: Tensor) -> Tensor:
+        self.context = tokens.clone() if self.context is None else torch.cat([self.context, tokens])
+        return self.context
+
+    def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
+        """A chain tree: root, then the lookup continuation (hidden is unused)."""
+        cont = prompt_lookup(self._extend(tokens), self.max_ngram, self.draft_len)
+        chain = torch.cat([tokens[-1:], cont])  # (1+k,)
+        return pack_beams(chain[None])[0]
 
 
 class ReDrafterProposer:
@@ -93,21 +154,39 @@ class ReDrafterProposer:
         beam_length: 1 + draft_len (root included).
         int8_head: draft with an int8 copy of the vocabulary head (CPU only; ignored where unsupported)
             via `redrafter_beam_search`; False calls `drafter.beam_search` itself.
+        lookup_tokens: also add one prompt-lookup beam of up to this many tokens (0: drafter beams only).
+        min_prob: drop beam positions whose drafter probability (product along the beam) is below this
+            (dynamic tree size; 0: keep all). Uses `redrafter_beam_search`.
     """
 
-    def __init__(self, drafter: torch.nn.Module, beam_width: int, beam_length: int, int8_head: bool = False) -> None:
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        beam_width: int,
+        beam_length: int,
+        int8_head: bool = False,
+        lookup_tokens: int = 0,
+        min_prob: float = 0.0,
+    ) -> None:
         if beam_width < 1 or beam_length < 1:
-            raise ValueError(f"ReDrafterProposer: beam_width={beam_width}, beam_length={beam_length} must be >= 1")
+            raise ValueError(
+                f"ReDrafterProposer: beam_width={beam_width}, beam_length={beam_length} must be >= 1"
+            )
         self.drafter = drafter
         self.beam_width = beam_width
         self.draft_len = beam_length - 1
         self.last_compression: float | None = None
         on_cpu = drafter.head.weight.device.type == "cpu" if hasattr(drafter, "head") else False
         self.head = Int8Linear(drafter.head) if int8_head and on_cpu and int8_supported() else None
+        self.lookup = PromptLookupProposer(lookup_tokens) if lookup_tokens > 0 else None
+        self.max_depth = max(self.draft_len, lookup_tokens)  # deepest possible draft (acceptance-rate unit)
+        self.min_logp = math.log(min_prob) if min_prob > 0 else None
 
     def reset(self) -> None:
-        """No state across prompts."""
+        """Forget the previous prompt."""
         self.last_compression = None
+        if self.lookup is not None:
+            self.lookup.reset()
 
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
@@ -123,12 +202,25 @@ class ReDrafterProposer:
         root = int(tokens[-1])
         if self.draft_len == 0:
             self.last_compression = 1.0
-            return DraftTree(tokens[-1:].clone(), torch.full((1,), -1, dtype=torch.long, device=tokens.device))
-        if self.head is not None:
-            beams, _ = redrafter_beam_search(self.drafter, self.head, hidden[-1], root, self.beam_width, self.draft_len)
+            return DraftTree(
+                tokens[-1:].clone(), torch.full((1,), -1, dtype=torch.long, device=tokens.device)
+            )
+        if self.head is not None or self.min_logp is not None:
+            head = self.head if self.head is not None else self.drafter.head
+            beams, cum = redrafter_beam_search(
+                self.drafter, head, hidden[-1], root, self.beam_width, self.draft_len
+            )
+            if self.min_logp is not None:
+                beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails
         else:
             beams, _ = self.drafter.beam_search(hidden[-1], root, self.beam_width, self.draft_len)  # (W, 1+D)
-        tree, self.last_compression = pack_beams(beams.to(tokens.device))
+        beams = beams.to(tokens.device)
+        if self.lookup is not None:
+            lk = self.lookup
+            cont = prompt_lookup(lk._extend(tokens), lk.max_ngram, lk.draft_len)
+            if cont.numel():
+                beams = pad_beams([beams, torch.cat([tokens[-1:], cont])])  # (W+1, max(1+D, 1+k))
+        tree, self.last_compression = pack_beams(beams)
         return tree
 
 
@@ -137,7 +229,9 @@ def drafter_family(drafter: torch.nn.Module) -> str:
     cfg = getattr(drafter, "config", None)
     family = getattr(cfg, "architecture", None) or getattr(cfg, "model_type", None)
     if not family:
-        raise ValueError(f"cannot tell the drafter family of {type(drafter).__name__}: no config.architecture")
+        raise ValueError(
+            f"cannot tell the drafter family of {type(drafter).__name__}: no config.architecture"
+        )
     return str(family)
 
 
@@ -147,6 +241,8 @@ def make_proposer(
     beam_length: int | None = None,
     tree_nodes: int | None = None,
     int8_head: bool = False,
+    lookup_tokens: int = 0,
+    min_prob: float = 0.0,
 ):
     """The proposer for `drafter`'s family, with decode settings (None: the drafter's defaults).
 
@@ -155,14 +251,16 @@ def make_proposer(
         beam_width: ReDrafter W (None: `config.beam_width`, else 8).
         beam_length: ReDrafter 1 + D (None: `config.draft_len + 1`).
         tree_nodes: Medusa node budget / EAGLE-2 `total_tokens` (None: the drafter's default).
-        int8_head: ReDrafter drafts with an int8 vocabulary head on CPU (`Int8Linear`).
+        int8_head: ReDrafter / EAGLE draft with an int8 vocabulary head on CPU (`Int8Linear`).
+        lookup_tokens: ReDrafter adds a prompt-lookup beam of this length (0: off).
+        min_prob: ReDrafter prunes beam positions below this drafter probability (0: off).
     """
     family = drafter_family(drafter)
     cfg = drafter.config
     if family == "redrafter":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1
-        return ReDrafterProposer(drafter, int(w), int(length), int8_head)
+        return ReDrafterProposer(drafter, int(w), int(length), int8_head, lookup_tokens, min_prob)
     if family == "medusa":
         from specdraft.eval.medusa_tree import MedusaProposer
 
@@ -171,5 +269,7 @@ def make_proposer(
         from specdraft.eval.eagle_tree import EagleTreeProposer
 
         total = tree_nodes or int(cfg.tree_total_tokens)
-        return EagleTreeProposer(drafter, total, int(cfg.tree_depth), int(cfg.tree_top_k))
-    raise NotImplementedError(f"no proposer for drafter family {family!r} (supported: redrafter, medusa, eagle, eagle3)")
+        return EagleTreeProposer(drafter, total, int(cfg.tree_depth), int(cfg.tree_top_k), int8_head)
+    raise NotImplementedError(
+        f"no proposer for drafter family {family!r} (supported: redrafter, medusa, eagle, eagle3)"
+    )

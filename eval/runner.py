@@ -12,11 +12,10 @@ MT-Bench turn 2 is asked after the AR answer to turn 1 (the same conversation fo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import time
 
 import torch
 
@@ -39,14 +38,29 @@ class Method:
     draft_len: int | None = None  # max draft depth (acceptance rate denominator)
 
 
-def spec_method(name: str, model, tokenizer, proposer, stop_ids: set[int], sampling: dict, profile: bool) -> Method:
+def spec_method(
+    name: str, model, tokenizer, proposer, stop_ids: set[int], sampling: dict, profile: bool
+) -> Method:
     """Our tree speculative decoder with `proposer`."""
 
     def run(ids, max_new, gen):
         toks, st = speculative_generate(
-            model, tokenizer, ids, proposer, max_new, stop_ids=stop_ids, generator=gen, profile=profile, **sampling
+            model,
+            tokenizer,
+            ids,
+            proposer,
+            max_new,
+            stop_ids=stop_ids,
+            generator=gen,
+            profile=profile,
+            **sampling,
         )
-        prof = {"prefill_s": st.prefill_s, "draft_s": st.draft_s, "verify_s": st.verify_s, "accept_s": st.accept_s}
+        prof = {
+            "prefill_s": st.prefill_s,
+            "draft_s": st.draft_s,
+            "verify_s": st.verify_s,
+            "accept_s": st.accept_s,
+        }
         comp = sum(st.compression) / len(st.compression) if st.compression else None
         return toks, {
             "time_s": st.time_s,
@@ -63,7 +77,7 @@ def spec_method(name: str, model, tokenizer, proposer, stop_ids: set[int], sampl
 
 def _draft_len(proposer) -> int | None:
     """Maximum draft depth of a proposer (`draft_len`, or `depth` as an int or per-node tensor)."""
-    for attr in ("draft_len", "depth"):
+    for attr in ("max_depth", "draft_len", "depth"):
         v = getattr(proposer, attr, None)
         if isinstance(v, torch.Tensor) and v.numel():
             return int(v.max())
@@ -96,7 +110,9 @@ def hf_method(name: str, model, tokenizer, stop_ids: set[int], sampling: dict, *
         top_k=(sampling["top_k"] or None) if temperature > 0 else None,
         top_p=sampling["top_p"] if temperature > 0 else None,
         eos_token_id=sorted(stop_ids),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0),
+        pad_token_id=tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else min(stop_ids, default=0),
     )
     counter = {"n": 0}
 
@@ -164,7 +180,7 @@ def run_benchmark(
     seed: int,
     check_lossless: bool,
     near_tie_gap: float,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = lambda msg: print(msg, flush=True),
 ) -> list[dict[str, Any]]:
     """Every method on every turn of every item; returns one record per (item, turn, method)."""
     records: list[dict[str, Any]] = []
@@ -197,7 +213,10 @@ def run_benchmark(
                     rec["identical"], rec["divergence"] = div is None, div
                 records.append(rec)
             ar_tps = next(r["tokens_per_s"] for r in records[-len(methods) :] if r["method"] == "ar")
-            line = " ".join(f"{r['method']}={r['tokens_per_s'] / max(ar_tps, 1e-9):.2f}x" for r in records[-len(methods) :])
+            line = " ".join(
+                f"{r['method']}={r['tokens_per_s'] / max(ar_tps, 1e-9):.2f}x"
+                for r in records[-len(methods) :]
+            )
             log(f"[{bench} {k + 1}/{len(items)} {item.category} turn {turn + 1}] {line}")
             answer = tokenizer.decode(outputs["ar"], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})

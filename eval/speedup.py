@@ -30,7 +30,9 @@ def summarize(records: list[dict[str, Any]], by_category: bool = False) -> list[
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[tuple(r[k] for k in keys)].append(r)
-    rate = {g: _rate(sum(r["new_tokens"] for r in rs), sum(r["time_s"] for r in rs)) for g, rs in groups.items()}
+    rate = {
+        g: _rate(sum(r["new_tokens"] for r in rs), sum(r["time_s"] for r in rs)) for g, rs in groups.items()
+    }
     out = []
     for g, rs in groups.items():
         head = dict(zip(keys, g))
@@ -116,7 +118,9 @@ def print_tables(summary: list[dict], categories: list[dict], console=None) -> N
             t.add_row(
                 cat,
                 *[
-                    f"{_fmt(row[m]['speedup'], '.2f')}x | {_fmt(row[m]['tokens_per_step'], '.2f')}" if m in row else "-"
+                    f"{_fmt(row[m]['speedup'], '.2f')}x | {_fmt(row[m]['tokens_per_step'], '.2f')}"
+                    if m in row
+                    else "-"
                     for m in methods
                 ],
             )
@@ -163,9 +167,16 @@ def write_plots(records: list[dict], categories: list[dict], out_dir: Path) -> l
             width = 0.8 / len(ms)
             for i, m in enumerate(ms):
                 val = {c["category"]: c["speedup"] or 0.0 for c in cats if c["method"] == m}
-                ax.bar([j + i * width for j in range(len(names))], [val.get(n, 0.0) for n in names], width=width, label=m)
+                ax.bar(
+                    [j + i * width for j in range(len(names))],
+                    [val.get(n, 0.0) for n in names],
+                    width=width,
+                    label=m,
+                )
             ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, ha="right", fontsize=8)
+            ax.set_xticks(
+                [j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, ha="right", fontsize=8
+            )
             ax.set_ylabel("speedup over AR")
             ax.set_title(f"{bench}: speedup per category")
             ax.legend(fontsize=7)

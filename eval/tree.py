@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+PAD = -1  # right padding of shorter beams in `pack_beams`
+
 
 @dataclass
 class DraftTree:
@@ -61,7 +63,9 @@ class DraftTree:
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree with every tensor on `device`."""
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return DraftTree(mv(self.tokens), mv(self.parents), mv(self.depth), mv(self.ancestors), mv(self.beam_nodes))
+        return DraftTree(
+            mv(self.tokens), mv(self.parents), mv(self.depth), mv(self.ancestors), mv(self.beam_nodes)
+        )
 
 
 def ancestor_matrix(parents: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,35 +148,48 @@ def dedup_prefix(beams: Tensor) -> tuple[Tensor, Tensor]:
 def pack_beams(beams: Tensor) -> tuple[DraftTree, float]:
     """Pack W beams that all start with the root into a compact tree (shared prefixes merged).
 
-    Node order is beam-major (w, d), which keeps `parents[i] < i`; beam 0 is the path 0..L-1.
+    Node order is beam-major (w, d), which keeps `parents[i] < i`; beam 0 is the path 0..L-1. Beams of
+    different lengths are right-padded with `PAD` (-1); padded positions make no nodes.
 
     Args:
-        beams: (W, L) long, `beams[:, 0]` all equal to the root token.
+        beams: (W, L) long, `beams[:, 0]` all equal to the root token, `PAD` only after a beam's tokens.
 
     Returns:
-        tree: N unique nodes, with `beam_nodes` (W, L) mapping each beam position to its node.
-        compression: W*L / N (1.0 = no sharing).
+        tree: N unique nodes, with `beam_nodes` (W, L) mapping each beam position to its node (-1 = pad).
+        compression: beam tokens / N (1.0 = no sharing).
     """
     if beams.ndim != 2 or beams.shape[1] < 1:
         raise ValueError(f"pack_beams: beams must be (W, 1+D), got {tuple(beams.shape)}")
-    if not bool((beams[:, 0] == beams[0, 0]).all()):
+    if not bool((beams[:, 0] == beams[0, 0]).all()) or int(beams[0, 0]) < 0:
         raise ValueError(f"pack_beams: all beams must start with the root token, got {beams[:, 0].tolist()}")
     W, L = beams.shape
+    valid = beams != PAD  # (W, L), a prefix of each row
     first, unique = dedup_prefix(beams)
-    flat_unique = unique.reshape(-1)  # (W*L,) beam-major
+    flat_unique = (unique & valid).reshape(-1)  # (W*L,) beam-major
     node_of_flat = flat_unique.long().cumsum(0) - 1  # (W*L,) node index of unique positions
     d = torch.arange(L, device=beams.device)[None, :].expand(W, L)
     beam_nodes = node_of_flat[(first * L + d).reshape(-1)].reshape(W, L)  # (W, L)
+    beam_nodes = torch.where(valid, beam_nodes, PAD)
     tokens = beams.reshape(-1)[flat_unique]  # (N,)
     n = tokens.shape[0]
     parents = torch.full((n,), -1, dtype=torch.long, device=beams.device)
-    parents[beam_nodes[:, 1:].reshape(-1)] = beam_nodes[:, :-1].reshape(-1)  # (N,)
+    child = valid[:, 1:]  # (W, L-1) positions with a parent
+    parents[beam_nodes[:, 1:][child]] = beam_nodes[:, :-1][child]  # (N,)
     depth = torch.empty(n, dtype=torch.long, device=beams.device)
-    depth[beam_nodes.reshape(-1)] = d.reshape(-1)
+    depth[beam_nodes[valid]] = d[valid]
     ancestors = torch.zeros(n, n, dtype=torch.bool, device=beams.device)
-    tril = torch.ones(L, L, dtype=torch.bool, device=beams.device).tril()  # (L, L): d' <= d
+    pairs = (
+        torch.ones(L, L, dtype=torch.bool, device=beams.device).tril()[None] & valid[:, :, None]
+    )  # (W, L, L)
     rows = beam_nodes[:, :, None].expand(W, L, L)
     cols = beam_nodes[:, None, :].expand(W, L, L)
-    ancestors[rows[:, tril], cols[:, tril]] = True  # each beam's path prefixes
+    ancestors[rows[pairs], cols[pairs]] = True  # each beam's path prefixes
     tree = DraftTree(tokens, parents, depth, ancestors, beam_nodes)
-    return tree, (W * L) / n
+    return tree, int(valid.sum()) / n
+
+
+def pad_beams(beams: list[Tensor]) -> Tensor:
+    """Stack 1D/2D beams of different lengths into one (W, L_max) tensor, right-padded with `PAD`."""
+    rows = [b.reshape(-1, b.shape[-1]) for b in beams]
+    width = max(r.shape[1] for r in rows)
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=PAD) for r in rows])

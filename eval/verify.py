@@ -77,7 +77,9 @@ def greedy_verify(tree: DraftTree, logits: Tensor) -> tuple[Tensor, int]:
         path: (a,) long node indices, root first; `a - 1` drafts accepted.
         bonus: the target's next token after the path.
     """
-    top = logits.float().argmax(-1)  # (N,); fp32 copy: exact, and CPU argmax over many bf16 rows is ~10x slower
+    top = logits.float().argmax(
+        -1
+    )  # (N,); fp32 copy: exact, and CPU argmax over many bf16 rows is ~10x slower
     ok = tree.tokens == top[tree.parents.clamp(min=0)]  # (N,) node matches its parent's argmax
     ok[0] = True
     path, best = _best_path(tree, ok)
@@ -127,7 +129,11 @@ def sample_verify(
 
 
 def sample_token(
-    logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None
+    logits: Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> int:
     """One token from (V,) logits: argmax when `temperature == 0`, else a draw from `warp_probs`."""
     if temperature <= 0.0:

@@ -125,6 +125,10 @@ class EagleDrafter(PreTrainedModel):
         """(..., H) head outputs -> (..., V) logits through the borrowed target LM head."""
         return F.linear(out, self.borrowed.weight("lm_head", out))
 
+    def draft_head(self) -> tuple[nn.Module, nn.Linear]:
+        """(transform, vocabulary Linear) with `draft_logits(out) == linear(transform(out))` (for int8 copies)."""
+        return nn.Identity(), self.borrowed.modules["lm_head"]
+
     def to_target_ids(self, ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids (identity: EAGLE-1 drafts over the full vocabulary)."""
         return ids

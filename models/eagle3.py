@@ -139,6 +139,10 @@ class Eagle3Drafter(PreTrainedModel):
         """(..., H) pre-norm outputs -> (..., Vd) draft-vocabulary logits."""
         return self.lm_head(self.norm(out))
 
+    def draft_head(self) -> tuple[nn.Module, nn.Linear]:
+        """(transform, vocabulary Linear) with `draft_logits(out) == linear(transform(out))` (for int8 copies)."""
+        return self.norm, self.lm_head
+
     def to_target_ids(self, ids: Tensor) -> Tensor:
         """Draft-vocabulary ids (...) -> target ids (...)."""
         return ids + self.d2t[ids]
@@ -227,8 +231,8 @@ def compute_loss(
         opts: `draft_len` (S), `max_positions`, `generator`.
 
     Returns:
-        (loss, aux) with aux["logits"] (N, S, V) (full vocabulary, -inf-like outside the draft vocab) and
-        aux["targets"] (N, S).
+        (loss, aux) with aux["logits"] (N, S', V) (full vocabulary; outside the draft vocab: row min - 20) and
+        aux["targets"] (N, S'); S' = S in eval mode, 1 in training (metrics of slot 0 only).
     """
     opts = opts or {}
     inner = getattr(model, "module", model)
@@ -242,19 +246,26 @@ def compute_loss(
     b, t = select_positions(batch, opts)
     targets = batch["targets"][b, t, :steps]  # (N, S)
     f, ids = target_out.hidden, inner.draft_ids()  # (B, L, H), (Vd,)
+    w_teacher = inner.borrowed.weight("lm_head", f)  # (V, H) target LM head, cast once
+    if ids.shape[0] < w_teacher.shape[0]:
+        w_teacher = inner.borrowed.rows("lm_head", f, ids)  # (Vd, H) draft-vocabulary rows, cached
     length, v = f.shape[1], inner.config.vocab_size
+    n_aux = 1 if inner.training else steps  # training logs slot 0 only: skip the (N, V) scatter of the others
     loss, logits = outs.new_zeros((), dtype=torch.float32), []
     for i in range(steps):
         p = t + 1 + i  # (N,) position whose target distribution step i imitates
         valid = (p < length) & (targets[:, i] != -100)
         q = inner.draft_logits(outs[b, t, i])  # (N, Vd)
         with torch.no_grad():
-            tl = F.linear(f[b, p.clamp_max(length - 1)], inner.borrowed.weight("lm_head", f))[
-                :, ids
-            ]  # (N, Vd)
-            teacher = torch.softmax(tl.float(), dim=-1)
+            teacher = torch.softmax(
+                F.linear(f[b, p.clamp_max(length - 1)], w_teacher).float(), dim=-1
+            )  # (N, Vd)
         loss = loss + inner.config.ttt_decay**i * soft_cross_entropy(q, teacher, valid)
-        full = q.new_full((q.shape[0], v), torch.finfo(q.dtype).min)
-        full[:, ids] = q.detach()
-        logits.append(full)
-    return loss, {"logits": torch.stack(logits, dim=1), "targets": targets}
+        if i < n_aux:
+            qd = (
+                q.detach()
+            )  # tokens outside the draft vocabulary are never drafted: row minimum - 20 (finite CE)
+            full = (qd.min(-1, keepdim=True).values - 20.0).expand(-1, v).clone()  # (N, V)
+            full[:, ids] = qd
+            logits.append(full)
+    return loss, {"logits": torch.stack(logits, dim=1), "targets": targets[:, :n_aux]}

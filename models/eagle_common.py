@@ -126,7 +126,7 @@ class Borrowed:
 
     def set(self, name: str, module: nn.Module) -> None:
         self.modules[name] = module
-        self._cast = {k: v for k, v in self._cast.items() if k[0] != name}
+        self._cast = {k: v for k, v in self._cast.items() if not k[0].startswith(name)}
 
     def weight(self, name: str, like: Tensor) -> Tensor:
         """The borrowed module's weight in `like`'s dtype/device (cast once, then cached)."""
@@ -138,6 +138,15 @@ class Borrowed:
         if key not in self._cast:
             self._cast[key] = self.modules[name].weight.detach().to(device=like.device, dtype=like.dtype)
         return self._cast[key]
+
+    def rows(self, name: str, like: Tensor, ids: Tensor) -> Tensor:
+        """`weight(name, like)[ids]`, cached for a fixed `ids` (e.g. EAGLE-3's draft vocabulary)."""
+        key = (f"{name}[rows]", like.dtype, like.device)
+        hit = self._cast.get(key)
+        if hit is None or getattr(self, "_rows_ids", None) is None or not torch.equal(self._rows_ids, ids):
+            self._rows_ids = ids.clone()
+            self._cast[key] = hit = self.weight(name, like)[ids.to(like.device)]
+        return hit
 
 
 def unroll(

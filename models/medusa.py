@@ -122,17 +122,18 @@ class Medusa(PreTrainedModel):
         return self.head_logits(hidden, None if targets is None else targets.shape[-1])
 
     @torch.no_grad()
-    def topk_tokens(self, hidden: Tensor, k: int) -> Tensor:
-        """Each head's k most likely tokens at one position (decode time, batch size 1).
+    def topk_tokens(self, hidden: Tensor, k: int, num_heads: int | None = None) -> Tensor:
+        """The k most likely tokens of each of the first `num_heads` heads at one position (decode time).
 
         Args:
             hidden: (H,) the target's last-layer state at the newest committed position.
             k: candidates per head.
+            num_heads: heads run (None: all K); a shallow tree needs only its depth.
 
         Returns:
-            (K, k) long, row j sorted by head j's logit (rank 0 first).
+            (num_heads, k) long, row j sorted by head j's logit (rank 0 first).
         """
-        return self.head_logits(hidden).topk(k, dim=-1).indices  # (K, k)
+        return self.head_logits(hidden, num_heads).topk(k, dim=-1).indices  # (num_heads, k)
 
 
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------

@@ -55,7 +55,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--int8-head", action="store_true", help="draft with an int8 copy of the drafter's vocab head")
+    p.add_argument(
+        "--int8-head", action="store_true", help="draft with an int8 copy of the drafter's vocab head"
+    )
     p.add_argument("--skip-forward-costs", action="store_true")
     a = p.parse_args()
     if a.threads:
@@ -71,7 +73,10 @@ def main() -> None:
     print(f"threads={torch.get_num_threads()} dtype={model.dtype}")
     if not a.skip_forward_costs:
         costs = forward_costs(model)
-        print("tree forward after 300 tokens (ms): " + ", ".join(f"N={n}: {c:.1f} ({c / costs[1]:.2f}x)" for n, c in costs.items()))
+        print(
+            "tree forward after 300 tokens (ms): "
+            + ", ".join(f"N={n}: {c:.1f} ({c / costs[1]:.2f}x)" for n, c in costs.items())
+        )
     if a.drafter:
         from specdraft.models.hub import load_drafter
 
@@ -80,7 +85,9 @@ def main() -> None:
         from specdraft.models import redrafter
         from specdraft.train.config import ReDrafterSchema
 
-        drafter = redrafter.build(ReDrafterSchema(exit_dim=576), model, target_fingerprint(model, tok)).to(model.dtype)
+        drafter = redrafter.build(ReDrafterSchema(exit_dim=576), model, target_fingerprint(model, tok)).to(
+            model.dtype
+        )
     else:
         return
     proposer = make_proposer(drafter, a.beam_width, a.beam_length, int8_head=a.int8_head)
@@ -89,7 +96,9 @@ def main() -> None:
     for item in load_benchmark("mt_bench", a.prompts):
         ids = prompt_ids(tok, [{"role": "user", "content": item.turns[0]}])
         ar, st_ar = ar_generate(model, tok, ids, a.max_new_tokens, stop_ids=stop)
-        sp, st = speculative_generate(model, tok, ids, proposer, a.max_new_tokens, stop_ids=stop, profile=True)
+        sp, st = speculative_generate(
+            model, tok, ids, proposer, a.max_new_tokens, stop_ids=stop, profile=True
+        )
         tot["ar_t"] += st_ar.time_s
         tot["ar_n"] += len(ar)
         tot["sp_t"] += st.time_s

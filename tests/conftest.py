@@ -9,6 +9,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread per process: tiny models gain nothing from more, and launched subprocesses (DDP, DeepSpeed,
+# kill-and-resume) inherit it, so 2 cores are never oversubscribed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,7 +19,7 @@ import torch  # noqa: E402
 from specdraft.testing import tiny_llama as _tiny_llama  # noqa: E402
 from specdraft.testing import tiny_tokenizer as _tiny_tokenizer  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -19,10 +19,14 @@ from specdraft.eval.tree import DraftTree, pack_beams
 from specdraft.eval.verify import sample_verify
 
 VOCAB = 96
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+SMALL = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 
 
-def _tiny(arch: str = "llama", vocab: int = VOCAB, logit_scale: float = 1.0, seed: int = 0) -> torch.nn.Module:
+def _tiny(
+    arch: str = "llama", vocab: int = VOCAB, logit_scale: float = 1.0, seed: int = 0
+) -> torch.nn.Module:
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **SMALL))
@@ -99,7 +103,9 @@ def test_greedy_random_trees_equal_ar(arch, prompt_len):
     model = _tiny(arch)
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
     ref, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
-    out, stats = speculative_generate(model, None, prompt, RandomTreeProposer(VOCAB, seed=prompt_len), 24, stop_ids=set())
+    out, stats = speculative_generate(
+        model, None, prompt, RandomTreeProposer(VOCAB, seed=prompt_len), 24, stop_ids=set()
+    )
     assert out == ref
     assert stats.new_tokens == 24 and sum(stats.accepted) + stats.steps + 1 >= 24
 
@@ -144,7 +150,9 @@ def test_stop_tokens_and_budget_match_ar(llama64):
     assert sp_stats.finish_reason == ar_stats.finish_reason == "stop"
     for budget in [0, 1, 2, 5]:
         ar_b, _ = ar_generate(llama64, None, prompt, budget, stop_ids=set())
-        sp_b, st = speculative_generate(llama64, None, prompt, OracleBeamProposer(ref, 7), budget, stop_ids=set())
+        sp_b, st = speculative_generate(
+            llama64, None, prompt, OracleBeamProposer(ref, 7), budget, stop_ids=set()
+        )
         assert sp_b == ar_b == ref[:budget] and st.finish_reason == "length"
 
 
@@ -199,8 +207,12 @@ def _exact_first2(model, prompt, temperature):
 
 def _chi2_p(counts, expected, n):
     keys = [k for k, p in expected.items() if p * n >= 5]
-    o = torch.tensor([counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)], dtype=torch.float64)
-    e = torch.tensor([expected[k] * n for k in keys] + [n * (1 - sum(expected[k] for k in keys))], dtype=torch.float64)
+    o = torch.tensor(
+        [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)], dtype=torch.float64
+    )
+    e = torch.tensor(
+        [expected[k] * n for k in keys] + [n * (1 - sum(expected[k] for k in keys))], dtype=torch.float64
+    )
     stat = ((o - e) ** 2 / e.clamp_min(1e-9)).sum()
     return float(torch.special.gammaincc(torch.tensor((len(keys)) / 2, dtype=torch.float64), stat / 2))
 
@@ -209,7 +221,9 @@ def _spec_first2_counts(model, prompt, n, temperature):
     g = torch.Generator().manual_seed(7)
     counts = Counter()
     for _ in range(n):
-        out, _ = speculative_generate(model, None, prompt, FixedTreeProposer(), 2, temperature, set(), generator=g)
+        out, _ = speculative_generate(
+            model, None, prompt, FixedTreeProposer(), 2, temperature, set(), generator=g
+        )
         counts[tuple(out)] += 1
     return counts
 
@@ -230,7 +244,9 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_model):
 def test_model_level_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
     def broken(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
         path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
-        return path, int(torch.multinomial((logits[path[-1]] / temperature).softmax(-1), 1, generator=generator))
+        return path, int(
+            torch.multinomial((logits[path[-1]] / temperature).softmax(-1), 1, generator=generator)
+        )
 
     monkeypatch.setattr(decode, "sample_verify", broken)  # bonus from p instead of the residual
     prompt = torch.tensor([1, 4, 2])

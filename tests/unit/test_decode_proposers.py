@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from specdraft.eval.decode import ar_generate, speculative_generate
-from specdraft.eval.proposers import Int8Linear, ReDrafterProposer, int8_supported, make_proposer, redrafter_beam_search
+from specdraft.eval.proposers import (
+    Int8Linear,
+    PromptLookupProposer,
+    ReDrafterProposer,
+    int8_supported,
+    make_proposer,
+    prompt_lookup,
+    redrafter_beam_search,
+)
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.testing import tiny_llama, tiny_tokenizer
@@ -36,25 +44,30 @@ def test_local_beam_search_equals_drafter_beam_search(target_and_drafter):
     for _ in range(3):
         h = torch.randn(32, generator=g, dtype=torch.float64)
         ref_beams, ref_scores = drafter.beam_search(h, 7, beam_width=6, draft_len=4)
-        beams, scores = redrafter_beam_search(drafter, drafter.head, h, 7, 6, 4)
+        beams, cum = redrafter_beam_search(drafter, drafter.head, h, 7, 6, 4)
         assert torch.equal(beams, ref_beams)
-        torch.testing.assert_close(scores, ref_scores)
+        torch.testing.assert_close(cum[:, -1], ref_scores)
+        assert (cum[:, 0] == 0).all() and (cum.diff(dim=1) <= 0).all()  # log-probs only decrease
 
 
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize(("int8", "min_prob"), [(False, 0.0), (True, 0.0), (False, 0.02)])
 @pytest.mark.parametrize("prompt_len", [3, 20])
-def test_redrafter_proposer_is_lossless(target_and_drafter, int8, prompt_len):
+def test_redrafter_proposer_is_lossless(target_and_drafter, int8, min_prob, prompt_len):
     target, drafter = target_and_drafter
     if int8 and not int8_supported():
         pytest.skip("no fbgemm int8 ops in this torch build")
-    proposer = ReDrafterProposer(drafter, beam_width=6, beam_length=5, int8_head=int8)
+    proposer = ReDrafterProposer(drafter, beam_width=6, beam_length=5, int8_head=int8, min_prob=min_prob)
     assert (proposer.head is not None) == int8
     prompt = torch.randint(0, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
     ref, _ = ar_generate(target, None, prompt, 30, stop_ids=set())
     out, stats = speculative_generate(target, None, prompt, proposer, 30, stop_ids=set())
     assert out == ref
-    assert all(1.0 <= c <= 6.0 for c in stats.compression)  # W*(1+D) / N with N >= 1 + D
+    assert all(1.0 <= c <= 6.0 for c in stats.compression)  # beam tokens / N
     assert max(stats.tree_sizes) <= 6 * 4 + 1
+    if min_prob:  # pruning shrinks the trees
+        full = ReDrafterProposer(drafter, beam_width=6, beam_length=5)
+        _, full_stats = speculative_generate(target, None, prompt, full, 30, stop_ids=set())
+        assert sum(stats.tree_sizes) / stats.steps < sum(full_stats.tree_sizes) / full_stats.steps
 
 
 def test_int8_head_tracks_float_head():
@@ -79,3 +92,38 @@ def test_make_proposer_defaults_and_unknown_family(target_and_drafter):
 
     with pytest.raises(NotImplementedError, match="mystery"):
         make_proposer(Odd())
+
+
+def test_prompt_lookup_most_recent_longest_match():
+    ctx = torch.tensor([5, 1, 2, 3, 9, 1, 2, 4, 6, 7, 1, 2])
+    assert prompt_lookup(ctx, max_ngram=2, num_tokens=3).tolist() == [4, 6, 7]  # most recent "1 2"
+    assert prompt_lookup(ctx, max_ngram=3, num_tokens=3).tolist() == [4, 6, 7]  # "7 1 2" unseen -> 2-gram
+    assert prompt_lookup(ctx, max_ngram=2, num_tokens=6).tolist() == [
+        3,
+        9,
+        1,
+        2,
+        4,
+        6,
+    ]  # only the first is full
+    assert prompt_lookup(torch.tensor([3, 4, 5]), 3, 4).tolist() == []
+    assert prompt_lookup(torch.tensor([3, 4, 3]), 3, 4).tolist() == [4, 3]  # continuation may run to the end
+    assert prompt_lookup(torch.tensor([8]), 3, 4).tolist() == []
+
+
+@pytest.mark.parametrize("prompt_len", [4, 24])
+def test_lookup_proposers_are_lossless_and_accept_repeats(target_and_drafter, prompt_len):
+    target, drafter = target_and_drafter
+    g = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, 128, (prompt_len,), generator=g)
+    ref, _ = ar_generate(target, None, prompt, 40, stop_ids=set())
+    # the AR continuation appears in the prompt: lookup must find and accept it
+    echo = torch.cat([prompt, torch.tensor(ref[:30]), prompt[-3:]])
+    ref_echo, _ = ar_generate(target, None, echo, 30, stop_ids=set())
+    for proposer in [PromptLookupProposer(6), ReDrafterProposer(drafter, 4, 4, lookup_tokens=6)]:
+        out, _ = speculative_generate(target, None, prompt, proposer, 40, stop_ids=set())
+        assert out == ref
+        out, stats = speculative_generate(target, None, echo, proposer, 30, stop_ids=set())
+        assert out == ref_echo
+        assert max(stats.accepted) >= 3  # the echoed continuation is found and accepted
+    assert stats.compression and max(stats.tree_sizes) <= 4 * 3 + 6 + 1

@@ -23,11 +23,22 @@ from specdraft.distill.shards import (
 
 HEADER = {"format_version": 1, "target": {"tokenizer_hash": "abc"}, "generation": {"max_new_tokens": 8}, "T": 5,
           "data": {}, "features": None, "shard_size": 2}  # fmt: skip
-ROW = {"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "response_lengths": [2], "finish_reasons": ["eos"]}
+ROW = {
+    "id": "a",
+    "input_ids": [1, 2, 3],
+    "loss_mask": [0, 1, 1],
+    "response_lengths": [2],
+    "finish_reasons": ["eos"],
+}
 
 
 def stats(plan, i):
-    return {"settings_hash": settings_hash(HEADER), "ids_digest": ids_digest(plan[i]), "skipped": {"x": 1}, "counts": {"turns": 1}}
+    return {
+        "settings_hash": settings_hash(HEADER),
+        "ids_digest": ids_digest(plan[i]),
+        "skipped": {"x": 1},
+        "counts": {"turns": 1},
+    }
 
 
 def test_shard_write_is_atomic_and_manifest_rebuilds_from_shards(tmp_path, monkeypatch):

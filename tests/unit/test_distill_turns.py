@@ -111,19 +111,23 @@ def test_tokens_the_target_did_not_generate_are_masked():
     enc = tokenize_conversation(tok, r.messages, 512)
     mask = list(enc["loss_mask"])
     stats = mask_unowned_tokens(enc["input_ids"], mask, r)
-    # the template's mask also covers the "\n" after each <|im_end|>
-    assert stats == {"retokenize_mismatch": 1, "masked_retokenized": 5, "masked_template": 2}
+    # the template's mask ends at each <|im_end|> (the "\n" after it is never trained)
+    assert stats == {"retokenize_mismatch": 1, "masked_retokenized": 4, "masked_template": 1}
     p1, p2 = len(r.prompts[0]), len(r.prompts[1])
-    assert mask[p1 : p1 + 2] == [1, 1] and mask[p1 + 2 : p1 + 7] == [0] * 5  # "\n\n" -> <unk>, "ab", eos, "\n"
-    assert mask[p2 : p2 + 4] == [1] * 4 and mask[p2 + 4 : p2 + 6] == [0, 0]  # template end-of-turn after the cut
-    assert sum(mask) == sum(enc["loss_mask"]) - 7
+    assert mask[p1 : p1 + 2] == [1, 1]  # "ab"
+    assert mask[p1 + 2 : p1 + 7] == [0] * 5  # "\n\n" -> <unk>, "ab", eos (masked here), "\n" (never in the mask)
+    assert mask[p2 : p2 + 4] == [1] * 4  # the cut answer
+    assert mask[p2 + 4 : p2 + 6] == [0, 0]  # the template's end-of-turn after the cut, "\n"
+    assert sum(mask) == sum(enc["loss_mask"]) - 5
 
 
 def test_greedy_rows_shift_to_exact_continuations_on_trained_positions():
     """On greedy rows, every trained (position, slot) of the shifted sequence is the target's greedy token."""
     tok = tiny_tokenizer()
     model = tiny_llama(vocab_size=len(tok), dtype=torch.float64)
-    s = GenerationSettings(max_new_tokens=7, stop_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id, max_batch_size=2)
+    s = GenerationSettings(
+        max_new_tokens=7, stop_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id, max_batch_size=2
+    )
     rows, _, stats = build_rows(model, tok, CONVS, s, True, 3, 512, T=4)
     checked = 0
     for row in rows:

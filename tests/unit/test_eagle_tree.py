@@ -32,6 +32,15 @@ SCHEMA = SimpleNamespace(
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls on a shared CPU: one thread is 10-20x faster than two oversubscribed ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _head(family, target, seed=3):
     torch.manual_seed(seed)
     head = family.build(SCHEMA, target, FP).double().eval()
@@ -131,11 +140,12 @@ def test_head_cache_holds_exactly_the_committed_positions():
     torch.testing.assert_close(prop.cache.layers[0].values, fresh.layers[0].values)
 
 
-@pytest.mark.parametrize("family", [eagle, eagle3])
-def test_greedy_lossless_through_the_shared_decoder(family, tiny_tokenizer):
+@pytest.mark.parametrize("family,int8", [(eagle, False), (eagle3, False), (eagle3, True)])
+def test_greedy_lossless_through_the_shared_decoder(family, int8, tiny_tokenizer):
     target = tiny_llama(num_layers=8, dtype=torch.float64)
     head = _head(family, target)
-    prop = make_proposer(head, tree_nodes=12)  # depth 4, top-k 3 from the head config
+    prop = make_proposer(head, tree_nodes=12, int8_head=int8)  # depth 4, top-k 3 from the head config
+    assert (prop.int8 is not None) == int8 or not int8
     assert prop.target_layers == tuple(getattr(head.config, "target_layers", ()))
     for seed in range(3):
         torch.manual_seed(seed)

@@ -152,6 +152,7 @@ def test_proposer_defaults_budget_and_export_tree(medusa64):
     p = make_proposer(medusa64)  # default tree pruned to 3 heads x top-4
     assert p.num_nodes == 1 + len(prune_tree(DEFAULT_TREE, 3, 4)) and p.topk <= 4
     assert make_proposer(medusa64, tree_nodes=5).num_nodes == 5
+    assert MedusaProposer(medusa64, [[0], [1], [0, 0]]).depth_used == 2  # the third head is never run
     medusa64.config.tree_choices = [[0], [0, 0], [1]]
     assert make_proposer(medusa64).paths == [(0,), (1,), (0, 0)]
     assert make_proposer(medusa64, tree_nodes=3).paths == [(0,), (0, 0)]  # first paths in the given order
@@ -180,7 +181,8 @@ class OracleHeads(torch.nn.Module):
         )
         self.ref, self.ranks, self.done, self.g = ref, ranks, 0, torch.Generator().manual_seed(0)
 
-    def topk_tokens(self, hidden, k):
+    def topk_tokens(self, hidden, k, num_heads):
+        assert num_heads == 4  # the default tree reaches depth 4
         top = torch.randperm(V, generator=self.g)[: len(self.ranks) * k].reshape(len(self.ranks), k)
         for j, r in enumerate(self.ranks):
             if self.done + j < len(self.ref):

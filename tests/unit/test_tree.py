@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from specdraft.eval.tree import (
+    PAD,
     DraftTree,
     ancestor_matrix,
     dedup_prefix,
     pack_beams,
+    pad_beams,
     path_to,
     tree_attention_mask,
     tree_position_ids,
@@ -94,3 +96,22 @@ def test_invalid_parents_rejected(parents):
 def test_pack_beams_rejects_mixed_roots():
     with pytest.raises(ValueError, match="root"):
         pack_beams(torch.tensor([[1, 2], [3, 2]]))
+
+
+def test_pack_beams_with_padded_beams():
+    beams = pad_beams(
+        [torch.tensor([[9, 1, 2], [9, 4, 2]]), torch.tensor([9, 1, 2, 7, 8]), torch.tensor([9])]
+    )
+    assert beams.tolist() == [
+        [9, 1, 2, PAD, PAD],
+        [9, 4, 2, PAD, PAD],
+        [9, 1, 2, 7, 8],
+        [9, PAD, PAD, PAD, PAD],
+    ]
+    tree, ratio = pack_beams(beams)
+    assert tree.tokens.tolist() == [9, 1, 2, 4, 2, 7, 8]
+    assert tree.parents.tolist() == [-1, 0, 1, 0, 3, 2, 5]
+    assert tree.beam_nodes[3].tolist() == [0, PAD, PAD, PAD, PAD]
+    ref_anc, ref_depth = ancestor_matrix(tree.parents)
+    assert torch.equal(tree.ancestors, ref_anc) and torch.equal(tree.depth, ref_depth)
+    assert ratio == pytest.approx(12 / 7)

@@ -11,6 +11,15 @@ from specdraft.eval.verify import greedy_verify, sample_verify, warp_probs
 V = 6
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Thousands of tiny verify calls: threads only add contention on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _onehot_logits(argmaxes: list[int]) -> torch.Tensor:
     logits = torch.zeros(len(argmaxes), V)
     logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
@@ -111,7 +120,9 @@ def _broken_no_renorm(tree, logits, temperature, top_k=0, top_p=1.0, generator=N
     node, path = 0, [0]
     while True:
         children = (tree.parents == node).nonzero().squeeze(1).tolist()
-        nxt = next((c for c in children if torch.rand(1, generator=generator) < probs[node, tree.tokens[c]]), None)
+        nxt = next(
+            (c for c in children if torch.rand(1, generator=generator) < probs[node, tree.tokens[c]]), None
+        )
         if nxt is None:
             residual = probs[node].clone()
             residual[tree.tokens[children]] = 0

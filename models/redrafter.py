@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from specdraft.models.layers import ResBlock, ZeroInitLinear
+
 FORMAT_VERSION = 1
 LOG_0 = -1e9  # "log(0)" that stays finite, so beam scores never become nan
 
@@ -62,22 +64,6 @@ class ReDrafterConfig(PretrainedConfig):
         super().__post_init__(**kwargs)
 
 
-class _ZeroInitLinear(nn.Linear):
-    """A Linear that `ReDrafter._init_weights` starts at zero."""
-
-
-class ResBlock(nn.Module):
-    """x + SiLU(W x + b) (zero-initialised W makes it the identity at the start)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = _ZeroInitLinear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x (..., dim) -> (..., dim)."""
-        return x + F.silu(self.linear(x))
-
-
 class ReDrafter(PreTrainedModel):
     """The recurrent drafter; see the module docstring for the maths and the alignment."""
 
@@ -100,7 +86,7 @@ class ReDrafter(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            if isinstance(module, _ZeroInitLinear):
+            if isinstance(module, ZeroInitLinear):
                 nn.init.zeros_(module.weight)
             else:
                 nn.init.normal_(module.weight, std=0.02)

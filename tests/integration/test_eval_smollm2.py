@@ -18,15 +18,6 @@ from specdraft.train.config import ReDrafterSchema
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Batch-1 decoding of a 135M model on a shared 2-core CPU: a second thread mostly adds contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_smollm2_fp32_speculative_equals_ar() -> None:
     torch.manual_seed(0)
     model, tok = load_target(BaseModelConfig(name_or_path="smollm2-135m", dtype="fp32", device="cpu"))

@@ -19,14 +19,6 @@ from specdraft.testing import tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def target_and_drafter():
     target = tiny_llama(dtype=torch.float64)

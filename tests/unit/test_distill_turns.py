@@ -115,7 +115,9 @@ def test_tokens_the_target_did_not_generate_are_masked():
     assert stats == {"retokenize_mismatch": 1, "masked_retokenized": 4, "masked_template": 1}
     p1, p2 = len(r.prompts[0]), len(r.prompts[1])
     assert mask[p1 : p1 + 2] == [1, 1]  # "ab"
-    assert mask[p1 + 2 : p1 + 7] == [0] * 5  # "\n\n" -> <unk>, "ab", eos (masked here), "\n" (never in the mask)
+    assert (
+        mask[p1 + 2 : p1 + 7] == [0] * 5
+    )  # "\n\n" -> <unk>, "ab", eos (masked here), "\n" (never in the mask)
     assert mask[p2 : p2 + 4] == [1] * 4  # the cut answer
     assert mask[p2 + 4 : p2 + 6] == [0, 0]  # the template's end-of-turn after the cut, "\n"
     assert sum(mask) == sum(enc["loss_mask"]) - 5

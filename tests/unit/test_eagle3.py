@@ -24,15 +24,6 @@ SCHEMA = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls on a shared CPU: one thread is 10-20x faster than two oversubscribed ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def build_eagle3(target, dtype=torch.float64, counts=None, **over):
     torch.manual_seed(2)
     return (

@@ -55,15 +55,6 @@ EAGLE3_KEYS = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls on a shared CPU: one thread is 10-20x faster than two oversubscribed ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _heads():
     target = tiny_llama(num_layers=8)
     torch.manual_seed(0)

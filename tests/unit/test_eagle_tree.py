@@ -32,15 +32,6 @@ SCHEMA = SimpleNamespace(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls on a shared CPU: one thread is 10-20x faster than two oversubscribed ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _head(family, target, seed=3):
     torch.manual_seed(seed)
     head = family.build(SCHEMA, target, FP).double().eval()

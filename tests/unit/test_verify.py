@@ -11,15 +11,6 @@ from specdraft.eval.verify import greedy_verify, sample_verify, warp_probs
 V = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Thousands of tiny verify calls: threads only add contention on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _onehot_logits(argmaxes: list[int]) -> torch.Tensor:
     logits = torch.zeros(len(argmaxes), V)
     logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0

@@ -6,7 +6,7 @@ STAMP := .install.stamp
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast lint typecheck clean
+.PHONY: install demo test test-fast lint typecheck mypy clean
 
 $(STAMP): pyproject.toml
 	# The CPU torch wheel first and pinned: a bare `torch` would pull GBs of CUDA packages.
@@ -25,6 +25,8 @@ demo: install
 
 test: install
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(MAKE) --no-print-directory mypy
 	$(PYTHON) -m pytest -q --timeout=900 --durations=15
 
 test-fast: install
@@ -34,8 +36,11 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-# mypy needs the `specdraft` package as folders: build a symlink farm of the mapped subpackages.
 typecheck: install
+	$(MAKE) --no-print-directory mypy
+
+# mypy needs the `specdraft` package as folders: build a symlink farm of the mapped subpackages.
+mypy:
 	rm -rf build/mypy && mkdir -p build/mypy/specdraft
 	cp specdraft/*.py build/mypy/specdraft/
 	for d in models data distill train eval conf; do ln -s ../../../$$d build/mypy/specdraft/$$d; done

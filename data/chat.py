@@ -86,7 +86,11 @@ def _turn_end(tokenizer: PreTrainedTokenizerBase, full: str, start: int, content
     if not full.startswith(content, start):
         return len(full)
     after = start + len(content)
-    ends = [full.find(t, after) + len(t) for t in {tokenizer.eos_token, *END_OF_TURN_TOKENS} if t and t in full[after:]]
+    ends = [
+        full.find(t, after) + len(t)
+        for t in {tokenizer.eos_token, *END_OF_TURN_TOKENS}
+        if t and t in full[after:]
+    ]
     return min(ends) if ends else len(full)
 
 

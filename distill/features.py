@@ -154,6 +154,7 @@ def compute_features(
             if spec.hidden:
                 row["hidden"] = _to_bytes(res.hidden[r, :n], dtype)  # (n, H)
             if spec.layers:
+                assert res.layers is not None  # requested through `spec.layers`
                 row["hidden_layers"] = [
                     _to_bytes(res.layers[r, :n, m], dtype) for m in range(len(spec.layers))
                 ]

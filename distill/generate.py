@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -81,7 +82,7 @@ def _layers(cache: DynamicCache) -> list[DynamicLayer]:
     if not all(type(layer) is DynamicLayer for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers})
         raise NotImplementedError(f"batched refill needs plain DynamicLayer caches, got {kinds}")
-    return layers
+    return cast("list[DynamicLayer]", layers)
 
 
 def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -109,6 +110,7 @@ def _select(cache: DynamicCache, mask: torch.Tensor, keep: torch.Tensor):
     mask = mask[keep]  # (K, W)
     start = int(mask.any(0).long().argmax()) if mask.numel() else 0
     for layer in _layers(cache):
+        assert layer.keys is not None and layer.values is not None  # filled by the prefill
         layer.keys = layer.keys[keep, :, start:]
         layer.values = layer.values[keep, :, start:]
     return cache, mask[:, start:]
@@ -167,6 +169,9 @@ def generate_batched(
             results[i] = Generation([], "length")
     pending = sorted((i for i in range(n) if results[i] is None), key=lambda i: -len(prompts[i]))
     rows: list[int] = []  # prompt index per batch row
+    cache: DynamicCache | None
+    mask: torch.Tensor | None
+    next_pos: torch.Tensor | None
     cache, mask, next_pos = None, None, None
 
     def footprint(i: int) -> int:
@@ -212,6 +217,7 @@ def generate_batched(
             if cache is None:
                 cache, mask, next_pos = new_cache, new_mask, new_pos
             else:
+                assert mask is not None and next_pos is not None  # set together with `cache`
                 cache, mask = _merge(cache, mask, new_cache, new_mask)
                 next_pos = torch.cat([next_pos, new_pos])
             rows, last = rows + chosen, torch.cat([last, tok])
@@ -222,10 +228,12 @@ def generate_batched(
             if not rows:
                 cache, mask, next_pos, last = None, None, None, last[:0]
                 continue
+            assert cache is not None and mask is not None and next_pos is not None  # rows are in flight
             cache, mask = _select(cache, mask, idx)
             next_pos, last = next_pos[idx], last[idx]
             if pending and settings.refill:
                 continue  # refill the freed rows before the next decode step
+        assert mask is not None and next_pos is not None  # rows are in flight
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)  # (B, W + 1)
         out = model(
             input_ids=last[:, None],

@@ -197,11 +197,11 @@ def distill(cfg: DictConfig) -> Path:
         final = manifest()
         write_manifest(out_dir, final)
         c, t = Counter(final["counts"]), final["timing"]
-        skipped = ", ".join(f"{k}={v}" for k, v in final["skipped"].items()) or "none"
+        skipped_text = ", ".join(f"{k}={v}" for k, v in final["skipped"].items()) or "none"
         say(
             f"[distill] done: {final['num_rows']} rows in {len(final['shards'])}/{len(plan)} shards -> {out_dir} | "
             f"{c['turns']} turns (eos {c['finish_eos']}, length {c['finish_length']}), {c['generated_tokens']} generated "
-            f"tokens, {t['generated_tokens_per_s']} tok/s | skipped: {skipped} | wall {t['run_wall_seconds']:.1f}s",
+            f"tokens, {t['generated_tokens_per_s']} tok/s | skipped: {skipped_text} | wall {t['run_wall_seconds']:.1f}s",
             flush=True,
         )
     return out_dir

@@ -13,7 +13,7 @@ import platform
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -114,7 +114,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
         else:
             from specdraft.models.base_llm import load_target
 
-            base = OmegaConf.to_container(cfg.base_model, resolve=True)
+            base = cast(dict[str, Any], OmegaConf.to_container(cfg.base_model, resolve=True))  # a DictConfig
             base.update(name_or_path=str(e.assistant_model), gguf_file=None, revision=None)
             assistant, _ = load_target(SimpleNamespace(**base))
             assistant.to(model.device, model.dtype)
@@ -157,7 +157,7 @@ def evaluate(cfg: DictConfig) -> Path:
     if e.num_threads:
         torch.set_num_threads(int(e.num_threads))
     seed_everything(int(e.seed))
-    base = OmegaConf.to_container(cfg.base_model, resolve=True)
+    base = cast(dict[str, Any], OmegaConf.to_container(cfg.base_model, resolve=True))  # a DictConfig
     base.update({k: v for k, v in (("dtype", e.dtype), ("device", e.device)) if v})
     model, tokenizer = load_target(SimpleNamespace(**base))
     stop_ids = default_stop_ids(tokenizer, model)

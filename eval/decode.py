@@ -20,10 +20,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from specdraft.data.chat import stop_token_ids
 from specdraft.eval.kv import cache_len, check_supported, keep_accepted, new_cache
@@ -67,7 +68,7 @@ class DecodeStats:
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """Device of the model's input embeddings."""
-    return model.get_input_embeddings().weight.device
+    return cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.device
 
 
 def default_stop_ids(tokenizer, model: torch.nn.Module | None = None) -> set[int]:
@@ -111,7 +112,7 @@ def target_forward(
         logits: (L', V) for the selected rows; hidden: (L, H) last-layer (post-norm) states, or (L, m*H) the
         requested layers concatenated when `layers` is given.
     """
-    decoder = getattr(model, model.base_model_prefix)
+    decoder = getattr(model, cast(PreTrainedModel, model).base_model_prefix)
     out = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -122,7 +123,7 @@ def target_forward(
     )
     hidden = out.last_hidden_state[0]  # (L, H)
     rows = hidden if logits_rows is None else hidden[logits_rows]
-    logits = model.get_output_embeddings()(rows)  # (L', V)
+    logits = cast(PreTrainedModel, model).get_output_embeddings()(rows)  # (L', V)
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -225,8 +226,13 @@ def speculative_generate(
     stop_ids = default_stop_ids(tokenizer, model) if stop_ids is None else set(stop_ids)
     ids = _prompt_tensor(prompt_ids, device)
     stats = DecodeStats(prompt_tokens=ids.shape[1])
-    dtype = model.get_input_embeddings().weight.dtype
-    clock = (lambda: (sync_device(device), time.perf_counter())[1]) if profile else time.perf_counter
+    dtype = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.dtype
+
+    def synced_clock() -> float:
+        sync_device(device)
+        return time.perf_counter()
+
+    clock = synced_clock if profile else time.perf_counter
     sync_device(device)
     t0 = time.perf_counter()
     cache = new_cache(model, ids.shape[1] + max_new_tokens)

@@ -20,6 +20,8 @@ nodes. Verification (greedy or sampling) is the shared core's, so decoding stays
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
@@ -27,6 +29,10 @@ from transformers import DynamicCache
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree
 from specdraft.models.eagle_common import causal_tree_mask
+
+if TYPE_CHECKING:
+    from specdraft.models.eagle import EagleDrafter
+    from specdraft.models.eagle3 import Eagle3Drafter
 
 
 class EagleTreeProposer:
@@ -51,6 +57,7 @@ class EagleTreeProposer:
             raise ValueError(
                 f"EagleTreeProposer: total_tokens={total_tokens}, depth={depth}, top_k={top_k} must be >= 1"
             )
+        drafter = cast("EagleDrafter | Eagle3Drafter", drafter)  # duck-typed: the EAGLE head contract
         self.drafter = drafter
         self.total_tokens, self.depth, self.top_k = int(total_tokens), int(depth), int(top_k)
         self.target_layers: tuple[int, ...] = tuple(

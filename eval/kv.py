@@ -14,9 +14,11 @@ after the prefix, and the rest is cut off - a gather + crop per layer, no recomp
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 
@@ -26,7 +28,7 @@ def new_cache(model: torch.nn.Module, max_len: int | None = None) -> DynamicCach
     Sliding-window layers are not used (their ring buffers cannot be compacted); a model with a sliding
     window is accepted only while the whole sequence fits in the window (`max_len`), where both agree.
     """
-    cfg = model.config.get_text_config(decoder=True)
+    cfg = cast(PreTrainedModel, model).config.get_text_config(decoder=True)
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
     if window and max_len is not None and max_len > window:
         raise NotImplementedError(
@@ -64,9 +66,10 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, path: Tensor) -> None:
         raise ValueError(f"keep_accepted: cache holds {cache_len(cache)} < prefix {prefix_len} + path {a}")
     contiguous = int(path[-1]) == a - 1  # path == arange(a): nothing to move
     src = path + prefix_len  # (a,) absolute positions
-    for layer in cache.layers:
+    for layer in cast("list[DynamicLayer]", cache.layers):  # `check_supported`: plain DynamicLayers
         if not contiguous:
             k, v = layer.keys, layer.values  # (B, heads, P+N, head_dim)
+            assert k is not None and v is not None  # filled by the forward that appended the tree
             k[:, :, prefix_len : prefix_len + a] = k.index_select(2, src)  # index_select copies first
             v[:, :, prefix_len : prefix_len + a] = v.index_select(2, src)
         if n_drop:

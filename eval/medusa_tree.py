@@ -20,11 +20,17 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
 
 from specdraft.eval.tree import DraftTree, ancestor_matrix
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from specdraft.models.medusa import Medusa
 
 # Medusa's default tree for 4 heads x top-10 (`mc_sim_7b_63` in FasterDecoding/Medusa medusa_choices.py, tuned for
 # Vicuna-7B): 63 nodes + root. For another target, build one from measured accuracies (scripts/build_medusa_tree.py).
@@ -146,7 +152,7 @@ def build_tree(acc: Tensor, num_nodes: int) -> tuple[list[tuple[int, ...]], floa
         raise ValueError(f"build_tree: num_nodes={num_nodes} must be >= 1 (the root)")
     a = acc.double().cpu()
     heads, k = a.shape
-    heap = [(-float(a[0, i]), (i,)) for i in range(k)] if heads else []
+    heap: list[tuple[float, tuple[int, ...]]] = [(-float(a[0, i]), (i,)) for i in range(k)] if heads else []
     heapq.heapify(heap)
     paths: list[tuple[int, ...]] = []
     expected = 1.0
@@ -162,8 +168,8 @@ def build_tree(acc: Tensor, num_nodes: int) -> tuple[list[tuple[int, ...]], floa
 
 @torch.no_grad()
 def measure_rank_accuracies(
-    drafter: torch.nn.Module,
-    target: torch.nn.Module,
+    drafter: Medusa,
+    target: PreTrainedModel,
     batches: Iterable[dict[str, Tensor]],
     topk: int,
     max_batches: int | None = None,
@@ -185,6 +191,8 @@ def measure_rank_accuracies(
     """
     from specdraft.models.base_llm import forward_with_hidden
 
+    hits: Tensor | None
+    valid: Tensor | None
     hits = valid = None
     positions = 0
     dev = next(target.parameters()).device
@@ -198,10 +206,11 @@ def measure_rank_accuracies(
         for s in range(0, h.shape[0], chunk):
             logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1]).float()  # (n, K, V)
             hh, vv = rank_hits(logits, tg[s : s + chunk].to(logits.device), topk)
-            hits, valid = (hh, vv) if hits is None else (hits + hh, valid + vv)
+            hits, valid = (hh, vv) if hits is None else (hits + hh, cast(Tensor, valid) + vv)  # set together
         positions += int(h.shape[0])
     if hits is None:
         raise ValueError("measure_rank_accuracies: no held-out batch")
+    assert valid is not None  # set together with `hits`
     return (hits / valid.clamp_min(1.0)[:, None]).cpu(), positions
 
 
@@ -223,6 +232,7 @@ class MedusaProposer:
         choices: Sequence[Sequence[int]] | None = None,
         max_nodes: int | None = None,
     ) -> None:
+        drafter = cast("Medusa", drafter)  # duck-typed: any module with Medusa's `config` and `topk_tokens`
         cfg = drafter.config
         heads = int(cfg.draft_len)
         given = choices if choices is not None else getattr(cfg, "tree_choices", None)
@@ -302,6 +312,7 @@ def typical_verify(
     p_tok = probs[par, tree.tokens]  # (N,) p_parent(token)
     ok = p_tok > thresh[par]  # (N,)
     ok[0] = True
+    assert tree.ancestors is not None and tree.depth is not None  # set in DraftTree.__post_init__
     accepted = ~(tree.ancestors & ~ok[None, :]).any(1)  # (N,) whole path accepted
     logp = torch.log(p_tok.clamp_min(1e-30))
     logp[0] = 0.0

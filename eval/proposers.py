@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
 
 from specdraft.eval.tree import PAD, DraftTree, pack_beams, pad_beams
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from specdraft.models.redrafter import ReDrafter
 
 
 class Int8Linear(torch.nn.Module):
@@ -172,6 +178,9 @@ class ReDrafterProposer:
             raise ValueError(
                 f"ReDrafterProposer: beam_width={beam_width}, beam_length={beam_length} must be >= 1"
             )
+        drafter = cast(
+            "ReDrafter", drafter
+        )  # duck-typed: any module with ReDrafter's `head` and `beam_search`
         self.drafter = drafter
         self.beam_width = beam_width
         self.draft_len = beam_length - 1
@@ -256,7 +265,7 @@ def make_proposer(
         min_prob: ReDrafter prunes beam positions below this drafter probability (0: off).
     """
     family = drafter_family(drafter)
-    cfg = drafter.config
+    cfg = cast("PretrainedConfig", drafter.config)
     if family == "redrafter":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1

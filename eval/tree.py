@@ -64,7 +64,11 @@ class DraftTree:
         """The same tree with every tensor on `device`."""
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return DraftTree(
-            mv(self.tokens), mv(self.parents), mv(self.depth), mv(self.ancestors), mv(self.beam_nodes)
+            self.tokens.to(device),
+            self.parents.to(device),
+            mv(self.depth),
+            mv(self.ancestors),
+            mv(self.beam_nodes),
         )
 
 
@@ -112,6 +116,7 @@ def tree_attention_mask(tree: DraftTree, prefix_len: int, dtype: torch.dtype) ->
     Returns:
         (1, 1, N, P + N) float mask.
     """
+    assert tree.ancestors is not None  # set in __post_init__
     n = tree.num_nodes
     mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=tree.tokens.device)
     mask[0, 0, :, prefix_len:].masked_fill_(~tree.ancestors, torch.finfo(dtype).min)  # (N, N)
@@ -120,11 +125,13 @@ def tree_attention_mask(tree: DraftTree, prefix_len: int, dtype: torch.dtype) ->
 
 def tree_position_ids(tree: DraftTree, prefix_len: int) -> Tensor:
     """Position ids `prefix_len + depth`, shape (1, N)."""
+    assert tree.depth is not None  # set in __post_init__
     return (tree.depth + prefix_len).unsqueeze(0)
 
 
 def path_to(tree: DraftTree, node: int) -> Tensor:
     """Node indices on the root -> `node` path, root first: (depth+1,) long (ascending, as parents[i] < i)."""
+    assert tree.ancestors is not None  # set in __post_init__
     return tree.ancestors[node].nonzero().squeeze(1)
 
 

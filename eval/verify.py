@@ -60,6 +60,7 @@ def warp_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float 
 
 def _best_path(tree: DraftTree, ok: Tensor) -> tuple[Tensor, int]:
     """Deepest node whose whole path is `ok`; returns (path (a,) long, node index)."""
+    assert tree.ancestors is not None and tree.depth is not None  # set in DraftTree.__post_init__
     accepted = ~(tree.ancestors & ~ok[None, :]).any(1)  # (N,) every ancestor ok
     score = torch.where(accepted, tree.depth, torch.full_like(tree.depth, -1))
     best = int(score.argmax())  # first maximum

@@ -195,7 +195,7 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         path, load_revision = name, revision
     tokenizer = AutoTokenizer.from_pretrained(path, revision=load_revision)
     model = AutoModelForCausalLM.from_pretrained(path, revision=load_revision, dtype=dtype, **kwargs)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' `@wraps(nn.Module.to)` confuses the stubs
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     override = getattr(cfg, "chat_template", None)

@@ -23,7 +23,7 @@ token_weight, optional uniform noise on the input features. Embeddings and LM he
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +127,7 @@ class EagleDrafter(PreTrainedModel):
 
     def draft_head(self) -> tuple[nn.Module, nn.Linear]:
         """(transform, vocabulary Linear) with `draft_logits(out) == linear(transform(out))` (for int8 copies)."""
-        return nn.Identity(), self.borrowed.modules["lm_head"]
+        return nn.Identity(), cast(nn.Linear, self.borrowed.modules["lm_head"])
 
     def to_target_ids(self, ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids (identity: EAGLE-1 drafts over the full vocabulary)."""
@@ -147,7 +147,7 @@ TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer feature is needed
 
 def attach(model: EagleDrafter, target: PreTrainedModel) -> EagleDrafter:
     """Borrow the target's input embeddings and LM head (after construction or `from_pretrained`)."""
-    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    emb, head = cast(nn.Embedding, target.get_input_embeddings()), target.get_output_embeddings()
     h, v = model.config.base_hidden_size, model.config.vocab_size
     if tuple(emb.weight.shape) != (v, h) or tuple(head.weight.shape) != (v, h):
         raise ValueError(
@@ -186,7 +186,7 @@ def compute_loss(
         (loss, aux) with aux["logits"] (N, S, V) detached (S = 1 in training, D in eval) and aux["targets"] (N, S).
     """
     opts = opts or {}
-    inner = getattr(model, "module", model)
+    inner = cast(EagleDrafter, getattr(model, "module", model))
     cfg = inner.config
     d = int(opts.get("draft_len") or batch["targets"].shape[-1])
     steps = 1 if inner.training else d

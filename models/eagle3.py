@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +75,12 @@ class Eagle3Drafter(PreTrainedModel):
     config_class = Eagle3Config
     base_model_prefix = "eagle3"
     _no_split_modules: list[str] = []
+    d2t: Tensor  # (Vd,) long buffer, registered in __init__
+    t2d: Tensor  # (V,) bool buffer, registered in __init__
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__(config)
+        assert config.draft_vocab_size is not None  # set by Eagle3Config.__post_init__
         h, vd, m = config.base_hidden_size, int(config.draft_vocab_size), max(len(config.target_layers), 1)
         layer, self.rotary = target_block(config.block_config)
         attn = layer.self_attn
@@ -87,7 +90,7 @@ class Eagle3Drafter(PreTrainedModel):
         layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
         self.midlayer = layer
         self.fc = nn.Linear(m * h, h, bias=False)
-        self.norm = copy.deepcopy(layer.post_attention_layernorm)
+        self.norm = copy.deepcopy(cast(nn.Module, layer.post_attention_layernorm))
         self.lm_head = nn.Linear(h, vd, bias=False)
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id - draft id
         self.register_buffer(
@@ -123,7 +126,7 @@ class Eagle3Drafter(PreTrainedModel):
         Returns:
             (B, n, H) pre-norm outputs o.
         """
-        lay = self.midlayer
+        lay: Any = self.midlayer  # an HF decoder layer: its submodules depend on the target's family
         g = feats.to(self.fc.weight.dtype)  # (B, n, H)
         x = torch.cat([lay.input_layernorm(self.embed(tokens)), lay.hidden_norm(g)], dim=-1)  # (B, n, 2H)
         a, _ = lay.self_attn(
@@ -162,7 +165,7 @@ USES_TOKEN_COUNTS = True  # `build` takes the training-label counts (reduced dra
 
 def attach(model: Eagle3Drafter, target: PreTrainedModel) -> Eagle3Drafter:
     """Borrow the target's input embeddings (drafting) and LM head (training teacher only)."""
-    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    emb, head = cast(nn.Embedding, target.get_input_embeddings()), target.get_output_embeddings()
     h, v = model.config.base_hidden_size, model.config.vocab_size
     if tuple(emb.weight.shape) != (v, h) or tuple(head.weight.shape) != (v, h):
         raise ValueError(
@@ -208,7 +211,9 @@ def build(
         ttt_decay=float(schema.ttt_decay),
     )
     model = attach(Eagle3Drafter(config), target)
-    ids = torch.arange(v) if vd == v else token_counts.topk(vd).indices.sort().values  # (Vd,) ascending
+    ids = (
+        torch.arange(v) if vd == v else cast(Tensor, token_counts).topk(vd).indices.sort().values
+    )  # (Vd,) ascending
     with torch.no_grad():
         model.d2t.copy_(ids - torch.arange(vd))
         model.t2d.zero_()
@@ -235,7 +240,7 @@ def compute_loss(
         aux["targets"] (N, S'); S' = S in eval mode, 1 in training (metrics of slot 0 only).
     """
     opts = opts or {}
-    inner = getattr(model, "module", model)
+    inner = cast(Eagle3Drafter, getattr(model, "module", model))
     if target_out.layers is None:
         raise ValueError(
             f"EAGLE-3 needs the target layers {inner.config.target_layers} in TargetOutput.layers"

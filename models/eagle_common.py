@@ -7,12 +7,16 @@ A head exposes `encode_target(target feats) -> g`, `step(g, tokens, cache, posit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, DynamicCache, PreTrainedModel
+
+if TYPE_CHECKING:
+    from specdraft.models.eagle import EagleDrafter
+    from specdraft.models.eagle3 import Eagle3Drafter
 
 FORMAT_VERSION = 1
 DROP_BLOCK_KEYS = (
@@ -120,6 +124,8 @@ def next_tokens(input_ids: Tensor, steps: int) -> Tensor:
 class Borrowed:
     """The target's embedding / LM head, hidden from `state_dict` and cached per dtype for the drafter."""
 
+    _rows_ids: Tensor  # the `ids` of the cached `rows` (set on first use)
+
     def __init__(self) -> None:
         self.modules: dict[str, nn.Module] = {}
         self._cast: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -136,7 +142,9 @@ class Borrowed:
             )
         key = (name, like.dtype, like.device)
         if key not in self._cast:
-            self._cast[key] = self.modules[name].weight.detach().to(device=like.device, dtype=like.dtype)
+            self._cast[key] = (
+                cast(Tensor, self.modules[name].weight).detach().to(device=like.device, dtype=like.dtype)
+            )
         return self._cast[key]
 
     def rows(self, name: str, like: Tensor, ids: Tensor) -> Tensor:
@@ -150,7 +158,7 @@ class Borrowed:
 
 
 def unroll(
-    head: nn.Module,
+    head: EagleDrafter | Eagle3Drafter,
     feats: Tensor,
     tokens: Tensor,
     steps: int = 1,

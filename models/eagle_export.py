@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -171,7 +171,9 @@ def export_engine_layout(
         for k, v in model.state_dict().items()
     }
     if target is not None:
-        tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to(DTYPES[dtype]).cpu()
+        tensors["embed_tokens.weight"] = (
+            cast(Tensor, target.get_input_embeddings().weight).detach().to(DTYPES[dtype]).cpu()
+        )
     errs = check_engine_layout(cfg, tensors)
     if errs:
         raise ValueError(f"engine layout of {type(model).__name__} is inconsistent: " + "; ".join(errs))
@@ -224,6 +226,8 @@ def import_engine_layout(
     is3 = EAGLE3_ARCH in cfg.get("architectures", [])
     tree = SimpleNamespace(draft_len=5 if is3 else 4, tree_total_tokens=24, tree_depth=5, tree_top_k=6)
     common = eagle.common_config(tree, target, fingerprint)
+    config: eagle.EagleConfig | eagle3.Eagle3Config
+    model: eagle.EagleDrafter | eagle3.Eagle3Drafter
     if is3:
         layers = list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         config = eagle3.Eagle3Config(

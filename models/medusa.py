@@ -18,7 +18,7 @@ Loss: sum_k lambda^k CE_k (lambda = `loss_decay`, 0.8 by default), or the soft (
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +84,7 @@ class Medusa(PreTrainedModel):
         Returns:
             (..., num_heads, V); entry k predicts x_{t+2+k}.
         """
-        w = self.heads[0][-1].weight
+        w = cast(nn.Linear, cast(nn.Sequential, self.heads[0])[-1]).weight  # first head's vocabulary Linear
         x = hidden.to(device=w.device, dtype=w.dtype)
         n = self.config.draft_len if num_heads is None else num_heads
         if n > self.config.draft_len:
@@ -157,7 +157,7 @@ def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> 
         lm_head = target.get_output_embeddings().weight  # (V, H)
         with torch.no_grad():
             for head in model.heads:
-                head[-1].weight.copy_(lm_head.detach().float())
+                cast(nn.Linear, cast(nn.Sequential, head)[-1]).weight.copy_(lm_head.detach().float())
     return model
 
 
@@ -189,7 +189,7 @@ def compute_loss(
     from specdraft.models.redrafter import compute_loss as teacher_forced_loss
 
     opts = dict(opts or {})
-    config = getattr(model, "module", model).config  # unwrap DDP
+    config = cast(Medusa, getattr(model, "module", model)).config  # unwrap DDP
     d = int(opts.get("draft_len") or batch["targets"].shape[-1])
     if not opts.get("slot_weights"):
         opts["slot_weights"] = head_weights(float(config.loss_decay), d).tolist()

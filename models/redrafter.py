@@ -18,7 +18,7 @@ trainable table (copied from the target at build time) that is saved with it.
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,7 @@ class ReDrafter(PreTrainedModel):
     def __init__(self, config: ReDrafterConfig) -> None:
         super().__init__(config)
         e, h, x = config.embed_dim, config.base_hidden_size, config.exit_dim
+        assert e is not None and x is not None  # set by ReDrafterConfig.__post_init__
         if config.rnn:
             self.rnn_u = nn.Linear(e, e, bias=True)  # U s + b
             self.rnn_w = nn.Linear(e, e, bias=False)  # W e
@@ -81,7 +82,7 @@ class ReDrafter(PreTrainedModel):
         self.blocks = nn.ModuleList(ResBlock(x) for _ in range(config.num_layers))
         self.head = nn.Linear(x, config.vocab_size, bias=False)
         self.embed = None if config.share_embeddings else nn.Embedding(config.vocab_size, e)
-        self._borrowed: list[nn.Module] = []  # the target's embedding, hidden from state_dict/parameters
+        self._borrowed: list[nn.Embedding] = []  # the target's embedding, hidden from state_dict/parameters
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -98,7 +99,10 @@ class ReDrafter(PreTrainedModel):
     # ---- embeddings -------------------------------------------------------------------------------------
     def attach_embeddings(self, target: PreTrainedModel | nn.Module) -> ReDrafter:
         """Borrow the target's (frozen) input embeddings; a no-op when the drafter owns its table."""
-        emb = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else target
+        has_getter = hasattr(target, "get_input_embeddings")
+        emb = cast(
+            nn.Embedding, cast(PreTrainedModel, target).get_input_embeddings() if has_getter else target
+        )
         if emb.weight.shape != (self.config.vocab_size, self.config.embed_dim):
             raise ValueError(
                 f"target embeddings {tuple(emb.weight.shape)} do not match the drafter's "
@@ -109,6 +113,7 @@ class ReDrafter(PreTrainedModel):
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """ids (...) long -> (..., E) in the drafter's dtype; ids < 0 (ignored slots) embed as token 0."""
+        emb: nn.Embedding
         if self.embed is not None:
             emb = self.embed
         elif self._borrowed:
@@ -245,11 +250,12 @@ def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> 
         beam_width=int(schema.beam_width),
     )
     model = ReDrafter(config)
-    emb = target.get_input_embeddings().weight
+    emb = cast(nn.Embedding, target.get_input_embeddings()).weight
     with torch.no_grad():
         if share:
             model.attach_embeddings(target)
         else:
+            assert model.embed is not None  # share_embeddings=False: the drafter owns its table
             model.embed.weight.copy_(emb.float())
         if schema.init_from_lm_head:
             init_from_lm_head(model, target.get_output_embeddings().weight)

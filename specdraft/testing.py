@@ -59,7 +59,7 @@ def tiny_llama(
         eos_token_id=3,
         pad_token_id=0,
     )
-    model = LlamaForCausalLM(cfg).to(dtype)
+    model = LlamaForCausalLM(cfg).to(dtype)  # type: ignore[arg-type]  # transformers' `@wraps(nn.Module.to)` stub
     # Random init gives near-uniform logits; sharpen them so greedy paths are not all near-ties.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)

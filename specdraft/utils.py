@@ -77,7 +77,7 @@ def atomic_dir(path: str | os.PathLike[str], overwrite: bool = False) -> Iterato
 
 def clean_stale_tmp(parent: str | os.PathLike[str]) -> list[Path]:
     """Remove `.tmp-*` / `.old-*` leftovers of interrupted `atomic_dir`/`atomic_write_*` calls."""
-    removed = []
+    removed: list[Path] = []
     parent = Path(parent)
     if not parent.is_dir():
         return removed

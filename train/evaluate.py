@@ -30,7 +30,7 @@ class TargetFeatures:
 
     def __init__(self, target: Any, cache: bool = False, layers: tuple[int, ...] = ()) -> None:
         self.target, self.cache, self.layers = target, cache, tuple(layers)
-        self.memo: dict[int, Tensor] = {}
+        self.memo: dict[int, tuple[Tensor, Tensor | None]] = {}  # row index -> (hidden, layers)
 
     def __call__(self, batch: dict[str, Tensor], need_logits: bool = False) -> TargetOutput:
         """batch -> TargetOutput with hidden (B, L, H) (and logits (B, L, V) when `need_logits`)."""
@@ -65,6 +65,7 @@ class TargetFeatures:
             for b, (h, lay) in enumerate(rows):
                 hidden[b, : h.shape[0]] = h.to(hidden.device)
                 if layers is not None:
+                    assert lay is not None  # every memoised row holds the same layers
                     layers[b, : lay.shape[0]] = lay.to(layers.device)  # (B, L, m, H)
             return TargetOutput(hidden.new_empty(0), hidden, layers, None)
 
@@ -130,6 +131,9 @@ def evaluate(
         model.train()
     if valid is None:
         return {}
+    # the other accumulators are set together with `valid`
+    assert ce_sum is not None and hits1 is not None and hitsk is not None
+    assert uni1 is not None and unik is not None
     denom = valid.clamp_min(1.0)
     acc1, acck, u1, uk = hits1 / denom, hitsk / denom, uni1 / denom, unik / denom
     out: dict[str, float] = {

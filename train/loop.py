@@ -175,7 +175,7 @@ def train(cfg: DictConfig) -> Path:
     need_logits = "kl" in cfg.train.loss
     # Intermediate target layers: per-model (EAGLE-3 `config.target_layers`, depends on the target's depth) or per family.
     layers = tuple(
-        getattr(acc.unwrap_model(model).config, "target_layers", None) or getattr(family, "TARGET_LAYERS", ())
+        getattr(acc.unwrap_model(model).config, "target_layers", ()) or getattr(family, "TARGET_LAYERS", ())
     )
     train_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
     val_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)

@@ -16,8 +16,9 @@ stage "1/3 distill: python distill.py conf=$PRESET"
 python distill.py conf=$PRESET
 
 stage "2/3 train: accelerate launch train.py conf=$PRESET"
-accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-  train.py conf=$PRESET
+# accelerate launch sets OMP_NUM_THREADS=1 unless it is set: one process may use every core.
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} accelerate launch --num_processes 1 --num_machines 1 \
+  --dynamo_backend no train.py conf=$PRESET
 
 stage "3/3 evaluate: python evaluate.py conf=$PRESET"
 python evaluate.py conf=$PRESET

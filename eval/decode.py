@@ -30,6 +30,7 @@ from specdraft.data.chat import stop_token_ids
 from specdraft.eval.kv import cache_len, check_supported, keep_accepted, new_cache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify, sample_token, sample_verify
+from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 
 class Proposer(Protocol):
@@ -112,23 +113,22 @@ def target_forward(
         logits: (L', V) for the selected rows; hidden: (L, H) last-layer (post-norm) states, or (L, m*H) the
         requested layers concatenated when `layers` is given.
     """
-    decoder = getattr(model, cast(PreTrainedModel, model).base_model_prefix)
-    out = decoder(
-        input_ids=input_ids,
+    out = forward_with_hidden(
+        cast(PreTrainedModel, model),
+        input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         past_key_values=cache,
+        layers=layers,
         use_cache=True,
-        output_hidden_states=bool(layers),
+        logits=False,
     )
-    hidden = out.last_hidden_state[0]  # (L, H)
+    hidden = out.hidden[0]  # (L, H)
     rows = hidden if logits_rows is None else hidden[logits_rows]
-    logits = cast(PreTrainedModel, model).get_output_embeddings()(rows)  # (L', V)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
+    logits = lm_logits(cast(PreTrainedModel, model), rows)  # (L', V)
     if layers:
-        hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)  # (L, m*H)
+        assert out.layers is not None
+        hidden = out.layers[0].flatten(-2)  # (L, m*H): the requested layers concatenated
     return logits, hidden
 
 

@@ -277,9 +277,23 @@ def forward_with_hidden(
     )
     hidden = out.last_hidden_state  # (B, L, H), after the final norm
     extra = torch.stack([out.hidden_states[i] for i in layers], dim=2) if layers else None  # (B, L, m, H)
-    head = model.get_output_embeddings()
-    lm_logits = head(hidden) if logits else hidden.new_empty(0)  # (B, L, V)
-    return TargetOutput(lm_logits, hidden, extra, out.past_key_values if use_cache else None)
+    logits_out = lm_logits(model, hidden) if logits else hidden.new_empty(0)  # (B, L, V)
+    return TargetOutput(logits_out, hidden, extra, out.past_key_values if use_cache else None)
+
+
+def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's LM head on post-norm hidden states, with final-logit softcapping where the model has it.
+
+    Args:
+        model: the HF causal LM.
+        hidden: (..., H) last-layer states.
+
+    Returns:
+        (..., V) logits.
+    """
+    out = model.get_output_embeddings()(hidden)  # (..., V)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(out / cap) * cap if cap else out
 
 
 def clear_cache(cache_dir: str | None = None) -> None:

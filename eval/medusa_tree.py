@@ -270,11 +270,14 @@ class MedusaProposer:
             DraftTree with N = `num_nodes` nodes; node i's token is head[i]'s rank[i] candidate.
         """
         dev = tokens.device
+        if self.parents.device != dev:  # the static layout moves to the decoding device once, not every step
+            self.parents, self.head, self.rank = self.parents.to(dev), self.head.to(dev), self.rank.to(dev)
+            self.ancestors, self.depth = self.ancestors.to(dev), self.depth.to(dev)
         out = tokens[-1:].repeat(self.num_nodes)  # (N,)
         if self.num_nodes > 1:
             top = self.drafter.topk_tokens(hidden[-1], self.topk, self.depth_used).to(dev)  # (depth, k)
-            out[1:] = top[self.head[1:].to(dev), self.rank[1:].to(dev)]
-        return DraftTree(out, self.parents.to(dev), self.depth.to(dev), self.ancestors.to(dev))
+            out[1:] = top[self.head[1:], self.rank[1:]]
+        return DraftTree(out, self.parents, self.depth, self.ancestors)
 
 
 def typical_verify(

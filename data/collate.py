@@ -63,12 +63,25 @@ def make_targets(
     return root, targets, pos_mask
 
 
+FEATURE_KEYS = ("hidden", "hidden_layers", "topk_ids", "topk_logprobs")  # cached per-token features, padded
+
+
 class RowDataset(Dataset):
     """Rows (list of dicts, or a `datasets.Dataset`) -> dicts of tensors, decoding cached features."""
 
-    def __init__(self, rows: Any, features: dict[str, Any] | None = None, use_features: bool = True) -> None:
+    def __init__(
+        self,
+        rows: Any,
+        features: dict[str, Any] | None = None,
+        use_features: bool = True,
+        layers: tuple[int, ...] = (),
+    ) -> None:
+        """`layers`: hidden_states indices to hand out as `hidden_layers` (L, m, H), in this order; each must be
+        among the cached `features["layers"]` (`cached_layers_cover` says whether they are)."""
         self.rows = rows
         self.features = features if (features and use_features) else None
+        cached = list(self.features["layers"]) if self.features else []
+        self.layer_cols = [cached.index(i) for i in layers] if layers else []  # columns of the cached stack
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -84,7 +97,16 @@ class RowDataset(Dataset):
 
             feats = decode_features(row, self.features)
             item.update({k: v for k, v in feats.items() if k in ("hidden", "topk_ids", "topk_logprobs")})
+            if self.layer_cols:
+                item["hidden_layers"] = feats["hidden_layers"][:, self.layer_cols]  # (L, m, H)
         return item
+
+
+def cached_layers_cover(features: dict[str, Any] | None, layers: tuple[int, ...]) -> bool:
+    """True when distill/ cached the last hidden state and every one of `layers` (so the target need not run)."""
+    if not layers or not features or not features.get("hidden"):
+        return False
+    return set(layers) <= set(features.get("layers") or ())
 
 
 @dataclass
@@ -96,7 +118,8 @@ class Collator:
 
     def __call__(self, items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         """items -> batch: input_ids/attention_mask/root (B, L), targets (B, L, D), pos_mask (B, L) bool,
-        optional hidden (B, L, H), topk_ids/topk_logprobs (B, L, k); `num_positions` () trainable positions."""
+        optional hidden (B, L, H), hidden_layers (B, L, m, H), topk_ids/topk_logprobs (B, L, k); `num_positions` ()
+        trainable positions."""
         bsz, seq = len(items), max(int(it["input_ids"].shape[0]) for it in items)
         batch = {
             "input_ids": torch.full((bsz, seq), self.pad_id, dtype=torch.long),
@@ -105,7 +128,7 @@ class Collator:
             "targets": torch.full((bsz, seq, self.draft_len), IGNORE_INDEX, dtype=torch.long),
             "pos_mask": torch.zeros(bsz, seq, dtype=torch.bool),
         }
-        for key in ("hidden", "topk_ids", "topk_logprobs"):
+        for key in FEATURE_KEYS:
             if key in items[0]:
                 shape, dtype = items[0][key].shape[1:], items[0][key].dtype
                 batch[key] = torch.zeros((bsz, seq, *shape), dtype=dtype)
@@ -117,7 +140,7 @@ class Collator:
             batch["input_ids"][b, :n] = it["input_ids"]
             batch["attention_mask"][b, :n] = 1
             batch["root"][b, :n], batch["targets"][b, :n], batch["pos_mask"][b, :n] = root, targets, pos
-            for key in ("hidden", "topk_ids", "topk_logprobs"):
+            for key in FEATURE_KEYS:
                 if key in batch:
                     batch[key][b, :n] = it[key]
         if "index" in items[0]:
@@ -179,7 +202,7 @@ def distilled_rows(cfg: Any, fingerprint: dict[str, Any]) -> tuple[Any, Any, dic
     from specdraft.distill.shards import load_distilled
     from specdraft.models.hub import check_target_match
 
-    ds, manifest = load_distilled(cfg.train.data_dir)
+    ds, manifest = load_distilled(cfg.train.data_dir, bool(cfg.train.get("allow_incomplete_data", False)))
     check_target_match(manifest.get("target", {}), fingerprint, f"dataset {cfg.train.data_dir}")
     order = list(range(len(ds)))
     random.Random(cfg.data.seed).shuffle(order)

@@ -109,7 +109,21 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     if "assisted" in baselines:
         if not e.assistant_model:
             skipped["assisted"] = (
-                "no eval.assistant_model set (no smaller model shares the target's tokenizer)"
+                "no eval.assistant_model set (a same-tokenizer model, or layers:N for the target's first N layers)"
+            )
+        elif str(e.assistant_model).startswith("layers:"):  # the target's first N layers + its own head
+            from specdraft.models.base_llm import first_layers
+
+            n_layers = int(str(e.assistant_model).split(":", 1)[1])
+            methods.append(
+                runner.hf_method(
+                    f"assisted[{n_layers}L]",
+                    model,
+                    tokenizer,
+                    stop_ids,
+                    sampling,
+                    assistant_model=first_layers(model, n_layers),
+                )
             )
         else:
             from specdraft.models.base_llm import load_target

@@ -27,7 +27,7 @@ class EvalConfig:
     typical_delta: float = 0.3  # typical acceptance: entropy-dependent threshold scale (sqrt(eps) in Medusa)
     baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # or assisted, tree_lookup
     prompt_lookup_num_tokens: int = 10  # prompt lookup (transformers' and tree_lookup): candidate length
-    assistant_model: str | None = None  # Hub id / folder of a small same-tokenizer model for `assisted`
+    assistant_model: str | None = None  # `assisted`: same-tokenizer model, or layers:N (target cut)
     dtype: str | None = None  # override base_model.dtype (fp32 | bf16 | fp16)
     device: str | None = None  # override base_model.device (cpu | cuda | cuda:N | auto)
     num_threads: int | None = None  # torch CPU threads (None: torch's default)

@@ -141,11 +141,24 @@ def _emit(out: list[int], new: Iterable[int], stop_ids: set[int], max_new_tokens
     return False
 
 
-def _prompt_tensor(prompt_ids: Tensor | list[int], device: torch.device) -> Tensor:
+def _setup(
+    model: torch.nn.Module, tokenizer, prompt_ids: Tensor | list[int], stop_ids: set[int] | None
+) -> tuple[torch.device, set[int], Tensor, DecodeStats]:
+    """Shared by both loops: (device, stop ids, prompt ids (1, L) on the device, fresh stats)."""
+    device = model_device(model)
+    stop_ids = default_stop_ids(tokenizer, model) if stop_ids is None else set(stop_ids)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)  # (1, L)
     if ids.shape[1] == 0:
         raise ValueError("prompt_ids is empty")
-    return ids
+    return device, stop_ids, ids, DecodeStats(prompt_tokens=ids.shape[1])
+
+
+def _finish(stats: DecodeStats, out: list[int], stop_ids: set[int], device: torch.device, t0: float) -> None:
+    """Shared by both loops: stop the clock (after a device sync) and record length and finish reason."""
+    sync_device(device)
+    stats.time_s = time.perf_counter() - t0
+    stats.new_tokens = len(out)
+    stats.finish_reason = "stop" if out and out[-1] in stop_ids else "length"
 
 
 @torch.inference_mode()
@@ -165,10 +178,7 @@ def ar_generate(
     Returns:
         tokens: the new tokens (stop token included when hit); stats.
     """
-    device = model_device(model)
-    stop_ids = default_stop_ids(tokenizer, model) if stop_ids is None else set(stop_ids)
-    ids = _prompt_tensor(prompt_ids, device)
-    stats = DecodeStats(prompt_tokens=ids.shape[1])
+    device, stop_ids, ids, stats = _setup(model, tokenizer, prompt_ids, stop_ids)
     sync_device(device)
     t0 = time.perf_counter()
     cache = new_cache(model, ids.shape[1] + max_new_tokens)
@@ -181,10 +191,7 @@ def ar_generate(
         if not done:
             logits, _ = target_forward(model, torch.tensor([[tok]], device=device), cache)
             stats.steps += 1
-    sync_device(device)
-    stats.time_s = time.perf_counter() - t0
-    stats.new_tokens = len(out)
-    stats.finish_reason = "stop" if out and out[-1] in stop_ids else "length"
+    _finish(stats, out, stop_ids, device, t0)
     return out, stats
 
 
@@ -222,10 +229,7 @@ def speculative_generate(
     Returns:
         tokens: the new tokens; stats (accepted drafts per step, tree sizes, timings).
     """
-    device = model_device(model)
-    stop_ids = default_stop_ids(tokenizer, model) if stop_ids is None else set(stop_ids)
-    ids = _prompt_tensor(prompt_ids, device)
-    stats = DecodeStats(prompt_tokens=ids.shape[1])
+    device, stop_ids, ids, stats = _setup(model, tokenizer, prompt_ids, stop_ids)
     dtype = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.dtype
 
     def synced_clock() -> float:
@@ -281,8 +285,5 @@ def speculative_generate(
         stats.verify_s += t3 - t2
         stats.accept_s += t4 - t3
         t1 = t4
-    sync_device(device)
-    stats.time_s = time.perf_counter() - t0
-    stats.new_tokens = len(out)
-    stats.finish_reason = "stop" if out and out[-1] in stop_ids else "length"
+    _finish(stats, out, stop_ids, device, t0)
     return out, stats

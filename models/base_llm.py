@@ -15,7 +15,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_model
@@ -209,6 +209,52 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         )
     model.config.specdraft_source = source
     return freeze(model), tokenizer
+
+
+def first_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """The target cut after its first `num_layers` decoder layers, sharing every weight (no copy).
+
+    An early-exit ("LayerSkip"-style) assistant for transformers' assisted generation when no smaller model
+    shares the target's tokenizer: the kept layers feed the target's own final norm and LM head. The target is
+    left untouched (its module tree, config and generation config are copied, not edited).
+
+    Args:
+        model: a decoder-only HF model whose layers live in `model.model.layers` (Llama/Qwen/Mistral style).
+        num_layers: layers kept, 1 <= num_layers <= the target's depth.
+
+    Returns:
+        A model with the same forward signature: (B, L) ids -> (B, L, V) logits.
+    """
+    import copy
+
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(inner, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} keeps no `model.layers`: cannot cut it into an assistant")
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(
+            f"assistant layers={num_layers} outside [1, {len(layers)}] for {type(model).__name__}"
+        )
+
+    def shallow(module: torch.nn.Module) -> torch.nn.Module:
+        out = copy.copy(module)
+        for key, value in module.__dict__.items():  # own child/hook tables: edits and hooks stay on one model
+            if isinstance(value, dict):
+                out.__dict__[key] = type(value)(value)
+        return out
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:num_layers]
+    new_inner: Any = shallow(inner)
+    new_inner.layers = torch.nn.ModuleList(list(layers)[:num_layers])
+    new_inner.config = config
+    out: Any = shallow(model)
+    out.model = new_inner
+    out.config = config
+    out.generation_config = copy.deepcopy(model.generation_config)  # assisted generation edits its own
+    return cast(PreTrainedModel, out)
 
 
 def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:

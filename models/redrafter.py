@@ -259,6 +259,9 @@ def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> 
             model.embed.weight.copy_(emb.float())
         if schema.init_from_lm_head:
             init_from_lm_head(model, target.get_output_embeddings().weight)
+    # A fixed head (the target's LM head) leaves the MLP to predict a next-next *state* in the target's own
+    # output space, as EAGLE does: 25x fewer trainable parameters, less overfitting on small distilled sets.
+    model.head.weight.requires_grad_(not getattr(schema, "freeze_head", False))
     return model
 
 

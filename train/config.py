@@ -17,6 +17,7 @@ class ReDrafterSchema:
     beam_width: int = 8  # default beam width at decode time
     init_from_lm_head: bool = True  # initialise the vocabulary head from the target's LM head
     exit_dim: int | None = None  # ResBlock width (None: embed + hidden, no projection; hidden: cheaper)
+    freeze_head: bool = False  # keep the vocab head fixed (the target LM head, with init_from_lm_head)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class TrainConfig:
     seed: int = 0  # global seed
     mixed_precision: str = "no"  # accelerate mixed precision: no | bf16 | fp16
     data_dir: str | None = None  # distilled dataset dir (None: raw conversations from `data`)
+    allow_incomplete_data: bool = False  # train on the finished shards of a distill run still in progress
     export_dir: str | None = None  # where to export the drafter (default <run_dir>/export)
     push_to_hub: str | None = None  # Hub repo id to publish the export to (token from HF_TOKEN)
     extra: dict = field(default_factory=dict)  # free-form notes recorded in the export's training summary

@@ -24,7 +24,7 @@ class TargetFeatures:
     With `cache=True` each row's hidden states (L, H) are computed once, by a forward over that row alone (so the
     values never depend on batch composition or padding, which keeps resumed runs exact), kept on the CPU in
     the target's dtype and reused in later epochs and evaluations. Cached distill/ features in the batch
-    (`hidden`) are used as they are. Logits (online soft targets) are never memoised; extra layers (EAGLE-3) are
+    (`hidden`, and `hidden_layers` for the extra layers) are used as they are. Logits (online soft targets) are never memoised; extra layers (EAGLE-3) are
     memoised with the hidden states.
     """
 
@@ -34,8 +34,11 @@ class TargetFeatures:
 
     def __call__(self, batch: dict[str, Tensor], need_logits: bool = False) -> TargetOutput:
         """batch -> TargetOutput with hidden (B, L, H) (and logits (B, L, V) when `need_logits`)."""
-        if "hidden" in batch and not need_logits and not self.layers:
-            return TargetOutput(batch["hidden"].new_empty(0), batch["hidden"], None, None)
+        if "hidden" in batch and not need_logits and (not self.layers or "hidden_layers" in batch):
+            # Cached by distill/: `hidden_layers` (B, L, m, H) already holds self.layers, in order.
+            return TargetOutput(
+                batch["hidden"].new_empty(0), batch["hidden"], batch.get("hidden_layers"), None
+            )
         with torch.no_grad():
             if need_logits or not self.cache or "index" not in batch:
                 return forward_with_hidden(

@@ -20,7 +20,15 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
-from specdraft.data.collate import Collator, EpochSampler, RowDataset, distilled_rows, label_counts, raw_rows
+from specdraft.data.collate import (
+    Collator,
+    EpochSampler,
+    RowDataset,
+    cached_layers_cover,
+    distilled_rows,
+    label_counts,
+    raw_rows,
+)
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.hub import export_drafter, push_to_hub
 from specdraft.models.registry import get_family
@@ -121,35 +129,42 @@ def train(cfg: DictConfig) -> Path:
             f"too little data: {len(train_rows)} train / {len(val_rows)} val rows for train.batch_size="
             f"{cfg.train.batch_size} x {acc.num_processes} processes (raise data.num_samples or data.val_fraction)"
         )
+    # ---- 3. drafter, optimiser, schedule -------------------------------------------------------------------
+    counts = label_counts(train_rows, int(fingerprint["vocab_size"]))
+    extra = (
+        {"token_counts": counts} if getattr(family, "USES_TOKEN_COUNTS", False) else {}
+    )  # EAGLE-3 draft vocab
+    model = family.build(cfg.drafter, target, fingerprint, **extra).to(acc.device)
+    # Intermediate target layers: per-model (EAGLE-3 `config.target_layers`, depends on the target's depth) or per
+    # family; read from distill/'s cache when it holds them all, otherwise the target computes them online.
+    layers = tuple(getattr(model.config, "target_layers", ()) or getattr(family, "TARGET_LAYERS", ()))
+    cached = layers if cached_layers_cover(feats, layers) else ()
     collate = Collator(pad_id=int(tokenizer.pad_token_id), draft_len=int(cfg.drafter.draft_len))
     sampler = EpochSampler(len(train_rows), cfg.train.seed)
     loader = DataLoader(
-        RowDataset(train_rows, feats),
+        RowDataset(train_rows, feats, layers=cached),
         batch_size=cfg.train.batch_size,
         sampler=sampler,
         collate_fn=collate,
         drop_last=True,
         num_workers=cfg.train.num_workers,
     )
-    val_loader = DataLoader(RowDataset(val_rows, feats), batch_size=cfg.train.batch_size, collate_fn=collate)
-    counts = label_counts(train_rows, int(fingerprint["vocab_size"]))
+    val_loader = DataLoader(
+        RowDataset(val_rows, feats, layers=cached), batch_size=cfg.train.batch_size, collate_fn=collate
+    )
     if main:
         log.info("data: %s | %d train / %d val conversations", data_info, len(train_rows), len(val_rows))
 
-    # ---- 3. drafter, optimiser, schedule -------------------------------------------------------------------
-    extra = (
-        {"token_counts": counts} if getattr(family, "USES_TOKEN_COUNTS", False) else {}
-    )  # EAGLE-3 draft vocab
-    model = family.build(cfg.drafter, target, fingerprint, **extra).to(acc.device)
     o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
-    )
+    trainable = [
+        p for p in model.parameters() if p.requires_grad
+    ]  # frozen parts (e.g. a fixed head) excluded
+    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(o.warmup_steps, cfg.train.max_steps, o.scheduler, acc.num_processes)
     )
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     # ---- 4. resume ----------------------------------------------------------------------------------------------
     ckpt_root = ckpt.checkpoint_dir(run_dir)
@@ -173,10 +188,6 @@ def train(cfg: DictConfig) -> Path:
     # ---- 5. loop --------------------------------------------------------------------------------------------
     opts, eval_opts = loss_options(cfg), loss_options(cfg, eval_mode=True)
     need_logits = "kl" in cfg.train.loss
-    # Intermediate target layers: per-model (EAGLE-3 `config.target_layers`, depends on the target's depth) or per family.
-    layers = tuple(
-        getattr(acc.unwrap_model(model).config, "target_layers", ()) or getattr(family, "TARGET_LAYERS", ())
-    )
     train_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
     val_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
     bar = _progress(cfg, main, step)

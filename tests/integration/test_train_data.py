@@ -101,3 +101,44 @@ def test_distilled_dataset_rows_features_and_guard(tmp_path):
     ]
     with pytest.raises(ValueError, match="hidden_size"):
         distilled_rows(cfg, {**target, "hidden_size": 8})
+
+
+def test_cached_intermediate_layers_replace_the_online_target():
+    """EAGLE-3 reads distill/'s cached `hidden_layers` (any cached superset, any order) instead of running the
+    target; what it gets equals the online forward up to the bf16 storage rounding."""
+    from specdraft.data.collate import cached_layers_cover
+    from specdraft.distill.features import FeatureSpec, compute_features
+    from specdraft.testing import tiny_llama
+    from specdraft.train.evaluate import TargetFeatures
+
+    target = tiny_llama(num_layers=4).eval()
+    seqs = [[1, 5, 7, 9, 11, 3], [2, 4, 6, 8]]
+    spec = FeatureSpec(hidden=True, layers=(3, 1, 2), hidden_size=int(target.config.hidden_size))
+    rows = [
+        {"input_ids": s, "loss_mask": [0] + [1] * (len(s) - 1), **f}
+        for s, f in zip(seqs, compute_features(target, seqs, spec), strict=True)
+    ]
+    want = (1, 3)  # the drafter's layers: a subset of the cache, in another order
+    assert cached_layers_cover(spec.to_dict(), want) and not cached_layers_cover(spec.to_dict(), (1, 4))
+    assert not cached_layers_cover({**spec.to_dict(), "hidden": False}, want)
+    ds = RowDataset(rows, spec.to_dict(), layers=want)
+    batch = Collator(pad_id=0, draft_len=2)([ds[0], ds[1]])
+    assert batch["hidden_layers"].shape == (2, 6, 2, target.config.hidden_size)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the target ran although the cache holds every layer")
+
+    cached = TargetFeatures(boom, layers=want)(batch)
+    online = TargetFeatures(target, layers=want)(
+        {k: v for k, v in batch.items() if k not in ("hidden", "hidden_layers")}
+    )
+    assert cached.layers is not None and online.layers is not None
+    valid = batch["attention_mask"].bool()  # (B, L): padding differs (zeros vs pad-token states)
+    torch.testing.assert_close(
+        cached.layers[valid].float(), online.layers[valid].float(), atol=2e-2, rtol=2e-2
+    )
+    torch.testing.assert_close(
+        cached.hidden[valid].float(), online.hidden[valid].float(), atol=2e-2, rtol=2e-2
+    )
+    # Without the cache for a requested layer the batch has no `hidden_layers`, so the target runs online.
+    assert "hidden_layers" not in Collator(pad_id=0, draft_len=2)([RowDataset(rows, spec.to_dict())[0]])

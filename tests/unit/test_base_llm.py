@@ -60,3 +60,30 @@ def test_chat_template_override(tiny_dir: Path) -> None:
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert text.endswith("USER: hi ASSISTANT:")
+
+
+def test_first_layers_is_an_early_exit_that_leaves_the_target_alone() -> None:
+    from specdraft.models.base_llm import first_layers
+    from specdraft.testing import tiny_llama
+
+    target = tiny_llama(num_layers=4, dtype=torch.float64).eval()
+    ids = torch.randint(0, 128, (1, 7))
+    full = target(ids).logits
+    cut = first_layers(target, 2)
+    ref = target(ids, output_hidden_states=True)
+    # layers 0-1, then the target's own final norm and LM head
+    early = target.lm_head(target.model.norm(ref.hidden_states[2]))
+    torch.testing.assert_close(cut(ids).logits, early)
+    assert cut.lm_head.weight is target.lm_head.weight  # shared, not copied
+    assert len(target.model.layers) == 4 and target.config.num_hidden_layers == 4
+    torch.testing.assert_close(target(ids).logits, full)  # the target is unchanged
+    calls = []
+    target.register_forward_hook(lambda *_: calls.append(1))
+    cut(ids)
+    assert not calls  # hooks on the target (forward counting) do not fire for the assistant
+    # transformers' assisted generation with it stays lossless (greedy)
+    ar = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assisted = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=cut)
+    assert assisted.tolist() == ar.tolist()
+    with pytest.raises(ValueError, match="outside"):
+        first_layers(target, 5)

@@ -147,6 +147,20 @@ def test_build_init_from_lm_head_reproduces_target_head(target):
     torch.testing.assert_close(logits[0, :, 0], ref)
     own = build(OmegaConf.merge(schema, {"share_embeddings": False}), target, fp)
     assert "embed.weight" in own.state_dict()
+    assert model.head.weight.requires_grad  # trained unless freeze_head
+    frozen = build(OmegaConf.merge(schema, {"freeze_head": True}), target, fp)
+    loss, _ = compute_loss(
+        frozen,
+        {
+            "root": torch.tensor([[1, 2]]),
+            "targets": torch.tensor([[[2, 3], [3, 4]]]),
+            "pos_mask": torch.ones(1, 2).bool(),
+        },
+        type("Out", (), {"hidden": torch.randn(1, 2, H)})(),
+    )
+    loss.backward()
+    assert frozen.head.weight.grad is None and frozen.blocks[0].linear.weight.grad is not None
+    assert "head.weight" in frozen.state_dict()  # still exported: the drafter stays self-contained
 
 
 def test_compute_loss_selects_masked_positions(target):

@@ -81,7 +81,7 @@ class RowDataset(Dataset):
         self.rows = rows
         self.features = features if (features and use_features) else None
         cached = list(self.features["layers"]) if self.features else []
-        self.layer_cols = [cached.index(i) for i in layers] if layers else []  # columns of the cached stack
+        self.layer_cols = [cached.index(i) for i in layers]  # columns of the cached stack, in `layers` order
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -95,10 +95,7 @@ class RowDataset(Dataset):
         if self.features is not None:
             from specdraft.distill.features import decode_features
 
-            feats = decode_features(row, self.features)
-            item.update({k: v for k, v in feats.items() if k in ("hidden", "topk_ids", "topk_logprobs")})
-            if self.layer_cols:
-                item["hidden_layers"] = feats["hidden_layers"][:, self.layer_cols]  # (L, m, H)
+            item.update(decode_features(row, self.features, self.layer_cols))  # hidden_layers: (L, m, H)
         return item
 
 

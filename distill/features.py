@@ -168,8 +168,13 @@ def compute_features(
     return out
 
 
-def decode_features(row: dict[str, Any], spec: FeatureSpec | dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors back from a stored row: hidden (L, H), hidden_layers (L, m, H), topk_ids/topk_logprobs (L, k)."""
+def decode_features(
+    row: dict[str, Any], spec: FeatureSpec | dict[str, Any], layer_cols: list[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """Tensors back from a stored row: hidden (L, H), hidden_layers (L, m, H), topk_ids/topk_logprobs (L, k).
+
+    `layer_cols` picks (and orders) the cached layers to decode as `hidden_layers` (None: all; []: none).
+    """
     if isinstance(spec, dict):
         spec = FeatureSpec(
             spec["hidden"], tuple(spec["layers"]), spec["topk"], spec["dtype"], spec["hidden_size"]
@@ -182,8 +187,9 @@ def decode_features(row: dict[str, Any], spec: FeatureSpec | dict[str, Any]) -> 
     out: dict[str, torch.Tensor] = {}
     if spec.hidden:
         out["hidden"] = tensor(row["hidden"], H)
-    if spec.layers:
-        out["hidden_layers"] = torch.stack([tensor(b, H) for b in row["hidden_layers"]], dim=1)
+    cols = range(len(spec.layers)) if layer_cols is None else layer_cols
+    if spec.layers and cols:
+        out["hidden_layers"] = torch.stack([tensor(row["hidden_layers"][c], H) for c in cols], dim=1)
     if spec.topk > 0:
         out["topk_ids"] = torch.tensor(row["topk_ids"], dtype=torch.long)
         out["topk_logprobs"] = tensor(row["topk_logprobs"], spec.topk)

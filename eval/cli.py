@@ -107,6 +107,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             )
         )
     if "assisted" in baselines:
+        assistant, name = None, "assisted"
         if not e.assistant_model:
             skipped["assisted"] = (
                 "no eval.assistant_model set (a same-tokenizer model, or layers:N for the target's first N layers)"
@@ -115,16 +116,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             from specdraft.models.base_llm import first_layers
 
             n_layers = int(str(e.assistant_model).split(":", 1)[1])
-            methods.append(
-                runner.hf_method(
-                    f"assisted[{n_layers}L]",
-                    model,
-                    tokenizer,
-                    stop_ids,
-                    sampling,
-                    assistant_model=first_layers(model, n_layers),
-                )
-            )
+            assistant, name = first_layers(model, n_layers), f"assisted[{n_layers}L]"
         else:
             from specdraft.models.base_llm import load_target
 
@@ -132,8 +124,9 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             base.update(name_or_path=str(e.assistant_model), gguf_file=None, revision=None)
             assistant, _ = load_target(SimpleNamespace(**base))
             assistant.to(model.device, model.dtype)
+        if assistant is not None:
             methods.append(
-                runner.hf_method("assisted", model, tokenizer, stop_ids, sampling, assistant_model=assistant)
+                runner.hf_method(name, model, tokenizer, stop_ids, sampling, assistant_model=assistant)
             )
     return methods, skipped
 

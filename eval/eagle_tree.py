@@ -66,9 +66,8 @@ class EagleTreeProposer:
         self.cache = DynamicCache()
         self.committed = 0
         self.last_pool: dict[str, Tensor] | None = None  # candidates of the latest call (tests, analysis)
-        self.int8 = (
-            None  # int8 copy of the draft vocabulary head (CPU): only the drafts change, never the output
-        )
+        # int8 copy of the draft vocabulary head (CPU): only the drafts change, never the output
+        self.int8: tuple[torch.nn.Module, torch.nn.Module] | None = None
         if int8_head and next(drafter.parameters()).device.type == "cpu":
             from specdraft.eval.proposers import Int8Linear, int8_supported
 

@@ -139,14 +139,14 @@ class PromptLookupProposer:
         """Forget the previous prompt."""
         self.context = None
 
-    def _extend(self, tokens: Tensor) -> Tensor:
+    def continuation(self, tokens: Tensor) -> Tensor:
+        """Append the newly committed `tokens` (n,) to the context; (k,) lookup continuation after its end."""
         self.context = tokens.clone() if self.context is None else torch.cat([self.context, tokens])
-        return self.context
+        return prompt_lookup(self.context, self.max_ngram, self.draft_len)
 
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
         """A chain tree: root, then the lookup continuation (hidden is unused)."""
-        cont = prompt_lookup(self._extend(tokens), self.max_ngram, self.draft_len)
-        chain = torch.cat([tokens[-1:], cont])  # (1+k,)
+        chain = torch.cat([tokens[-1:], self.continuation(tokens)])  # (1+k,)
         return pack_beams(chain[None])[0]
 
 
@@ -178,9 +178,8 @@ class ReDrafterProposer:
             raise ValueError(
                 f"ReDrafterProposer: beam_width={beam_width}, beam_length={beam_length} must be >= 1"
             )
-        drafter = cast(
-            "ReDrafter", drafter
-        )  # duck-typed: any module with ReDrafter's `head` and `beam_search`
+        # duck-typed: any module with ReDrafter's `head` and `beam_search`
+        drafter = cast("ReDrafter", drafter)
         self.drafter = drafter
         self.beam_width = beam_width
         self.draft_len = beam_length - 1
@@ -225,8 +224,7 @@ class ReDrafterProposer:
             beams, _ = self.drafter.beam_search(hidden[-1], root, self.beam_width, self.draft_len)  # (W, 1+D)
         beams = beams.to(tokens.device)
         if self.lookup is not None:
-            lk = self.lookup
-            cont = prompt_lookup(lk._extend(tokens), lk.max_ngram, lk.draft_len)
+            cont = self.lookup.continuation(tokens)  # (k,)
             if cont.numel():
                 beams = pad_beams([beams, torch.cat([tokens[-1:], cont])])  # (W+1, max(1+D, 1+k))
         tree, self.last_compression = pack_beams(beams)

@@ -267,9 +267,8 @@ def compute_loss(
             )  # (N, Vd)
         loss = loss + inner.config.ttt_decay**i * soft_cross_entropy(q, teacher, valid)
         if i < n_aux:
-            qd = (
-                q.detach()
-            )  # tokens outside the draft vocabulary are never drafted: row minimum - 20 (finite CE)
+            # tokens outside the draft vocabulary are never drafted: row minimum - 20 (finite CE)
+            qd = q.detach()
             full = (qd.min(-1, keepdim=True).values - 20.0).expand(-1, v).clone()  # (N, V)
             full[:, ids] = qd
             logits.append(full)

@@ -124,11 +124,10 @@ def next_tokens(input_ids: Tensor, steps: int) -> Tensor:
 class Borrowed:
     """The target's embedding / LM head, hidden from `state_dict` and cached per dtype for the drafter."""
 
-    _rows_ids: Tensor  # the `ids` of the cached `rows` (set on first use)
-
     def __init__(self) -> None:
         self.modules: dict[str, nn.Module] = {}
         self._cast: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+        self._rows_ids: Tensor | None = None  # the `ids` of the cached `rows`
 
     def set(self, name: str, module: nn.Module) -> None:
         self.modules[name] = module
@@ -151,7 +150,7 @@ class Borrowed:
         """`weight(name, like)[ids]`, cached for a fixed `ids` (e.g. EAGLE-3's draft vocabulary)."""
         key = (f"{name}[rows]", like.dtype, like.device)
         hit = self._cast.get(key)
-        if hit is None or getattr(self, "_rows_ids", None) is None or not torch.equal(self._rows_ids, ids):
+        if hit is None or self._rows_ids is None or not torch.equal(self._rows_ids, ids):
             self._rows_ids = ids.clone()
             self._cast[key] = hit = self.weight(name, like)[ids.to(like.device)]
         return hit

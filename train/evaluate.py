@@ -24,8 +24,8 @@ class TargetFeatures:
     With `cache=True` each row's hidden states (L, H) are computed once, by a forward over that row alone (so the
     values never depend on batch composition or padding, which keeps resumed runs exact), kept on the CPU in
     the target's dtype and reused in later epochs and evaluations. Cached distill/ features in the batch
-    (`hidden`, and `hidden_layers` for the extra layers) are used as they are. Logits (online soft targets) are never memoised; extra layers (EAGLE-3) are
-    memoised with the hidden states.
+    (`hidden`, and `hidden_layers` for the extra layers) are used as they are. Logits (online soft targets) are
+    never memoised; extra layers (EAGLE-3) are memoised with the hidden states.
     """
 
     def __init__(self, target: Any, cache: bool = False, layers: tuple[int, ...] = ()) -> None:

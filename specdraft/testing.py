@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import random
 import string
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -66,3 +73,39 @@ def tiny_llama(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def write_train_assets(
+    root: Path, num_layers: int = 2, num_convs: int = 48, words: Sequence[str] = ("alpha", "beta", "gamma")
+) -> Path:
+    """A tiny target folder (`root/target`: `tiny_llama` + `tiny_tokenizer`) and `root/convs.jsonl`, synthetic
+    one-exchange conversations (a 3-word question, a 6-word answer drawn from `words`, seed 0). Returns root."""
+    tiny_llama(num_layers=num_layers).save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    rng = random.Random(0)
+    with (root / "convs.jsonl").open("w") as f:
+        for i in range(num_convs):
+            q, a = (" ".join(rng.choice(list(words)) for _ in range(n)) for n in (3, 6))
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            f.write(json.dumps({"id": str(i), "messages": msgs}) + "\n")
+    return root
+
+
+def run_tiny_train(
+    repo: Path, assets: Path, output_root: Path, name: str, *extra: str, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """`python train.py` (from the source checkout `repo`) on `write_train_assets` output, offline, 1 thread.
+
+    The fixed overrides point at the tiny target and conversations and keep the run small and quiet; `extra`
+    adds the drafter, schedule and evaluation settings (a key given twice is a Hydra error).
+    """
+    args = [
+        sys.executable, "train.py",
+        f"base_model.name_or_path={assets / 'target'}", "base_model.dtype=fp32", "base_model.device=cpu",
+        f"data.source={assets / 'convs.jsonl'}", "data.num_samples=null", "data.val_fraction=0.125",
+        "data.max_length=96", f"output_root={output_root}", f"name={name}", "drafter.draft_len=3",
+        "train.batch_size=4", "train.progress=false", "train.cache_target_features=true",
+        "logger.tensorboard=false", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)

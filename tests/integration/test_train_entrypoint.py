@@ -4,17 +4,14 @@ and resumes exactly after `kill -9`."""
 from __future__ import annotations
 
 import json
-import os
-import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from specdraft.models.hub import load_drafter
-from specdraft.testing import tiny_llama, tiny_tokenizer
+from specdraft.testing import run_tiny_train, tiny_llama, write_train_assets
 from specdraft.train.logging import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,31 +21,16 @@ WORDS = ["alpha", "beta", "gamma", "delta", "omega"]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     """A tiny target folder (random Llama + char tokenizer with ChatML) and 48 synthetic conversations."""
-    root = tmp_path_factory.mktemp("train_assets")
-    tiny_llama().save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    rng = random.Random(0)
-    with (root / "convs.jsonl").open("w") as f:
-        for i in range(48):
-            q, a = (" ".join(rng.choice(WORDS) for _ in range(n)) for n in (3, 6))
-            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-            f.write(json.dumps({"id": str(i), "messages": msgs}) + "\n")
-    return root
+    return write_train_assets(tmp_path_factory.mktemp("train_assets"), num_convs=48, words=WORDS)
 
 
 def run_train(assets: Path, name: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    args = [
-        sys.executable, "train.py",
-        f"base_model.name_or_path={assets / 'target'}", "base_model.dtype=fp32", "base_model.device=cpu",
-        f"data.source={assets / 'convs.jsonl'}", "data.num_samples=null", "data.val_fraction=0.125",
-        "data.max_length=96", f"output_root={assets / 'runs'}", f"name={name}",
-        "drafter.draft_len=3", "drafter.init_from_lm_head=false", "optim.lr=1e-2", "optim.warmup_steps=2",
-        "train.max_steps=24", "train.batch_size=4", "train.eval_every=8", "train.eval_batches=2",
-        "train.ckpt_every=8", "train.log_every=1", "train.progress=false", "train.cache_target_features=true",
-        "logger.tensorboard=false", *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_tiny_train(
+        REPO, assets, assets / "runs", name,
+        "drafter.init_from_lm_head=false", "optim.lr=1e-2", "optim.warmup_steps=2",
+        "train.max_steps=24", "train.eval_every=8", "train.eval_batches=2",
+        "train.ckpt_every=8", "train.log_every=1", *extra,
+    )  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

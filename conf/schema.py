@@ -49,7 +49,7 @@ class DataConfig:
     split: str = "train"  # Hub dataset split
     max_length: int = 512  # tokens per conversation after the chat template (truncated)
     num_samples: int | None = 2000  # conversations kept after filtering (None: all)
-    val_fraction: float = 0.05  # held-out fraction
+    val_fraction: float = 0.05  # held-out fraction (by a hash of the conversation id: stable as data grows)
     seed: int = 0  # shuffle/split seed
 
 

@@ -196,12 +196,11 @@ def raw_rows(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict], str]:
 
 def distilled_rows(cfg: Any, fingerprint: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """(train, val, manifest) from a distilled dataset folder, refusing one made for another target."""
+    from specdraft.data.conversations import split_indices
     from specdraft.distill.shards import load_distilled
     from specdraft.models.hub import check_target_match
 
     ds, manifest = load_distilled(cfg.train.data_dir, bool(cfg.train.get("allow_incomplete_data", False)))
     check_target_match(manifest.get("target", {}), fingerprint, f"dataset {cfg.train.data_dir}")
-    order = list(range(len(ds)))
-    random.Random(cfg.data.seed).shuffle(order)
-    n_val = max(1, int(round(len(ds) * cfg.data.val_fraction))) if len(ds) > 1 else 0
-    return ds.select(order[n_val:]), ds.select(order[:n_val]), manifest
+    train, val = split_indices(list(ds["id"]), float(cfg.data.val_fraction), int(cfg.data.seed))
+    return ds.select(train), ds.select(val), manifest

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from specdraft.utils import sha256_text
 
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
@@ -230,17 +231,27 @@ def load_conversations(
     return out, report
 
 
+def split_indices(ids: list[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) row indices: a row is held out when a hash of (`seed`, its id) falls below `val_fraction`.
+
+    Membership depends on the id alone, so growing a dataset (more distilled shards, a larger
+    `data.num_samples`) never moves a row between the splits, and rows sharing an id stay together. The
+    split is `val_fraction` of the rows in expectation; val gets at least one row when possible.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+    u = [int(sha256_text(f"{seed}:{i}")[:13], 16) / 16**13 for i in ids]  # uniform in [0, 1) per id
+    val = [i for i, x in enumerate(u) if x < val_fraction]
+    if val_fraction > 0 and not val and len(set(ids)) > 1:
+        first = min(range(len(ids)), key=u.__getitem__)
+        val = [i for i, x in enumerate(ids) if x == ids[first]]
+    held = set(val)
+    return [i for i in range(len(ids)) if i not in held], val
+
+
 def split_conversations(
     convs: list[Conversation], val_fraction: float, seed: int
 ) -> tuple[list[Conversation], list[Conversation]]:
-    """Deterministically shuffle (by `seed`) and split into (train, val); val gets at least one row when possible."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction={val_fraction} must be in [0, 1)")
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
-    n_val = int(round(len(convs) * val_fraction))
-    if val_fraction > 0 and n_val == 0 and len(convs) > 1:
-        n_val = 1
-    val = [convs[i] for i in order[:n_val]]
-    train = [convs[i] for i in order[n_val:]]
-    return train, val
+    """(train, val) conversations, split by id as `split_indices` (deterministic, stable as data grows)."""
+    train, val = split_indices([c.id for c in convs], val_fraction, seed)
+    return [convs[i] for i in train], [convs[i] for i in val]

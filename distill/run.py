@@ -123,6 +123,7 @@ def distill(cfg: DictConfig) -> Path:
     S = int(d.shard_size)
     plan = [[c.id for c in convs[i : i + S]] for i in range(0, len(convs), S)]
     done = check_compatible(out_dir, header, plan)
+    barrier()  # every rank has compared with the manifest on disk before rank 0 rewrites it
     check_disk_budget(spec, len(convs), int(cfg.data.max_length), float(d.max_disk_gb), show=rank == 0)
     if rank == 0:
         clean_stale_tmp(out_dir)  # leftovers of a killed run; before the barrier, so no rank is writing yet

@@ -22,7 +22,8 @@ from specdraft.utils import atomic_dir, atomic_write_json, sha256_text
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATS = "stats.json"
-# Parts of the manifest that decide the content: a re-run must match them exactly to resume.
+# Parts of the manifest that decide the content: a re-run must match them exactly to resume. The one
+# exception is `data.num_samples`: growing it appends shards (each shard's conversation ids are checked).
 COMPAT_KEYS = ("format_version", "target", "generation", "T", "data", "features", "shard_size")
 
 
@@ -40,9 +41,17 @@ def ids_digest(ids: list[str]) -> str:
     return sha256_text("\n".join(ids))[:16]
 
 
-def settings_hash(header: dict[str, Any]) -> str:
-    """Hash of the content-deciding part of a manifest header."""
-    return sha256_text(json.dumps({k: header.get(k) for k in COMPAT_KEYS}, sort_keys=True, default=str))[:16]
+def compat_view(header: dict[str, Any], with_limit: bool = False) -> dict[str, Any]:
+    """The content-deciding part of a manifest header; `data.num_samples` only when `with_limit`."""
+    view = {k: header.get(k) for k in COMPAT_KEYS}
+    if not with_limit and isinstance(view.get("data"), dict):
+        view["data"] = {k: v for k, v in view["data"].items() if k != "num_samples"}
+    return view
+
+
+def settings_hash(header: dict[str, Any], with_limit: bool = False) -> str:
+    """Hash of `compat_view(header)`; `with_limit=True` gives the format-1 hash that included num_samples."""
+    return sha256_text(json.dumps(compat_view(header, with_limit), sort_keys=True, default=str))[:16]
 
 
 def row_features(continuations: bool, feature_spec: dict[str, Any] | None) -> datasets.Features:
@@ -135,7 +144,7 @@ def check_compatible(
     old = read_manifest(out_dir)
     fix = f"Use a new distill.out_dir, or delete {out_dir} to start over."
     if old is not None:
-        lines = _diff({k: old.get(k) for k in COMPAT_KEYS}, {k: header.get(k) for k in COMPAT_KEYS})
+        lines = _diff(compat_view(old), compat_view(header))
         if lines:
             raise DistillMismatchError(
                 f"{out_dir / MANIFEST} was made with a different target/tokenizer/settings:\n"
@@ -143,11 +152,15 @@ def check_compatible(
                 + f"\n{fix}"
             )
     done = completed_shards(out_dir)
-    want = settings_hash(header)
+    want = {settings_hash(header)}
+    if old is not None:  # shards written before num_samples left the hash: hashed with the old limit
+        legacy = {**header, "data": {**(header.get("data") or {}), **(old.get("data") or {})}}
+        want.add(settings_hash(legacy, with_limit=True))
     for i, s in sorted(done.items()):
-        if s.get("settings_hash") != want:
+        if s.get("settings_hash") not in want:
             raise DistillMismatchError(
-                f"{out_dir / shard_name(i)} was made with different settings ({s.get('settings_hash')} != {want}). {fix}"
+                f"{out_dir / shard_name(i)} was made with different settings ({s.get('settings_hash')} not in "
+                f"{sorted(want)}). {fix}"
             )
         if i >= len(plan) or s.get("ids_digest") != ids_digest(plan[i]):
             raise DistillMismatchError(

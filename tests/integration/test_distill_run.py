@@ -119,6 +119,18 @@ def test_kill_and_resume_gives_the_same_dataset(assets, tmp_path, monkeypatch):
     )
 
 
+def test_growing_num_samples_keeps_the_done_shards(assets, tmp_path):
+    ref = rows_of(distill(make_cfg(assets, tmp_path / "ref")))
+    out = tmp_path / "grown"
+    distill(make_cfg(assets, out, "distill.num_samples=6", "data.num_samples=6"))  # shards 0-1
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert sorted(stamps) == ["shard-00000", "shard-00001"]
+    distill(make_cfg(assets, out))  # all 10: shards 2-3 appended, 0-1 kept as they are
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*") if p.name in stamps}
+    assert rows_of(out) == ref
+    assert json.loads((out / "manifest.json").read_text())["data"]["num_samples"] is None
+
+
 def test_mismatched_rerun_is_refused(assets, tmp_path):
     out = tmp_path / "d"
     distill(make_cfg(assets, out, "distill.num_samples=3"))

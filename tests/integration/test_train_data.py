@@ -87,7 +87,7 @@ def test_distilled_dataset_rows_features_and_guard(tmp_path):
                               "shards": [{"name": "shard-00000", "rows": 6}], "num_rows": 6, "complete": True})  # fmt: skip
     cfg = OmegaConf.create({"train": {"data_dir": str(tmp_path)}, "data": {"seed": 0, "val_fraction": 0.34}})
     train, val, manifest = distilled_rows(cfg, target)
-    assert len(train) == 4 and len(val) == 2
+    assert train["id"] == ["0", "1", "2", "3", "5"] and val["id"] == ["4"]  # by id hash (split_indices)
     items = [RowDataset(train, manifest["features"])[i] for i in range(2)]
     batch = Collator(pad_id=0, draft_len=2)(items)
     assert batch["hidden"].shape == (2, 5, 4) and batch["hidden"].dtype == torch.bfloat16

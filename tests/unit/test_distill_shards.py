@@ -82,3 +82,17 @@ def test_refusals_name_the_difference(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 99}))
     with pytest.raises(ValueError, match="format_version=99"):
         load_distilled(tmp_path)
+
+
+def test_num_samples_is_not_part_of_the_settings_and_old_shards_resume(tmp_path):
+    plan = [["a", "b"]]
+    limited = {**HEADER, "data": {"source": "x", "num_samples": 2}}
+    assert settings_hash(limited) == settings_hash({**limited, "data": {"source": "x", "num_samples": 9}})
+    assert settings_hash(limited, with_limit=True) != settings_hash(limited)
+    old_stats = {**stats(plan, 0), "settings_hash": settings_hash(limited, with_limit=True)}  # format-1 shard
+    write_shard(tmp_path, 0, [ROW], row_features(False, None), old_stats)
+    write_manifest(tmp_path, build_manifest(limited, completed_shards(tmp_path), 1, {}, {}))
+    grown = {**limited, "data": {"source": "x", "num_samples": 4}}
+    assert list(check_compatible(tmp_path, grown, plan + [["c", "d"]])) == [0]
+    with pytest.raises(DistillMismatchError, match="data.source: 'x' on disk != 'y' now"):
+        check_compatible(tmp_path, {**grown, "data": {"source": "y", "num_samples": 4}}, plan)

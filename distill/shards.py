@@ -44,8 +44,9 @@ def ids_digest(ids: list[str]) -> str:
 def compat_view(header: dict[str, Any], with_limit: bool = False) -> dict[str, Any]:
     """The content-deciding part of a manifest header; `data.num_samples` only when `with_limit`."""
     view = {k: header.get(k) for k in COMPAT_KEYS}
-    if not with_limit and isinstance(view.get("data"), dict):
-        view["data"] = {k: v for k, v in view["data"].items() if k != "num_samples"}
+    data = view.get("data")
+    if not with_limit and isinstance(data, dict):
+        view["data"] = {k: v for k, v in data.items() if k != "num_samples"}
     return view
 
 

@@ -153,11 +153,15 @@ def check_compatible(
                 + f"\n{fix}"
             )
     done = completed_shards(out_dir)
-    want = {settings_hash(header)}
+    current = settings_hash(header)
+    want = {current}
     if old is not None:  # shards written before num_samples left the hash: hashed with the old limit
         legacy = {**header, "data": {**(header.get("data") or {}), **(old.get("data") or {})}}
         want.add(settings_hash(legacy, with_limit=True))
     for i, s in sorted(done.items()):
+        if s.get("settings_hash") in want and s.get("settings_hash") != current:
+            s["settings_hash"] = current  # migrate it before the manifest (the old limit) is rewritten
+            atomic_write_json(out_dir / shard_name(i) / STATS, s)
         if s.get("settings_hash") not in want:
             raise DistillMismatchError(
                 f"{out_dir / shard_name(i)} was made with different settings ({s.get('settings_hash')} not in "

@@ -94,5 +94,8 @@ def test_num_samples_is_not_part_of_the_settings_and_old_shards_resume(tmp_path)
     write_manifest(tmp_path, build_manifest(limited, completed_shards(tmp_path), 1, {}, {}))
     grown = {**limited, "data": {"source": "x", "num_samples": 4}}
     assert list(check_compatible(tmp_path, grown, plan + [["c", "d"]])) == [0]
+    assert completed_shards(tmp_path)[0]["settings_hash"] == settings_hash(grown)  # migrated on disk
+    write_manifest(tmp_path, build_manifest(grown, completed_shards(tmp_path), 2, {}, {}))  # the new limit
+    assert list(check_compatible(tmp_path, {**grown, "data": {"source": "x", "num_samples": 6}}, plan)) == [0]
     with pytest.raises(DistillMismatchError, match="data.source: 'x' on disk != 'y' now"):
         check_compatible(tmp_path, {**grown, "data": {"source": "y", "num_samples": 4}}, plan)

@@ -159,14 +159,14 @@ def check_compatible(
         legacy = {**header, "data": {**(header.get("data") or {}), **(old.get("data") or {})}}
         want.add(settings_hash(legacy, with_limit=True))
     for i, s in sorted(done.items()):
-        if s.get("settings_hash") in want and s.get("settings_hash") != current:
-            s["settings_hash"] = current  # migrate it before the manifest (the old limit) is rewritten
-            atomic_write_json(out_dir / shard_name(i) / STATS, s)
         if s.get("settings_hash") not in want:
             raise DistillMismatchError(
                 f"{out_dir / shard_name(i)} was made with different settings ({s.get('settings_hash')} not in "
                 f"{sorted(want)}). {fix}"
             )
+        if s["settings_hash"] != current:  # migrate it before the manifest (the old limit) is rewritten
+            s["settings_hash"] = current
+            atomic_write_json(out_dir / shard_name(i) / STATS, s)
         if i >= len(plan) or s.get("ids_digest") != ids_digest(plan[i]):
             raise DistillMismatchError(
                 f"{out_dir / shard_name(i)} holds other conversations than this run plans for it (data changed?). {fix}"

@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def make_targets(
-    input_ids: Tensor, loss_mask: Tensor, draft_len: int, continuations: Tensor | None = None
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    draft_len: int,
+    continuations: Tensor | None = None,
+    greedy: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Root, draft labels and trainable positions of one row.
 
@@ -33,6 +37,10 @@ def make_targets(
         loss_mask: (L,) 1 on assistant tokens.
         draft_len: D, draft slots after the root.
         continuations: (L, T) long greedy continuations (-100 padded) or None (then shift `input_ids`).
+        greedy: (L,) long, the target's own argmax at every position (cached `topk_ids[:, 0]`), or None. When
+            given, the positions whose next token is *not* an assistant token (prompt, user turns) train too, on
+            the target's greedy chain: slot k's label is greedy[t+1+k], kept while the row's own tokens
+            x_{t+2..t+1+k} follow that chain (so the label is what greedy decoding from x_{<=t+1} produces).
 
     Returns:
         root (L,) long (0 where invalid), targets (L, D) long (-100 = ignored), pos_mask (L,) bool.
@@ -59,6 +67,22 @@ def make_targets(
             lab = input_ids[src[ok]]
             targets[ok, k] = torch.where(mask[src[ok]], lab, IGNORE_INDEX)
     pos_mask = nxt & (root != IGNORE_INDEX)
+    if greedy is not None and continuations is None and n > 2:
+        ctx = ~nxt  # (L,) positions the assistant labels do not cover
+        ctx[n - 2 :] = False  # slot 0 needs greedy[t+1] with t+1 < L
+        targets[ctx] = IGNORE_INDEX  # the shift may have put assistant tokens there: the chain decides
+        on_chain = torch.ones(n, dtype=torch.bool)  # x_{t+2..t+1+k} == greedy[t+1..t+k] so far
+        for k in range(draft_len):
+            src = torch.arange(n) + 1 + k  # (L,) position whose argmax is slot k's label
+            if k > 0:
+                prev = torch.arange(n) + 1 + k  # x at t+1+k must equal greedy[t+k]
+                agree = torch.zeros(n, dtype=torch.bool)
+                okp = prev < n
+                agree[okp] = input_ids[prev[okp]] == greedy[prev[okp] - 1]
+                on_chain &= agree
+            ok = ctx & on_chain & (src < n)
+            targets[ok, k] = greedy[src[ok]]
+        pos_mask = pos_mask | ctx
     root = root.clamp_min(0)
     return root, targets, pos_mask
 
@@ -112,6 +136,9 @@ class Collator:
 
     pad_id: int  # token id used for padding input_ids
     draft_len: int  # D
+    context_positions: bool = (
+        False  # also train prompt/user positions on the target's greedy chain (cached top-k)
+    )
 
     def __call__(self, items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         """items -> batch: input_ids/attention_mask/root (B, L), targets (B, L, D), pos_mask (B, L) bool,
@@ -131,8 +158,15 @@ class Collator:
                 batch[key] = torch.zeros((bsz, seq, *shape), dtype=dtype)
         for b, it in enumerate(items):
             n = int(it["input_ids"].shape[0])
+            greedy = None
+            if self.context_positions:
+                if "topk_ids" not in it:
+                    raise ValueError(
+                        "train.context_positions=true needs the teacher top-k cached by distill/ (distill.topk > 0)"
+                    )
+                greedy = it["topk_ids"][:, 0]  # (L,) the target's argmax at every position
             root, targets, pos = make_targets(
-                it["input_ids"], it["loss_mask"], self.draft_len, it.get("continuations")
+                it["input_ids"], it["loss_mask"], self.draft_len, it.get("continuations"), greedy
             )
             batch["input_ids"][b, :n] = it["input_ids"]
             batch["attention_mask"][b, :n] = 1

@@ -64,7 +64,7 @@ def redrafter_beam_search(
 
     Args:
         drafter: a ReDrafter (`init_state`, `next_state`, `input_proj`, `blocks`).
-        head: callable (W, X) -> (W, V) logits (the drafter's `head` or an `Int8Linear`).
+        head: callable (W, X) -> (W, Vd) draft-vocabulary logits (the drafter's `head` or an `Int8Linear`).
         hidden: (H,) target state at the newest committed position.
         root, beam_width, draft_len: as in `ReDrafter.beam_search`.
 
@@ -89,10 +89,10 @@ def redrafter_beam_search(
             g = drafter.input_proj(g)  # (W, X)
         for block in drafter.blocks:
             g = block(g)
-        logp = torch.log_softmax(head(g).float(), dim=-1)  # (W, V)
+        logp = torch.log_softmax(head(g).float(), dim=-1)  # (W, Vd)
         vocab = logp.shape[-1]
         scores, idx = (scores[:, None] + logp).reshape(-1).topk(min(beam_width, logp.numel()))  # (W,)
-        parent, token = idx // vocab, idx % vocab
+        parent, token = idx // vocab, drafter.to_target_ids(idx % vocab)  # (W,), (W,) target ids
         beams = torch.cat([beams[parent], token[:, None]], dim=1)  # (W, k + 2)
         cum = torch.cat([cum[parent], scores[:, None]], dim=1)  # (W, k + 2)
         state = state[parent]  # (W, E)

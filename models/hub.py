@@ -62,6 +62,12 @@ def model_card(config: PretrainedConfig, summary: dict[str, Any]) -> str:
     rows = "\n".join(
         f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()
     )
+    vd = getattr(config, "draft_vocab_size", None)
+    extra = ""
+    if vd and vd < config.vocab_size:
+        extra += f"\n- draft vocabulary: the {vd} most frequent training labels of {config.vocab_size} tokens"
+    if summary.get("init_from"):
+        extra += f"\n- warm-started from: {summary['init_from']}"
     return f"""---
 library_name: transformers
 tags: [speculative-decoding, drafter, specdraft, {config.architecture}]
@@ -81,7 +87,7 @@ drafter = load_drafter("<this folder or Hub id>", target=target_model)
 
 ## Training
 - steps: {summary.get("steps")}, wall time: {summary.get("wall_time_s")} s, data: {summary.get("data")}
-- draft length: {getattr(config, "draft_len", "?")}, format version: {config.format_version}
+- draft length: {getattr(config, "draft_len", "?")}, format version: {config.format_version}{extra}
 
 ## Held-out metrics (last evaluation)
 | metric | value |
@@ -151,6 +157,71 @@ def load_drafter(
         family.attach(model, target)
         model.to(target.device)
     return model.eval()
+
+
+def _draft_ids(model: PreTrainedModel) -> Any:
+    """(Vd,) target id of each head row for drafters with a draft vocabulary (`draft_ids()`), else None."""
+    fn = getattr(model, "draft_ids", None)
+    return fn() if callable(fn) else None
+
+
+def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[str, Any]) -> int:
+    """Start a freshly built drafter from an export's weights (`train.init_from`), e.g. to keep training a
+    drafter on a grown dataset or with a reduced draft vocabulary.
+
+    Every tensor is copied by name and must have the same shape, except the vocabulary head: when the two
+    drafters have different draft vocabularies (`draft_ids()`), the rows of the tokens both have are copied and
+    the others keep their fresh initialisation.
+
+    Args:
+        model: the freshly built drafter (same family as the export).
+        path_or_hub_id: the export folder or Hub repo id.
+        fingerprint: `target_fingerprint` of the target in use (the export must have been made for it).
+
+    Returns:
+        how many tensors were copied.
+    """
+    import torch
+
+    src = load_drafter(path_or_hub_id)
+    if src.config.architecture != model.config.architecture:
+        raise ValueError(
+            f"train.init_from={path_or_hub_id!r} is a {src.config.architecture} drafter, "
+            f"not {model.config.architecture}"
+        )
+    check_target_match(drafter_target_info(src.config), fingerprint, f"train.init_from={path_or_hub_id!r}")
+    ids_src, ids_dst = _draft_ids(src), _draft_ids(model)
+    theirs, copied = src.state_dict(), 0
+    with torch.no_grad():
+        for name, dst in model.state_dict().items():
+            if name in ("d2t", "t2d"):
+                continue  # the draft vocabulary is this run's (built from its own data)
+            if name not in theirs:
+                raise ValueError(
+                    f"train.init_from={path_or_hub_id!r} has no tensor {name!r} "
+                    "(change the drafter settings to match the export)"
+                )
+            w = theirs[name]
+            if (
+                ids_src is not None
+                and ids_dst is not None
+                and name.endswith("head.weight")
+                and not torch.equal(ids_src, ids_dst)
+            ):
+                lut = torch.full((int(model.config.vocab_size),), -1, dtype=torch.long)
+                lut[ids_src] = torch.arange(ids_src.numel())
+                rows = lut[ids_dst]  # (Vd,) row of each of this drafter's tokens in the export (-1: none)
+                have = rows >= 0
+                dst[have.to(dst.device)] = w[rows[have]].to(dst)
+            elif w.shape != dst.shape:
+                raise ValueError(
+                    f"train.init_from={path_or_hub_id!r}: tensor {name!r} has shape {tuple(w.shape)}, "
+                    f"this drafter's is {tuple(dst.shape)} (change the drafter settings to match the export)"
+                )
+            else:
+                dst.copy_(w.to(dst))
+            copied += 1
+    return copied
 
 
 def push_to_hub(folder: str | os.PathLike[str], repo_id: str, private: bool = True) -> str:

@@ -172,7 +172,7 @@ def compute_loss(
     """Per-head CE weighted by lambda^k (or the soft top-k KL), on the positions that train.
 
     Position selection, hard labels and soft-teacher alignment are those of every teacher-forced drafter
-    (`models.redrafter.compute_loss`, which only needs `model(hidden, root, targets)`); Medusa adds the
+    (`models.teacher_forced.compute_loss`, which only needs `model(hidden, root, targets)`); Medusa adds the
     lambda^k head weights unless `opts["slot_weights"]` is set explicitly.
 
     Args:
@@ -180,13 +180,13 @@ def compute_loss(
         batch: from `data.collate` - `root` (B, L), `targets` (B, L, D'), `pos_mask` (B, L) bool, optional
             cached teacher `topk_ids`/`topk_logprobs` (B, L, k).
         target_out: `TargetOutput` of the frozen target (`hidden` (B, L, H); `logits` for online soft targets).
-        opts: as in `redrafter.compute_loss` (`loss`, `kl_weight`, `kl_topk`, `slot_weights`, `draft_len`,
+        opts: as in `teacher_forced.compute_loss` (`loss`, `kl_weight`, `kl_topk`, `slot_weights`, `draft_len`,
             `max_positions`, `generator`).
 
     Returns:
         (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D).
     """
-    from specdraft.models.redrafter import compute_loss as teacher_forced_loss
+    from specdraft.models.teacher_forced import compute_loss as teacher_forced_loss
 
     opts = dict(opts or {})
     config = cast(Medusa, getattr(model, "module", model)).config  # unwrap DDP

@@ -13,6 +13,11 @@ embedding module. It is attached with `attach_embeddings(target)` after construc
 of `state_dict()`/`parameters()` (so it is never trained, never handed to the optimizer and never exported),
 and an export is therefore only usable next to its target. `share_embeddings=False` gives the drafter its own
 trainable table (copied from the target at build time) that is saved with it.
+
+Draft vocabulary: with `draft_vocab_size` Vd < V the head scores only the Vd most frequent training labels
+(buffer `d2t` (Vd,): target id = draft id + d2t[draft id], as EAGLE-3 exports it). The head is most of the
+drafter's compute (V = 49,152 for SmolLM2, 128,256 for Llama 3): Vd = 16,384 trains ~3x faster here and drafts
+faster at decode time; tokens outside the draft vocabulary are never drafted (counted as misses in metrics).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from specdraft.models.layers import ResBlock, ZeroInitLinear
+from specdraft.models.teacher_forced import compute_loss  # the family's loss (shared with Medusa)
 
 FORMAT_VERSION = 1
 LOG_0 = -1e9  # "log(0)" that stays finite, so beam scores never become nan
@@ -54,6 +60,7 @@ class ReDrafterConfig(PretrainedConfig):
         True  # borrow the target's frozen embeddings (not saved) instead of owning a table
     )
     beam_width: int = 8  # default beam width at decode time
+    draft_vocab_size: int | None = None  # Vd: head width, the top training labels (None: vocab_size)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -61,6 +68,8 @@ class ReDrafterConfig(PretrainedConfig):
             self.embed_dim = self.base_hidden_size
         if self.exit_dim is None:
             self.exit_dim = self.embed_dim + self.base_hidden_size
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
         super().__post_init__(**kwargs)
 
 
@@ -70,17 +79,24 @@ class ReDrafter(PreTrainedModel):
     config_class = ReDrafterConfig
     base_model_prefix = "redrafter"
     _no_split_modules: list[str] = []
+    d2t: Tensor  # (Vd,) long buffer, registered in __init__
 
     def __init__(self, config: ReDrafterConfig) -> None:
         super().__init__(config)
-        e, h, x = config.embed_dim, config.base_hidden_size, config.exit_dim
-        assert e is not None and x is not None  # set by ReDrafterConfig.__post_init__
+        e, h, x, vd = config.embed_dim, config.base_hidden_size, config.exit_dim, config.draft_vocab_size
+        assert e is not None and x is not None and vd is not None  # set by ReDrafterConfig.__post_init__
+        if not 0 < vd <= config.vocab_size:
+            raise ValueError(f"draft_vocab_size={vd} must be in [1, vocab_size={config.vocab_size}]")
         if config.rnn:
             self.rnn_u = nn.Linear(e, e, bias=True)  # U s + b
             self.rnn_w = nn.Linear(e, e, bias=False)  # W e
         self.input_proj = nn.Linear(e + h, x) if x != e + h else None
         self.blocks = nn.ModuleList(ResBlock(x) for _ in range(config.num_layers))
-        self.head = nn.Linear(x, config.vocab_size, bias=False)
+        self.head = nn.Linear(x, vd, bias=False)
+        # Saved only with a reduced vocabulary, so full-vocabulary exports keep their original tensors; it is
+        # never read then (`from_pretrained` leaves a non-persistent buffer uninitialised).
+        self.reduced_vocab = vd < config.vocab_size
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=self.reduced_vocab)
         self.embed = None if config.share_embeddings else nn.Embedding(config.vocab_size, e)
         self._borrowed: list[nn.Embedding] = []  # the target's embedding, hidden from state_dict/parameters
         self.post_init()
@@ -123,6 +139,24 @@ class ReDrafter(PreTrainedModel):
         out = emb(ids.clamp_min(0).to(emb.weight.device))
         return out.to(device=self.head.weight.device, dtype=self.head.weight.dtype)
 
+    # ---- draft vocabulary -------------------------------------------------------------------------------
+    def draft_ids(self) -> Tensor:
+        """(Vd,) long: the target id of every draft-vocabulary entry (arange(V) for the full vocabulary)."""
+        ar = torch.arange(self.d2t.shape[0], device=self.d2t.device)
+        return self.d2t + ar if self.reduced_vocab else ar
+
+    def to_target_ids(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids (...) -> target ids (...)."""
+        return ids + self.d2t[ids] if self.reduced_vocab else ids
+
+    def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
+        """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
+        v = int(self.config.vocab_size)
+        lut = torch.full((v,), missing, dtype=torch.long, device=self.d2t.device)
+        lut[self.draft_ids()] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
+        out = lut[ids.clamp(0, v - 1).to(lut.device)]
+        return torch.where(ids.to(lut.device) < 0, torch.full_like(out, missing), out).to(ids.device)
+
     # ---- step-level helpers (used by forward, beam_search and decoders) ---------------------------------
     def init_state(self, root: Tensor) -> Tensor:
         """root (...) long -> s_1 = e(root) (..., E)."""
@@ -136,13 +170,13 @@ class ReDrafter(PreTrainedModel):
         return state + e
 
     def state_logits(self, state: Tensor, hidden: Tensor) -> Tensor:
-        """state (..., E), hidden (..., H) -> logits (..., V) for the slot this state belongs to."""
+        """state (..., E), hidden (..., H) -> logits (..., Vd) over the draft vocabulary for this state's slot."""
         g = torch.cat([state, hidden.to(state.dtype)], dim=-1)  # (..., E + H)
         if self.input_proj is not None:
             g = self.input_proj(g)  # (..., X)
         for block in self.blocks:
             g = block(g)
-        return self.head(g)  # (..., V)
+        return self.head(g)  # (..., Vd)
 
     # ---- training ---------------------------------------------------------------------------------------
     def forward(self, hidden: Tensor, root: Tensor, targets: Tensor) -> Tensor:
@@ -162,10 +196,11 @@ class ReDrafter(PreTrainedModel):
         Args:
             hidden: (B, L, H) target last-layer states h_t.
             root: (B, L) long, the root token x_{t+1} of each position.
-            targets: (B, L, D) long, the draft labels (-100 = ignored); slot k-1's label is fed to slot k.
+            targets: (B, L, D) long target ids, the draft labels (-100 = ignored); slot k-1's label is fed to
+                slot k.
 
         Returns:
-            logits: (B, L, D, V).
+            logits: (B, L, D, Vd) over the draft vocabulary (Vd = V unless `draft_vocab_size` is set).
         """
         state = self.init_state(root)  # (B, L, E)
         logits = []
@@ -173,7 +208,7 @@ class ReDrafter(PreTrainedModel):
             if k > 0:
                 state = self.next_state(state, targets[..., k - 1])  # (B, L, E)
             logits.append(self.state_logits(state, hidden))  # (B, L, V)
-        return torch.stack(logits, dim=2)  # (B, L, D, V)
+        return torch.stack(logits, dim=2)  # (B, L, D, Vd)
 
     # ---- decoding ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -203,11 +238,11 @@ class ReDrafter(PreTrainedModel):
         for k in range(draft_len):
             if k > 0:
                 state = self.next_state(state, beams[:, -1])  # (W, E)
-            logp = torch.log_softmax(self.state_logits(state, h).float(), dim=-1)  # (W, V)
+            logp = torch.log_softmax(self.state_logits(state, h).float(), dim=-1)  # (W, Vd)
             vocab = logp.shape[-1]
-            cand = (scores[:, None] + logp).reshape(-1)  # (W * V,)
+            cand = (scores[:, None] + logp).reshape(-1)  # (W * Vd,)
             scores, idx = cand.topk(beam_width)  # (W,), sorted descending
-            parent, token = idx // vocab, idx % vocab  # (W,), (W,)
+            parent, token = idx // vocab, self.to_target_ids(idx % vocab)  # (W,), (W,) target ids
             beams = torch.cat([beams[parent], token[:, None]], dim=1)  # (W, k + 2)
             state = state[parent]  # (W, E)
         if draft_len == 0:
@@ -217,6 +252,7 @@ class ReDrafter(PreTrainedModel):
 
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------
 MODEL, CONFIG = ReDrafter, ReDrafterConfig
+__all__ = ["ReDrafter", "ReDrafterConfig", "attach", "build", "compute_loss", "init_from_lm_head"]
 TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer hidden state is needed
 
 
@@ -225,21 +261,38 @@ def attach(model: ReDrafter, target: PreTrainedModel) -> ReDrafter:
     return model.attach_embeddings(target) if model.config.share_embeddings else model
 
 
-def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> ReDrafter:
+USES_TOKEN_COUNTS = True  # `build` takes the training-label counts (reduced draft vocabulary)
+
+
+def build(
+    schema: Any,
+    target: PreTrainedModel,
+    fingerprint: dict[str, Any],
+    token_counts: Tensor | None = None,
+    **_: Any,
+) -> ReDrafter:
     """A fresh ReDrafter for `target` from the `drafter` config group.
 
     Args:
         schema: `cfg.drafter` (fields of `train.config.ReDrafterSchema`).
         target: the frozen target (embeddings borrowed or copied, LM head used for the optional init).
         fingerprint: `base_llm.target_fingerprint(target, tokenizer)`.
+        token_counts: (V,) training-label frequencies; required when `draft_vocab_size` < V (the draft
+            vocabulary is the Vd most frequent labels).
     """
-    hidden = int(fingerprint["hidden_size"])
+    hidden, v = int(fingerprint["hidden_size"]), int(fingerprint["vocab_size"])
+    vd = int(getattr(schema, "draft_vocab_size", None) or v)
+    if not 0 < vd <= v:
+        raise ValueError(f"drafter.draft_vocab_size={vd} must be in [1, vocab_size={v}]")
+    if vd < v and token_counts is None:
+        raise ValueError(f"drafter.draft_vocab_size={vd} < vocab_size={v} needs training token counts")
     share = bool(schema.share_embeddings)
     config = ReDrafterConfig(
         base_model_name_or_path=str(fingerprint["name_or_path"]),
         base_revision=fingerprint.get("revision"),
         base_hidden_size=hidden,
-        vocab_size=int(fingerprint["vocab_size"]),
+        vocab_size=v,
+        draft_vocab_size=vd,
         tokenizer_hash=str(fingerprint["tokenizer_hash"]),
         embed_dim=hidden,  # the target's embedding width (borrowed or copied)
         exit_dim=getattr(schema, "exit_dim", None),
@@ -252,13 +305,16 @@ def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> 
     model = ReDrafter(config)
     emb = cast(nn.Embedding, target.get_input_embeddings()).weight
     with torch.no_grad():
+        if vd < v:
+            ids = cast(Tensor, token_counts).topk(vd).indices.sort().values  # (Vd,) ascending target ids
+            model.d2t.copy_(ids - torch.arange(vd))
         if share:
             model.attach_embeddings(target)
         else:
             assert model.embed is not None  # share_embeddings=False: the drafter owns its table
             model.embed.weight.copy_(emb.float())
         if schema.init_from_lm_head:
-            init_from_lm_head(model, target.get_output_embeddings().weight)
+            init_from_lm_head(model, target.get_output_embeddings().weight[model.draft_ids().to(emb.device)])
     # A fixed head (the target's LM head) leaves the MLP to predict a next-next *state* in the target's own
     # output space, as EAGLE does: 25x fewer trainable parameters, less overfitting on small distilled sets.
     model.head.weight.requires_grad_(not getattr(schema, "freeze_head", False))
@@ -272,7 +328,7 @@ def init_from_lm_head(model: ReDrafter, lm_head: Tensor) -> None:
     Args:
         model: the drafter; with no input projection the head becomes [0 | W_lm], with a projection to width
             H the projection becomes [small noise | I] and the head W_lm; other widths keep the random init.
-        lm_head: (V, H) the target's output embedding weight.
+        lm_head: (Vd, H) the target's output embedding rows of the draft vocabulary (`model.draft_ids()`).
     """
     e, h, x = model.config.embed_dim, model.config.base_hidden_size, model.config.exit_dim
     w = lm_head.detach().to(model.head.weight)  # (V, H)
@@ -284,54 +340,3 @@ def init_from_lm_head(model: ReDrafter, lm_head: Tensor) -> None:
         model.input_proj.weight[:, e:] = torch.eye(h, dtype=w.dtype, device=w.device)
         model.input_proj.bias.zero_()
         model.head.weight.copy_(w)
-
-
-def compute_loss(
-    model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Teacher-forced loss on the positions that train (`batch["pos_mask"]`).
-
-    Args:
-        model: the (possibly accelerate-wrapped) ReDrafter.
-        batch: from `data.collate` - `root` (B, L), `targets` (B, L, D'), `pos_mask` (B, L) bool, and optionally
-            `topk_ids`/`topk_logprobs` (B, L, k) cached teacher top-k.
-        target_out: `TargetOutput` of the frozen target on `batch["input_ids"]` (`hidden` (B, L, H); `logits`
-            (B, L, V) needed only for online soft targets).
-        opts: `loss` ("ce" | "kl" | "ce+kl"), `kl_weight`, `kl_topk`, `slot_weights` (list), `draft_len`,
-            `max_positions` (random subset of positions per call), `generator` (torch.Generator).
-
-    Returns:
-        (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) for metrics.
-    """
-    from specdraft.train.losses import multi_position_ce, soft_kl
-
-    opts = opts or {}
-    d = int(opts.get("draft_len") or batch["targets"].shape[-1])
-    sel = batch["pos_mask"].nonzero()  # (N, 2) (b, t) pairs
-    cap = opts.get("max_positions")
-    if cap and sel.shape[0] > cap:
-        keep = torch.randperm(sel.shape[0], generator=opts.get("generator"))[:cap].sort().values
-        sel = sel[keep.to(sel.device)]
-    b, t = sel[:, 0], sel[:, 1]
-    hidden = target_out.hidden[b, t]  # (N, H)
-    root, targets = batch["root"][b, t], batch["targets"][b, t, :d]  # (N,), (N, D)
-    logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, V)
-    weights = torch.tensor(opts["slot_weights"][:d]) if opts.get("slot_weights") else None
-    kind = opts.get("loss", "ce")
-    loss = multi_position_ce(logits, targets, weights) if "ce" in kind else logits.new_zeros(())
-    if "kl" in kind:
-        # Teacher for slot k at position t: the target's distribution at t+1+k (greedy-path sequences only).
-        seq_len = batch["root"].shape[1]
-        pos = t[:, None] + 1 + torch.arange(d, device=t.device)  # (N, D)
-        valid = (pos < seq_len) & (targets != -100)
-        pos = pos.clamp_max(seq_len - 1)
-        if "topk_ids" in batch:
-            ids, lps = (
-                batch["topk_ids"][b[:, None], pos],
-                batch["topk_logprobs"][b[:, None], pos],
-            )  # (N, D, k)
-        else:
-            full = torch.log_softmax(target_out.logits[b[:, None], pos].float(), dim=-1)  # (N, D, V)
-            lps, ids = full.topk(int(opts.get("kl_topk", 20)), dim=-1)
-        loss = loss + float(opts.get("kl_weight", 1.0)) * soft_kl(logits, ids, lps, valid, weights)
-    return loss, {"logits": logits.detach(), "targets": targets}

@@ -18,6 +18,7 @@ class ReDrafterSchema:
     init_from_lm_head: bool = True  # initialise the vocabulary head from the target's LM head
     exit_dim: int | None = None  # ResBlock width (None: embed + hidden, no projection; hidden: cheaper)
     freeze_head: bool = False  # keep the vocab head fixed (the target LM head, with init_from_lm_head)
+    draft_vocab_size: int | None = None  # head over the most frequent training labels only (None: full vocab)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class TrainConfig:
     mixed_precision: str = "no"  # accelerate mixed precision: no | bf16 | fp16
     data_dir: str | None = None  # distilled dataset dir (None: raw conversations from `data`)
     allow_incomplete_data: bool = False  # train on the finished shards of a distill run still in progress
+    init_from: str | None = None  # start from this drafter export's weights (same family; head rows remapped)
     export_dir: str | None = None  # where to export the drafter (default <run_dir>/export)
     push_to_hub: str | None = None  # Hub repo id to publish the export to (token from HF_TOKEN)
     extra: dict = field(default_factory=dict)  # free-form notes recorded in the export's training summary
@@ -66,6 +68,9 @@ class TrainConfig:
     kl_weight: float = 1.0  # weight of the KL term when loss has "kl"
     kl_topk: int = 20  # teacher top-k used for online soft targets (cached top-k is used when present)
     slot_weights: list[float] | None = None  # per draft-slot loss weights (None: all 1)
+    context_positions: bool = (
+        False  # also train prompt positions on the target's greedy chain (needs distill.topk)
+    )
     max_positions: int | None = 512  # trained positions per micro-batch, sampled at random (None: all)
     eval_max_positions: int | None = 512  # positions per eval batch, a fixed sample (None: all)
     topk_acc: int = 5  # k of the reported top-k accuracy

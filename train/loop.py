@@ -30,7 +30,7 @@ from specdraft.data.collate import (
     raw_rows,
 )
 from specdraft.models.base_llm import load_target, target_fingerprint
-from specdraft.models.hub import export_drafter, push_to_hub
+from specdraft.models.hub import export_drafter, push_to_hub, warm_start
 from specdraft.models.registry import get_family
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.evaluate import TargetFeatures, evaluate
@@ -135,17 +135,23 @@ def train(cfg: DictConfig) -> Path:
         {"token_counts": counts} if getattr(family, "USES_TOKEN_COUNTS", False) else {}
     )  # EAGLE-3 draft vocab
     model = family.build(cfg.drafter, target, fingerprint, **extra).to(acc.device)
+    if cfg.train.init_from:
+        n = warm_start(model, str(cfg.train.init_from), fingerprint)
+        if main:
+            log.info("warm start: %d tensors from %s", n, cfg.train.init_from)
     # Intermediate target layers: per-model (EAGLE-3 `config.target_layers`, depends on the target's depth) or per
     # family; read from distill/'s cache when it holds them all, otherwise the target computes them online.
     layers = tuple(getattr(model.config, "target_layers", ()) or getattr(family, "TARGET_LAYERS", ()))
     cached = layers if cached_layers_cover(feats, layers) else ()
     collate = Collator(pad_id=int(tokenizer.pad_token_id), draft_len=int(cfg.drafter.draft_len))
+    # held-out metrics always score assistant positions only (what decoding sees)
+    train_collate = Collator(collate.pad_id, collate.draft_len, bool(cfg.train.context_positions))
     sampler = EpochSampler(len(train_rows), cfg.train.seed)
     loader = DataLoader(
         RowDataset(train_rows, feats, layers=cached),
         batch_size=cfg.train.batch_size,
         sampler=sampler,
-        collate_fn=collate,
+        collate_fn=train_collate,
         drop_last=True,
         num_workers=cfg.train.num_workers,
     )
@@ -278,6 +284,7 @@ def train(cfg: DictConfig) -> Path:
         "processes": acc.num_processes,
         "trainable_params": n_params,
         "extra": OmegaConf.to_container(cfg.train.extra),
+        "init_from": cfg.train.init_from,
     }
     acc.wait_for_everyone()
     if main:

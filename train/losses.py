@@ -56,7 +56,8 @@ def soft_kl(
     Args:
         logits: (..., D, V) drafter logits.
         topk_ids: (..., D, k) long teacher top-k token ids for each slot.
-        topk_logprobs: (..., D, k) teacher log-probs of those ids (need not sum to 1: renormalised here).
+        topk_logprobs: (..., D, k) teacher log-probs of those ids (need not sum to 1: renormalised here; -inf
+            drops an entry, e.g. a token outside a reduced draft vocabulary).
         valid: (..., D) bool, slots that count.
         weights: (D,) per-slot weights (None: all ones).
 
@@ -67,7 +68,10 @@ def soft_kl(
     d = logits.shape[-2]
     logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids.clamp_min(0))  # (..., D, k)
     logp = torch.log_softmax(topk_logprobs.float(), dim=-1)  # (..., D, k) renormalised teacher
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # (..., D)
+    p = logp.exp()  # (..., D, k)
+    keep = p > 0  # -inf teacher entries drop out (and all -inf rows, nan here, give 0 and a 0 gradient)
+    p, logp = torch.where(keep, p, 0.0), torch.where(keep, logp, 0.0)
+    kl = (p * (logp - logq)).sum(-1)  # (..., D)
     vf = valid.float()
     per_slot = (kl * vf).reshape(-1, d).sum(0) / vf.reshape(-1, d).sum(0).clamp_min(1.0)  # (D,)
     if weights is not None:

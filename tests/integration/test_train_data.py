@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdraft.data.collate import Collator, EpochSampler, RowDataset, label_counts, make_targets
@@ -19,6 +20,55 @@ def test_make_targets_shift_follows_the_design_alignment():
     assert targets[1].tolist() == [13, 14]
     assert targets[2].tolist() == [14, -100]
     assert targets[3].tolist() == [-100, -100]
+
+
+def test_make_targets_context_positions_follow_the_greedy_chain():
+    # x:      10 11 12 13 14 15 16 ; assistant tokens 15, 16 (positions 5-6)
+    # greedy: 12 20 13 21 15 16 17   (the target's argmax at each position: predicts x_{p+1} when it agrees)
+    ids = torch.tensor([10, 11, 12, 13, 14, 15, 16])
+    mask = torch.tensor([0, 0, 0, 0, 0, 1, 1])
+    greedy = torch.tensor([12, 20, 13, 21, 15, 16, 17])
+    root, targets, pos = make_targets(ids, mask, draft_len=3, greedy=greedy)
+    assert pos.tolist() == [True] * 6 + [False]  # 0-3 context; 4, 5 assistant (x_{t+1} is an assistant token)
+    assert targets[0].tolist() == [20, -100, -100]  # x_2 = 12 != greedy[1] = 20: the chain leaves the row
+    assert targets[1].tolist() == [13, 21, -100]  # x_3 = 13 == greedy[2]; x_4 = 14 != greedy[3] = 21
+    assert targets[2].tolist() == [21, -100, -100]
+    assert targets[3].tolist() == [15, 16, 17]  # the chain follows the row into the answer
+    assert targets[4].tolist() == [16, -100, -100]  # assistant positions unchanged
+    assert root.tolist()[:6] == [11, 12, 13, 14, 15, 16]
+    # a naive loop on a random row
+    g = torch.Generator().manual_seed(0)
+    n, d = 40, 4
+    ids = torch.randint(0, 3, (n,), generator=g)
+    greedy = torch.where(
+        torch.rand(n, generator=g) < 0.7, torch.roll(ids, -1), torch.randint(0, 3, (n,), generator=g)
+    )
+    mask = (torch.arange(n) >= 25).long()
+    _, targets, pos = make_targets(ids, mask, draft_len=d, greedy=greedy)
+    base_root, base_targets, base_pos = make_targets(ids, mask, draft_len=d)
+    for t in range(n):
+        if base_pos[t]:
+            assert targets[t].tolist() == base_targets[t].tolist()
+            continue
+        want = [-100] * d
+        if t + 1 < n - 1:
+            for k in range(d):
+                if t + 1 + k >= n or any(int(ids[t + 2 + j]) != int(greedy[t + 1 + j]) for j in range(k)):
+                    break
+                want[k] = int(greedy[t + 1 + k])
+        assert targets[t].tolist() == want, t
+        assert bool(pos[t]) == (t + 1 < n - 1)
+
+
+def test_collator_context_positions_need_cached_topk():
+    rows = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}]
+    item = RowDataset(rows)[0]
+    with pytest.raises(ValueError, match="distill.topk"):
+        Collator(pad_id=0, draft_len=2, context_positions=True)([item])
+    item["topk_ids"] = torch.tensor([[9], [3], [4], [5]])  # argmax at each position
+    batch = Collator(pad_id=0, draft_len=2, context_positions=True)([item])
+    assert batch["pos_mask"].tolist() == [[True, True, True, False]]
+    assert batch["targets"][0, 0].tolist() == [3, 4]  # greedy[1], then x_2 = 3 == greedy[1] -> greedy[2]
 
 
 def test_make_targets_from_continuations():

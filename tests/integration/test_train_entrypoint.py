@@ -78,3 +78,22 @@ def test_resume_after_kill_continues_the_same_curve(reference, assets):
     assert got.keys() == ref.keys()
     for key, v in ref.items():
         assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
+
+
+def test_warm_start_with_a_reduced_draft_vocabulary(reference, assets):
+    """train.init_from + drafter.draft_vocab_size: the run starts from the reference export (its first eval is
+    already as good as the reference's last one) and exports a drafter that only drafts its vocabulary."""
+    run_train(
+        assets, "warm", f"train.init_from={reference / 'export'}", "drafter.draft_vocab_size=24",
+        "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=4", "optim.lr=1e-3",
+    )  # fmt: skip
+    warm = [r for r in read_metrics(assets / "runs" / "warm") if "eval/acc1_s0" in r]
+    ref = [r for r in read_metrics(reference) if "eval/acc1_s0" in r]
+    assert warm[0]["eval/acc1_s0"] > ref[0]["eval/acc1_s0"]
+    assert warm[0]["eval/acc1_s0"] > ref[-1]["eval/acc1_s0"] - 0.1
+    drafter = load_drafter(str(assets / "runs" / "warm" / "export"), target=tiny_llama())
+    assert drafter.config.draft_vocab_size == 24 and drafter.head.weight.shape[0] == 24
+    beams, _ = drafter.beam_search(torch.randn(32), 7, beam_width=4, draft_len=3)
+    assert set(beams[:, 1:].flatten().tolist()) <= set(drafter.draft_ids().tolist())
+    card = (assets / "runs" / "warm" / "export" / "README.md").read_text()
+    assert "draft vocabulary: the 24 most frequent" in card and f"warm-started from: {reference}" in card

@@ -57,6 +57,18 @@ def test_soft_kl_golden():
     assert float(soft_kl(exact, ids, lps, torch.tensor([[True]]))) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_soft_kl_drops_minus_inf_entries_with_finite_gradients():
+    # an entry at -inf (a token the drafter cannot draft) is dropped: the same golden value as without it
+    logits = torch.zeros(2, 1, 3, requires_grad=True)  # (N, D, V)
+    ids = torch.tensor([[[0, 1, 2]], [[0, 1, 2]]])
+    lps = torch.log(torch.tensor([[[0.5, 0.25, 0.0]], [[0.0, 0.0, 0.0]]]))  # row 2: nothing draftable
+    kl = soft_kl(logits, ids, lps, torch.tensor([[True], [False]]))
+    assert float(kl) == pytest.approx(2 / 3 * math.log(2), abs=1e-6)
+    kl.backward()
+    assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+    assert float(logits.grad[1].abs().sum()) == 0.0
+
+
 def test_topk_hits_and_accuracy_golden():
     logits = torch.tensor(
         [[[0.1, 0.5, 0.4], [0.3, 0.2, 0.1]], [[0.9, 0.0, 0.1], [0.0, 0.0, 1.0]]]

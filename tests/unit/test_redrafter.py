@@ -178,3 +178,176 @@ def test_compute_loss_selects_masked_positions(target):
     assert aux["logits"].shape == (2, 3, V) and aux["targets"].tolist() == [[2, 3, 4], [4, -100, -100]]
     loss.backward()
     assert model.head.weight.grad is not None and torch.isfinite(loss)
+
+
+# ---- reduced draft vocabulary ---------------------------------------------------------------------------------
+DRAFT_IDS = torch.tensor([1, 2, 4, 6, 7, 9])  # Vd = 6 of V = 11
+
+
+def reduced_pair(target) -> tuple[ReDrafter, ReDrafter]:
+    """(full, reduced): the same drafter, the reduced one keeping only the head rows of DRAFT_IDS."""
+    full = make_drafter(target)
+    small = ReDrafter(
+        ReDrafterConfig(
+            base_hidden_size=H, vocab_size=V, draft_len=3, num_layers=2, draft_vocab_size=len(DRAFT_IDS)
+        )
+    )
+    small = small.attach_embeddings(target).double()
+    state = {k: v for k, v in full.state_dict().items() if k != "head.weight"}
+    small.load_state_dict({**state, "head.weight": full.head.weight[DRAFT_IDS]}, strict=False)
+    small.d2t.copy_(DRAFT_IDS - torch.arange(len(DRAFT_IDS)))
+    return full, small
+
+
+def test_draft_vocab_id_maps(target):
+    _, small = reduced_pair(target)
+    assert small.draft_ids().tolist() == DRAFT_IDS.tolist()
+    assert small.to_target_ids(torch.tensor([0, 3, 5])).tolist() == [1, 6, 9]
+    assert small.to_draft_ids(torch.tensor([[1, 3, -100], [9, 0, 6]])).tolist() == [
+        [0, -100, -100],
+        [5, -100, 3],
+    ]
+    assert small.to_draft_ids(torch.tensor([3, 4]), missing=-1).tolist() == [-1, 2]
+    assert "d2t" in small.state_dict() and "d2t" not in make_drafter(target).state_dict()
+
+
+def test_draft_vocab_beam_search_equals_masked_full_vocab(target):
+    full, small = reduced_pair(target)
+    hidden, root, d, vd = torch.randn(H, dtype=torch.float64), 4, 2, len(DRAFT_IDS)
+    beams, scores = small.beam_search(hidden, root, beam_width=vd**d, draft_len=d)
+    assert set(beams[:, 1:].flatten().tolist()) == set(DRAFT_IDS.tolist())  # target ids, never outside
+    assert len({tuple(b.tolist()) for b in beams}) == vd**d
+    # brute force: the full drafter's logits restricted to the draft vocabulary, renormalised there
+    logits = full(hidden[None, None].expand(1, vd**d, H), beams[None, :, 0], beams[None, :, 1:])[0]
+    logp = torch.log_softmax(logits[..., DRAFT_IDS], -1)  # (W, D, Vd)
+    pos = small.to_draft_ids(beams[:, 1:])
+    ref = logp.gather(-1, pos[..., None]).squeeze(-1).sum(-1)
+    torch.testing.assert_close(scores.double(), ref, rtol=1e-6, atol=1e-6)
+    from specdraft.eval.proposers import redrafter_beam_search
+
+    beams2, cum = redrafter_beam_search(small, small.head, hidden, root, vd**d, d)
+    assert torch.equal(beams2, beams)
+    torch.testing.assert_close(cum[:, -1].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_draft_vocab_loss_ignores_out_of_vocabulary_labels(target):
+    full, small = reduced_pair(target)
+    full, small = full.float(), small.float()
+    batch = {
+        "root": torch.tensor([[1, 2, 3]]),
+        "targets": torch.tensor([[[2, 3, 4], [6, 9, -100], [4, 7, 1]]]),  # 3 is outside the draft vocab
+        "pos_mask": torch.ones(1, 3, dtype=torch.bool),
+    }
+
+    class Out:
+        hidden = torch.randn(1, 3, H)
+
+    loss, aux = compute_loss(small, batch, Out())
+    assert aux["logits"].shape == (3, 3, len(DRAFT_IDS))  # training: draft ids, cheap
+    assert aux["targets"].tolist() == [[1, -1, 2], [3, 5, -100], [2, 4, 0]]
+    logits = full(Out.hidden, batch["root"], batch["targets"])[0][..., DRAFT_IDS]  # (L, D, Vd)
+    labels = small.to_draft_ids(batch["targets"][0])
+    ref = sum(
+        F.cross_entropy(logits[:, k], labels[:, k], ignore_index=-100) for k in range(3)
+    )  # multi_position_ce: sum over slots of the per-slot mean
+    torch.testing.assert_close(loss, ref)
+    small.eval()
+    _, aux = compute_loss(small, batch, Out())
+    assert aux["logits"].shape == (3, 3, V) and torch.equal(aux["targets"], batch["targets"][0])
+    top = aux["logits"].argmax(-1)
+    assert set(top.flatten().tolist()) <= set(DRAFT_IDS.tolist())
+    torch.testing.assert_close(aux["logits"][..., DRAFT_IDS], logits.detach())
+
+
+def test_draft_vocab_soft_kl_drops_undraftable_teacher_tokens(target):
+    _, small = reduced_pair(target)
+    small = small.float()
+    batch = {
+        "root": torch.tensor([[1, 2, 4]]),
+        "targets": torch.tensor([[[2, 4], [4, 6], [6, -100]]]),
+        "pos_mask": torch.tensor([[True, False, False]]),
+        "topk_ids": torch.tensor([[[2, 3, 0], [4, 2, 5], [6, 1, 3]]]),  # 3, 0, 5 outside the draft vocab
+        "topk_logprobs": torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.7, 0.2, 0.1]]])),
+    }
+
+    class Out:
+        hidden = torch.randn(1, 3, H)
+
+    loss, _ = compute_loss(small, batch, Out(), {"loss": "kl"})
+    logq = torch.log_softmax(
+        small(Out.hidden[:, :1], batch["root"][:, :1], batch["targets"][:, :1])[0, 0], -1
+    )
+    # slot 0 imitates position 1 (teacher {4: .6, 2: .3}), slot 1 position 2 (teacher {6: .7, 1: .2})
+    ref = 0.0
+    for k, (ids, ps) in enumerate([([4, 2], [0.6, 0.3]), ([6, 1], [0.7, 0.2])]):
+        p = torch.tensor(ps) / sum(ps)
+        q = logq[k, small.to_draft_ids(torch.tensor(ids))]
+        ref = ref + (p * (p.log() - q)).sum()
+    torch.testing.assert_close(loss, ref)
+    assert torch.isfinite(loss)
+
+
+def test_draft_vocab_build_and_export_round_trip(target, tmp_path):
+    schema = OmegaConf.create(
+        {
+            "draft_len": 2,
+            "num_layers": 1,
+            "rnn": True,
+            "share_embeddings": True,
+            "beam_width": 4,
+            "init_from_lm_head": True,
+            "draft_vocab_size": 4,
+        }
+    )
+    fp = {"name_or_path": "tiny", "hidden_size": H, "vocab_size": V, "tokenizer_hash": "x"}
+    with pytest.raises(ValueError, match="needs training token counts"):
+        build(schema, target, fp)
+    with pytest.raises(ValueError, match="draft_vocab_size=12"):
+        build(OmegaConf.merge(schema, {"draft_vocab_size": 12}), target, fp, token_counts=torch.ones(V))
+    counts = torch.tensor([0, 9, 1, 8, 0, 7, 2, 6, 0, 0, 3.0])
+    model = build(schema, target, fp, token_counts=counts)
+    assert model.draft_ids().tolist() == [1, 3, 5, 7] and model.head.weight.shape == (4, H + H)
+    h = torch.randn(3, H)
+    logits = model(h[None], torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 2, dtype=torch.long))
+    ref = target.get_output_embeddings()(h)[:, [1, 3, 5, 7]]  # head = the target's rows of the draft vocab
+    torch.testing.assert_close(logits[0, :, 0], ref)
+    model.save_pretrained(tmp_path)
+    back = ReDrafter.from_pretrained(tmp_path).attach_embeddings(target)
+    assert back.config.draft_vocab_size == 4 and torch.equal(back.d2t, model.d2t)
+    torch.testing.assert_close(
+        back(h[None], torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 2, dtype=torch.long)), logits
+    )
+
+
+def test_warm_start_remaps_head_rows_to_a_new_draft_vocabulary(target, tmp_path):
+    from specdraft.models.hub import warm_start
+
+    fp = {"name_or_path": "tiny", "hidden_size": H, "vocab_size": V, "tokenizer_hash": "x"}
+    full, small = reduced_pair(target)
+    full.config.tokenizer_hash = "x"
+    full.float().save_pretrained(tmp_path / "full")
+    fresh = ReDrafter(small.config).attach_embeddings(target)
+    fresh.d2t.copy_(small.d2t)
+    assert warm_start(fresh, str(tmp_path / "full"), fp) == len(full.state_dict())
+    torch.testing.assert_close(fresh.head.weight, full.head.weight[DRAFT_IDS].float())
+    torch.testing.assert_close(fresh.blocks[1].linear.weight, full.blocks[1].linear.weight.float())
+    # and back: the full head gets the draft rows, the other rows keep their initialisation
+    small.float().save_pretrained(tmp_path / "small")
+    back = make_drafter(target).float()
+    before = back.head.weight.clone()
+    warm_start(back, str(tmp_path / "small"), fp)
+    torch.testing.assert_close(back.head.weight[DRAFT_IDS], small.head.weight)
+    others = torch.ones(V, dtype=torch.bool).index_fill_(0, DRAFT_IDS, False)
+    assert torch.equal(back.head.weight[others], before[others])
+    wide = ReDrafter(
+        ReDrafterConfig(base_hidden_size=H, vocab_size=V, draft_len=3, num_layers=2, exit_dim=12)
+    )
+    with pytest.raises(ValueError, match="has no tensor 'input_proj.weight'"):
+        warm_start(wide.attach_embeddings(target), str(tmp_path / "full"), fp)
+    deep = ReDrafter(
+        ReDrafterConfig(base_hidden_size=H, vocab_size=V, draft_len=3, num_layers=2, embed_dim=8)
+    )
+    with pytest.raises(ValueError, match="'rnn_u.weight' has shape"):
+        warm_start(deep, str(tmp_path / "full"), fp)
+    with pytest.raises(ValueError, match="tokenizer_hash"):
+        warm_start(fresh, str(tmp_path / "full"), {**fp, "tokenizer_hash": "other"})

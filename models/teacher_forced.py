@@ -1,0 +1,77 @@
+"""The teacher-forced loss of the drafters whose `forward(hidden, root, targets)` scores every draft slot at once
+(ReDrafter, Medusa): hard-label CE and/or KL to the teacher's top-k, on a random subset of the trainable
+positions. Handles a reduced draft vocabulary (`reduced_vocab`, `to_draft_ids`, `draft_ids` of ReDrafter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def compute_loss(
+    model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Teacher-forced loss on the positions that train (`batch["pos_mask"]`).
+
+    Args:
+        model: the (possibly accelerate-wrapped) ReDrafter or Medusa.
+        batch: from `data.collate` - `root` (B, L), `targets` (B, L, D'), `pos_mask` (B, L) bool, and optionally
+            `topk_ids`/`topk_logprobs` (B, L, k) cached teacher top-k.
+        target_out: `TargetOutput` of the frozen target on `batch["input_ids"]` (`hidden` (B, L, H); `logits`
+            (B, L, V) needed only for online soft targets).
+        opts: `loss` ("ce" | "kl" | "ce+kl"), `kl_weight`, `kl_topk`, `slot_weights` (list), `draft_len`,
+            `max_positions` (random subset of positions per call), `generator` (torch.Generator).
+
+    Returns:
+        (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) target ids for metrics; with a
+        reduced draft vocabulary in training mode, (N, D, Vd) and draft ids (-1 outside it) instead (cheaper).
+    """
+    from specdraft.train.losses import multi_position_ce, soft_kl
+
+    opts = opts or {}
+    d = int(opts.get("draft_len") or batch["targets"].shape[-1])
+    sel = batch["pos_mask"].nonzero()  # (N, 2) (b, t) pairs
+    cap = opts.get("max_positions")
+    if cap and sel.shape[0] > cap:
+        keep = torch.randperm(sel.shape[0], generator=opts.get("generator"))[:cap].sort().values
+        sel = sel[keep.to(sel.device)]
+    b, t = sel[:, 0], sel[:, 1]
+    inner: Any = getattr(model, "module", model)  # a ReDrafter or a Medusa
+    reduced = bool(getattr(inner, "reduced_vocab", False))  # Medusa shares this loss, always full-vocabulary
+    hidden = target_out.hidden[b, t]  # (N, H)
+    root, targets = batch["root"][b, t], batch["targets"][b, t, :d]  # (N,), (N, D) target ids
+    logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
+    labels = inner.to_draft_ids(targets) if reduced else targets  # (N, D); out-of-vocabulary -> ignored
+    weights = torch.tensor(opts["slot_weights"][:d]) if opts.get("slot_weights") else None
+    kind = opts.get("loss", "ce")
+    loss = multi_position_ce(logits, labels, weights) if "ce" in kind else logits.new_zeros(())
+    if "kl" in kind:
+        # Teacher for slot k at position t: the target's distribution at t+1+k (greedy-path sequences only).
+        seq_len = batch["root"].shape[1]
+        pos = t[:, None] + 1 + torch.arange(d, device=t.device)  # (N, D)
+        valid = (pos < seq_len) & (targets != -100)
+        pos = pos.clamp_max(seq_len - 1)
+        if "topk_ids" in batch:
+            ids, lps = (
+                batch["topk_ids"][b[:, None], pos],
+                batch["topk_logprobs"][b[:, None], pos],
+            )  # (N, D, k)
+        else:
+            full = torch.log_softmax(target_out.logits[b[:, None], pos].float(), dim=-1)  # (N, D, V)
+            lps, ids = full.topk(int(opts.get("kl_topk", 20)), dim=-1)
+        if reduced:  # teacher mass on tokens the drafter cannot draft is dropped (renormalised by soft_kl)
+            ids = inner.to_draft_ids(ids, missing=-1)  # (N, D, k)
+            lps = lps.float().masked_fill(ids < 0, float("-inf"))
+            valid = valid & (ids >= 0).any(-1)
+        loss = loss + float(opts.get("kl_weight", 1.0)) * soft_kl(logits, ids, lps, valid, weights)
+    out = logits.detach()  # (N, D, Vd)
+    if reduced and not inner.training:
+        # metrics in target ids: tokens outside the draft vocabulary are never drafted (row minimum - 20)
+        full_out = (out.min(-1, keepdim=True).values - 20.0).expand(*out.shape[:-1], inner.config.vocab_size)
+        out = full_out.clone().index_copy_(-1, inner.draft_ids().to(out.device), out)  # (N, D, V)
+    elif reduced:  # training metrics stay in draft ids (out-of-vocabulary labels -> -1: always a miss)
+        targets = inner.to_draft_ids(targets, missing=-1).masked_fill(targets == -100, -100)
+    return loss, {"logits": out, "targets": targets}

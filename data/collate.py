@@ -74,13 +74,12 @@ def make_targets(
         on_chain = torch.ones(n, dtype=torch.bool)  # x_{t+2..t+1+k} == greedy[t+1..t+k] so far
         for k in range(draft_len):
             src = torch.arange(n) + 1 + k  # (L,) position whose argmax is slot k's label
-            if k > 0:
-                prev = torch.arange(n) + 1 + k  # x at t+1+k must equal greedy[t+k]
+            inside = src < n
+            if k > 0:  # slot k-1's label greedy[t+k] must be the row's own x_{t+1+k}
                 agree = torch.zeros(n, dtype=torch.bool)
-                okp = prev < n
-                agree[okp] = input_ids[prev[okp]] == greedy[prev[okp] - 1]
+                agree[inside] = input_ids[src[inside]] == greedy[src[inside] - 1]
                 on_chain &= agree
-            ok = ctx & on_chain & (src < n)
+            ok = ctx & on_chain & inside
             targets[ok, k] = greedy[src[ok]]
         pos_mask = pos_mask | ctx
     root = root.clamp_min(0)

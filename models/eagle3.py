@@ -34,6 +34,7 @@ from specdraft.models.eagle_common import (
     target_block,
     unroll,
 )
+from specdraft.models.layers import draft_vocab_ids, scatter_to_vocab
 
 
 def default_target_layers(num_layers: int) -> list[int]:
@@ -199,11 +200,8 @@ def build(
         raise ValueError(
             f"drafter.target_layers={layers}: every index must be in [0, {n_layers}] (0 = embeddings)"
         )
-    vd = int(schema.draft_vocab_size or v)
-    if not 0 < vd <= v:
-        raise ValueError(f"drafter.draft_vocab_size={vd} must be in [1, vocab_size={v}]")
-    if vd < v and token_counts is None:
-        raise ValueError(f"drafter.draft_vocab_size={vd} < vocab_size={v} needs training token counts")
+    ids = draft_vocab_ids(schema.draft_vocab_size, v, token_counts)  # (Vd,) ascending
+    vd = int(ids.numel())
     config = Eagle3Config(
         **common_config(schema, target, fingerprint),
         target_layers=layers,
@@ -211,9 +209,6 @@ def build(
         ttt_decay=float(schema.ttt_decay),
     )
     model = attach(Eagle3Drafter(config), target)
-    ids = (
-        torch.arange(v) if vd == v else cast(Tensor, token_counts).topk(vd).indices.sort().values
-    )  # (Vd,) ascending
     with torch.no_grad():
         model.d2t.copy_(ids - torch.arange(vd))
         model.t2d.zero_()
@@ -267,9 +262,5 @@ def compute_loss(
             )  # (N, Vd)
         loss = loss + inner.config.ttt_decay**i * soft_cross_entropy(q, teacher, valid)
         if i < n_aux:
-            # tokens outside the draft vocabulary are never drafted: row minimum - 20 (finite CE)
-            qd = q.detach()
-            full = (qd.min(-1, keepdim=True).values - 20.0).expand(-1, v).clone()  # (N, V)
-            full[:, ids] = qd
-            logits.append(full)
+            logits.append(scatter_to_vocab(q.detach(), ids, v))  # (N, V)
     return loss, {"logits": torch.stack(logits, dim=1), "targets": targets[:, :n_aux]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -20,3 +21,34 @@ class ResBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., dim) -> (..., dim)."""
         return x + F.silu(self.linear(x))
+
+
+def draft_vocab_ids(draft_vocab_size: int | None, vocab_size: int, token_counts: Tensor | None) -> Tensor:
+    """The target ids of a reduced draft vocabulary (ReDrafter, EAGLE-3): the most frequent training labels.
+
+    Args:
+        draft_vocab_size: Vd (`drafter.draft_vocab_size`; None or 0: the full vocabulary).
+        vocab_size: V of the target.
+        token_counts: (V,) training-label frequencies; required when Vd < V.
+
+    Returns:
+        (Vd,) long, ascending (arange(V) for the full vocabulary).
+    """
+    vd = int(draft_vocab_size or vocab_size)
+    if not 0 < vd <= vocab_size:
+        raise ValueError(f"drafter.draft_vocab_size={vd} must be in [1, vocab_size={vocab_size}]")
+    if vd == vocab_size:
+        return torch.arange(vocab_size)
+    if token_counts is None:
+        raise ValueError(
+            f"drafter.draft_vocab_size={vd} < vocab_size={vocab_size} needs training token counts"
+        )
+    return token_counts.topk(vd).indices.sort().values
+
+
+def scatter_to_vocab(logits: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
+    """Draft-vocabulary logits (..., Vd) -> (..., V) for metrics in target ids: tokens outside the draft
+    vocabulary are never drafted, so they get the row minimum - 20 (never a top-k hit, finite CE)."""
+    full = (logits.min(-1, keepdim=True).values - 20.0).expand(*logits.shape[:-1], vocab_size).clone()
+    full[..., ids.to(logits.device)] = logits
+    return full

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from specdraft.models.layers import ResBlock, ZeroInitLinear
+from specdraft.models.layers import ResBlock, ZeroInitLinear, draft_vocab_ids
 from specdraft.models.teacher_forced import compute_loss  # the family's loss (shared with Medusa)
 
 FORMAT_VERSION = 1
@@ -281,11 +281,8 @@ def build(
             vocabulary is the Vd most frequent labels).
     """
     hidden, v = int(fingerprint["hidden_size"]), int(fingerprint["vocab_size"])
-    vd = int(getattr(schema, "draft_vocab_size", None) or v)
-    if not 0 < vd <= v:
-        raise ValueError(f"drafter.draft_vocab_size={vd} must be in [1, vocab_size={v}]")
-    if vd < v and token_counts is None:
-        raise ValueError(f"drafter.draft_vocab_size={vd} < vocab_size={v} needs training token counts")
+    ids = draft_vocab_ids(getattr(schema, "draft_vocab_size", None), v, token_counts)  # (Vd,) ascending
+    vd = int(ids.numel())
     share = bool(schema.share_embeddings)
     config = ReDrafterConfig(
         base_model_name_or_path=str(fingerprint["name_or_path"]),
@@ -306,7 +303,6 @@ def build(
     emb = cast(nn.Embedding, target.get_input_embeddings()).weight
     with torch.no_grad():
         if vd < v:
-            ids = cast(Tensor, token_counts).topk(vd).indices.sort().values  # (Vd,) ascending target ids
             model.d2t.copy_(ids - torch.arange(vd))
         if share:
             model.attach_embeddings(target)
@@ -331,7 +327,7 @@ def init_from_lm_head(model: ReDrafter, lm_head: Tensor) -> None:
         lm_head: (Vd, H) the target's output embedding rows of the draft vocabulary (`model.draft_ids()`).
     """
     e, h, x = model.config.embed_dim, model.config.base_hidden_size, model.config.exit_dim
-    w = lm_head.detach().to(model.head.weight)  # (V, H)
+    w = lm_head.detach().to(model.head.weight)  # (Vd, H)
     if model.input_proj is None:
         model.head.weight.zero_()
         model.head.weight[:, e:] = w

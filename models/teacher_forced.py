@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specdraft.models.layers import scatter_to_vocab
+
 
 def compute_loss(
     model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
@@ -68,10 +70,8 @@ def compute_loss(
             valid = valid & (ids >= 0).any(-1)
         loss = loss + float(opts.get("kl_weight", 1.0)) * soft_kl(logits, ids, lps, valid, weights)
     out = logits.detach()  # (N, D, Vd)
-    if reduced and not inner.training:
-        # metrics in target ids: tokens outside the draft vocabulary are never drafted (row minimum - 20)
-        full_out = (out.min(-1, keepdim=True).values - 20.0).expand(*out.shape[:-1], inner.config.vocab_size)
-        out = full_out.clone().index_copy_(-1, inner.draft_ids().to(out.device), out)  # (N, D, V)
+    if reduced and not inner.training:  # metrics in target ids
+        out = scatter_to_vocab(out, inner.draft_ids(), inner.config.vocab_size)  # (N, D, V)
     elif reduced:  # training metrics stay in draft ids (out-of-vocabulary labels -> -1: always a miss)
         targets = inner.to_draft_ids(targets, missing=-1).masked_fill(targets == -100, -100)
     return loss, {"logits": out, "targets": targets}

@@ -171,7 +171,10 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
 
     Every tensor is copied by name and must have the same shape, except the vocabulary head: when the two
     drafters have different draft vocabularies (`draft_ids()`), the rows of the tokens both have are copied and
-    the others keep their fresh initialisation.
+    a token new to the draft vocabulary gets the mean of the export's rows, so its logit starts at the mean
+    logit and ranks below the trained tokens (a fresh row, e.g. the target's LM-head row, is on another scale
+    than the trained features and can outrank them: a grown dataset's warm start then began at half the
+    exported accuracy).
 
     Args:
         model: the freshly built drafter (same family as the export).
@@ -213,6 +216,7 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
                 rows = lut[ids_dst]  # (Vd,) row of each of this drafter's tokens in the export (-1: none)
                 have = rows >= 0
                 dst[have.to(dst.device)] = w[rows[have]].to(dst)
+                dst[(~have).to(dst.device)] = w.float().mean(0).to(dst)  # (H,) for each new token
             elif w.shape != dst.shape:
                 raise ValueError(
                     f"train.init_from={path_or_hub_id!r}: tensor {name!r} has shape {tuple(w.shape)}, "

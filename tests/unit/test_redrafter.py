@@ -331,14 +331,19 @@ def test_warm_start_remaps_head_rows_to_a_new_draft_vocabulary(target, tmp_path)
     assert warm_start(fresh, str(tmp_path / "full"), fp) == len(full.state_dict())
     torch.testing.assert_close(fresh.head.weight, full.head.weight[DRAFT_IDS].float())
     torch.testing.assert_close(fresh.blocks[1].linear.weight, full.blocks[1].linear.weight.float())
-    # and back: the full head gets the draft rows, the other rows keep their initialisation
+    # and back: the full head gets the draft rows; a token new to the vocabulary gets the mean row, so its logit
+    # is the mean logit and never outranks a trained token
     small.float().save_pretrained(tmp_path / "small")
     back = make_drafter(target).float()
-    before = back.head.weight.clone()
     warm_start(back, str(tmp_path / "small"), fp)
     torch.testing.assert_close(back.head.weight[DRAFT_IDS], small.head.weight)
     others = torch.ones(V, dtype=torch.bool).index_fill_(0, DRAFT_IDS, False)
-    assert torch.equal(back.head.weight[others], before[others])
+    torch.testing.assert_close(
+        back.head.weight[others], small.head.weight.mean(0).expand(int(others.sum()), -1)
+    )
+    h, prev, drafted = torch.randn(1, 5, H), torch.randint(0, V, (1, 5)), torch.randint(0, V, (1, 5, 2))
+    top = back(h, prev, drafted).argmax(-1)  # (1, 5, 3)
+    assert bool(torch.isin(top, DRAFT_IDS).all())
     wide = ReDrafter(
         ReDrafterConfig(base_hidden_size=H, vocab_size=V, draft_len=3, num_layers=2, exit_dim=12)
     )

@@ -52,6 +52,7 @@ class TrainConfig:
     batch_size: int = 4  # sequences per device per micro-batch
     grad_accum: int = 1  # micro-batches per optimiser step
     eval_every: int = 50  # held-out evaluation every N steps
+    eval_at_start: bool = False  # also evaluate before step 1 (logged as step 0: a warm start's baseline)
     eval_batches: int = 8  # batches per evaluation
     ckpt_every: int = 100  # training-state checkpoint every M steps
     keep_last: int = 2  # checkpoints kept

@@ -199,6 +199,27 @@ def train(cfg: DictConfig) -> Path:
     bar = _progress(cfg, main, step)
     last_eval: dict[str, float] = {}
     tick, tick_step, tokens, positions = time.time(), step, 0, 0
+
+    def held_out(at: int) -> dict[str, float]:
+        """Evaluate on the held-out rows, log the metrics at step `at` and return them."""
+        metrics = evaluate(
+            acc.unwrap_model(model),
+            family,
+            val_feats,
+            _on(val_loader, acc.device),
+            eval_opts,
+            counts,
+            cfg.train.topk_acc,
+            cfg.train.eval_batches,
+        )
+        logger.log(metrics, at)
+        if main:
+            log.info("step %d eval: %s", at, _fmt(metrics))
+        return metrics
+
+    if cfg.train.eval_at_start and step == 0:
+        last_eval = held_out(0)
+        tick = time.time()  # rates exclude evaluation
     model.train()
     while step < cfg.train.max_steps:
         loader.set_epoch(epoch)
@@ -243,19 +264,7 @@ def train(cfg: DictConfig) -> Path:
                 tick, tick_step, tokens, positions = time.time(), step, 0, 0
             bar.update(1)
             if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
-                last_eval = evaluate(
-                    acc.unwrap_model(model),
-                    family,
-                    val_feats,
-                    _on(val_loader, acc.device),
-                    eval_opts,
-                    counts,
-                    cfg.train.topk_acc,
-                    cfg.train.eval_batches,
-                )
-                logger.log(last_eval, step)
-                if main:
-                    log.info("step %d eval: %s", step, _fmt(last_eval))
+                last_eval = held_out(step)
                 tick, tick_step, tokens, positions = time.time(), step, 0, 0  # rates exclude evaluation
             if step % cfg.train.ckpt_every == 0 or step == cfg.train.max_steps:
                 meta = {

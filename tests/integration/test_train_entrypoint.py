@@ -86,9 +86,11 @@ def test_warm_start_with_a_reduced_draft_vocabulary(reference, assets):
     run_train(
         assets, "warm", f"train.init_from={reference / 'export'}", "drafter.draft_vocab_size=24",
         "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=4", "optim.lr=1e-3",
+        "train.eval_at_start=true",
     )  # fmt: skip
     warm = [r for r in read_metrics(assets / "runs" / "warm") if "eval/acc1_s0" in r]
     ref = [r for r in read_metrics(reference) if "eval/acc1_s0" in r]
+    assert [r["step"] for r in warm] == [0, 2, 4]  # the baseline before the first step, then every 2 steps
     assert warm[0]["eval/acc1_s0"] > ref[0]["eval/acc1_s0"]
     assert warm[0]["eval/acc1_s0"] > ref[-1]["eval/acc1_s0"] - 0.1
     drafter = load_drafter(str(assets / "runs" / "warm" / "export"), target=tiny_llama())

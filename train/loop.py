@@ -186,6 +186,8 @@ def train(cfg: DictConfig) -> Path:
             log.info("resumed from %s (step %d, epoch %d, batch %d)", latest, step, epoch, batch_in_epoch)
     elif cfg.train.resume and main:
         log.info("train.resume=true but no checkpoint in %s: starting fresh", ckpt_root)
+    if latest is None and main:
+        truncate_metrics(run_dir, -1)  # from step 0: no records of an earlier run in this run dir
     resolved = OmegaConf.to_container(cfg, resolve=True)
     logger = make_logger(run_dir, cfg.logger, str(cfg.name), resolved, main)  # type: ignore[arg-type]
     if main:

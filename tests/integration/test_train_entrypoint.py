@@ -80,6 +80,15 @@ def test_resume_after_kill_continues_the_same_curve(reference, assets):
         assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
 
 
+def test_a_run_from_step_0_starts_a_fresh_metrics_file(assets):
+    """Re-running a run name without `train.resume` does not mix the earlier run's records into its metrics."""
+    short = ("train.max_steps=4", "train.eval_every=2", "train.ckpt_every=4", "train.export=false")
+    run_train(assets, "again", *short)
+    run_train(assets, "again", *short)
+    evals = [r["step"] for r in read_metrics(assets / "runs" / "again") if "eval/acc1_s0" in r]
+    assert evals == [2, 4]
+
+
 def test_warm_start_with_a_reduced_draft_vocabulary(reference, assets):
     """train.init_from + drafter.draft_vocab_size: the run starts from the reference export (its first eval is
     already as good as the reference's last one) and exports a drafter that only drafts its vocabulary."""

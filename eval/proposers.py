@@ -63,7 +63,7 @@ def redrafter_beam_search(
     Step 1 scores only the live root beam (the other W-1 rows would be LOG_0 fillers).
 
     Args:
-        drafter: a ReDrafter (`init_state`, `next_state`, `input_proj`, `blocks`).
+        drafter: a ReDrafter (`init_state`, `next_state`, `state_logits`, `to_target_ids`, `blocks`).
         head: callable (W, X) -> (W, Vd) draft-vocabulary logits (the drafter's `head` or an `Int8Linear`).
         hidden: (H,) target state at the newest committed position.
         root, beam_width, draft_len: as in `ReDrafter.beam_search`.
@@ -82,14 +82,8 @@ def redrafter_beam_search(
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[:, -1])  # (W, E)
-        g = torch.cat(
-            [state, h.to(device=state.device, dtype=state.dtype).expand(state.shape[0], -1)], dim=-1
-        )
-        if drafter.input_proj is not None:
-            g = drafter.input_proj(g)  # (W, X)
-        for block in drafter.blocks:
-            g = block(g)
-        logp = torch.log_softmax(head(g).float(), dim=-1)  # (W, Vd)
+        logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head)  # (W, Vd)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (W, Vd)
         vocab = logp.shape[-1]
         scores, idx = (scores[:, None] + logp).reshape(-1).topk(min(beam_width, logp.numel()))  # (W,)
         parent, token = idx // vocab, drafter.to_target_ids(idx % vocab)  # (W,), (W,) target ids

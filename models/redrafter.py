@@ -22,6 +22,7 @@ faster at decode time; tokens outside the draft vocabulary are never drafted (co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import field
 from typing import Any, cast
 
@@ -169,14 +170,19 @@ class ReDrafter(PreTrainedModel):
             return F.silu(self.rnn_u(state) + self.rnn_w(e))
         return state + e
 
-    def state_logits(self, state: Tensor, hidden: Tensor) -> Tensor:
-        """state (..., E), hidden (..., H) -> logits (..., Vd) over the draft vocabulary for this state's slot."""
-        g = torch.cat([state, hidden.to(state.dtype)], dim=-1)  # (..., E + H)
+    def state_logits(
+        self, state: Tensor, hidden: Tensor, head: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """state (..., E), hidden (..., H) -> logits (..., Vd) over the draft vocabulary for this state's slot.
+
+        `head` replaces the vocabulary head, (..., X) -> (..., Vd) (e.g. an int8 copy at decode time).
+        """
+        g = torch.cat([state, hidden.to(device=state.device, dtype=state.dtype)], dim=-1)  # (..., E + H)
         if self.input_proj is not None:
             g = self.input_proj(g)  # (..., X)
         for block in self.blocks:
             g = block(g)
-        return self.head(g)  # (..., Vd)
+        return (self.head if head is None else head)(g)  # (..., Vd)
 
     # ---- training ---------------------------------------------------------------------------------------
     def forward(self, hidden: Tensor, root: Tensor, targets: Tensor) -> Tensor:

@@ -46,7 +46,11 @@ def compute_loss(
     hidden = target_out.hidden[b, t]  # (N, H)
     root, targets = batch["root"][b, t], batch["targets"][b, t, :d]  # (N,), (N, D) target ids
     logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
-    labels = inner.to_draft_ids(targets) if reduced else targets  # (N, D); out-of-vocabulary -> ignored
+    # (N, D) draft ids, -1 for padding and tokens outside the draft vocabulary (one lookup, used twice below)
+    draft = inner.to_draft_ids(targets, missing=-1) if reduced else targets
+    labels = (
+        draft.masked_fill(draft < 0, -100) if reduced else targets
+    )  # (N, D); out-of-vocabulary -> ignored
     weights = torch.tensor(opts["slot_weights"][:d]) if opts.get("slot_weights") else None
     kind = opts.get("loss", "ce")
     loss = multi_position_ce(logits, labels, weights) if "ce" in kind else logits.new_zeros(())
@@ -73,5 +77,5 @@ def compute_loss(
     if reduced and not inner.training:  # metrics in target ids
         out = scatter_to_vocab(out, inner.draft_ids(), inner.config.vocab_size)  # (N, D, V)
     elif reduced:  # training metrics stay in draft ids (out-of-vocabulary labels -> -1: always a miss)
-        targets = inner.to_draft_ids(targets, missing=-1).masked_fill(targets == -100, -100)
+        targets = draft.masked_fill(targets == -100, -100)
     return loss, {"logits": out, "targets": targets}

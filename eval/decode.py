@@ -97,6 +97,7 @@ def target_forward(
     attention_mask: Tensor | None = None,
     logits_rows: slice | Tensor | None = None,
     layers: tuple[int, ...] = (),
+    keep_last: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Decoder forward that appends to `cache`, then the LM head on the requested rows only.
 
@@ -108,10 +109,12 @@ def target_forward(
         attention_mask: (1, 1, L, P+L) additive mask or None (causal).
         logits_rows: rows of the L positions to project (None: all).
         layers: `hidden_states` indices to return instead of the last layer (a proposer's `target_layers`).
+        keep_last: return the last layer followed by `layers` (a proposer's `keep_last_hidden`, ReDrafter).
 
     Returns:
         logits: (L', V) for the selected rows; hidden: (L, H) last-layer (post-norm) states, or (L, m*H) the
-        requested layers concatenated when `layers` is given.
+        requested layers concatenated when `layers` is given ((L, (1+m)*H) with the last layer first when
+        `keep_last`).
     """
     out = forward_with_hidden(
         cast(PreTrainedModel, model),
@@ -128,7 +131,8 @@ def target_forward(
     logits = lm_logits(cast(PreTrainedModel, model), rows)  # (L', V)
     if layers:
         assert out.layers is not None
-        hidden = out.layers[0].flatten(-2)  # (L, m*H): the requested layers concatenated
+        extra = out.layers[0].flatten(-2)  # (L, m*H): the requested layers concatenated
+        hidden = torch.cat([hidden, extra], dim=-1) if keep_last else extra  # (L, (1+m)*H) | (L, m*H)
     return logits, hidden
 
 
@@ -242,7 +246,10 @@ def speculative_generate(
     cache = new_cache(model, ids.shape[1] + max_new_tokens)
     proposer.reset()
     layers = tuple(getattr(proposer, "target_layers", ()) or ())  # EAGLE-3 reads intermediate layers
-    logits, hidden = target_forward(model, ids, cache, logits_rows=slice(-1, None), layers=layers)
+    keep_last = bool(getattr(proposer, "keep_last_hidden", False))  # ReDrafter: [h; layers]
+    logits, hidden = target_forward(
+        model, ids, cache, logits_rows=slice(-1, None), layers=layers, keep_last=keep_last
+    )
     check_supported(cache)
     root = sample_token(logits[-1], temperature, top_k, top_p, generator)
     t1 = clock()
@@ -259,7 +266,13 @@ def speculative_generate(
         prefix_len = cache_len(cache)
         mask = tree_attention_mask(tree, prefix_len, dtype)  # (1, 1, N, P+N)
         logits, hidden = target_forward(
-            model, tree.tokens[None], cache, tree_position_ids(tree, prefix_len), mask, layers=layers
+            model,
+            tree.tokens[None],
+            cache,
+            tree_position_ids(tree, prefix_len),
+            mask,
+            layers=layers,
+            keep_last=keep_last,
         )  # (N, V), (N, H) or (N, m*H)
         t3 = clock()
         if verify_fn is not None:  # a custom rule, e.g. Medusa's LOSSY typical acceptance

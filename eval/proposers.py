@@ -65,7 +65,7 @@ def redrafter_beam_search(
     Args:
         drafter: a ReDrafter (`init_state`, `next_state`, `state_logits`, `to_target_ids`, `blocks`).
         head: callable (W, X) -> (W, Vd) draft-vocabulary logits (the drafter's `head` or an `Int8Linear`).
-        hidden: (H,) target state at the newest committed position.
+        hidden: (F,) target features at the newest committed position (see `ReDrafter.state_logits`).
         root, beam_width, draft_len: as in `ReDrafter.beam_search`.
 
     Returns:
@@ -73,7 +73,7 @@ def redrafter_beam_search(
         cumulative drafter log-prob of each beam prefix (cum[:, 0] = 0, cum[:, -1] = the beam score).
     """
     dev = drafter.blocks[0].linear.weight.device if len(drafter.blocks) else hidden.device
-    h = hidden.reshape(1, -1)  # (1, H)
+    h = hidden.reshape(1, -1)  # (1, F)
     root_t = torch.tensor([root], dtype=torch.long, device=dev)
     state = drafter.init_state(root_t)  # (1, E)
     beams = root_t[:, None]  # (1, 1)
@@ -183,6 +183,11 @@ class ReDrafterProposer:
         self.lookup = PromptLookupProposer(lookup_tokens) if lookup_tokens > 0 else None
         self.max_depth = max(self.draft_len, lookup_tokens)  # deepest possible draft (acceptance-rate unit)
         self.min_logp = math.log(min_prob) if min_prob > 0 else None
+        # extra target layers the drafter reads after h (`ReDrafterConfig.target_layers`): the decoder returns
+        # [h; layers] for every verified position
+        cfg = getattr(drafter, "config", None)
+        self.target_layers = tuple(int(i) for i in (getattr(cfg, "target_layers", None) or ()))
+        self.keep_last_hidden = bool(self.target_layers)
 
     def reset(self) -> None:
         """Forget the previous prompt."""
@@ -195,7 +200,8 @@ class ReDrafterProposer:
         """Beams from the newest position (hidden[-1], root tokens[-1]) packed into a tree.
 
         Args:
-            hidden: (n, H) target states of the newly committed positions.
+            hidden: (n, F) target features of the newly committed positions (F = H, or H * (1 + m) with the
+                drafter's extra `target_layers`).
             tokens: (n,) the token each predicts; tokens[-1] is the root.
 
         Returns:

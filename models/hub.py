@@ -165,11 +165,18 @@ def _draft_ids(model: PreTrainedModel) -> Any:
     return fn() if callable(fn) else None
 
 
+def _widened(src: Any, dst: Any) -> bool:
+    """True when a (out, in) weight `dst` only adds input columns after `src`'s."""
+    return len(src) == len(dst) == 2 and src[0] == dst[0] and src[1] < dst[1]
+
+
 def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[str, Any]) -> int:
     """Start a freshly built drafter from an export's weights (`train.init_from`), e.g. to keep training a
     drafter on a grown dataset or with a reduced draft vocabulary.
 
-    Every tensor is copied by name and must have the same shape, except the vocabulary head: when the two
+    Every tensor is copied by name and must have the same shape, except (1) an input projection widened by new
+    input features (ReDrafter `target_layers` added): the export's columns are copied first and the new columns
+    start at zero; (2) the vocabulary head: when the two
     drafters have different draft vocabularies (`draft_ids()`), the rows of the tokens both have are copied and
     a token new to the draft vocabulary gets the mean of the export's rows, so its logit starts at the mean
     logit and ranks below the trained tokens (a fresh row, e.g. the target's LM-head row, is on another scale
@@ -217,6 +224,11 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
                 have = rows >= 0
                 dst[have.to(dst.device)] = w[rows[have]].to(dst)
                 dst[(~have).to(dst.device)] = w.float().mean(0).to(dst)  # (H,) for each new token
+            elif name.endswith("input_proj.weight") and _widened(w.shape, dst.shape):
+                # more input features than the export (ReDrafter `target_layers` added): the export's columns
+                # first, zeros for the new inputs, so the warm start computes exactly the export's function
+                dst.zero_()
+                dst[:, : w.shape[1]] = w.to(dst)
             elif w.shape != dst.shape:
                 raise ValueError(
                     f"train.init_from={path_or_hub_id!r}: tensor {name!r} has shape {tuple(w.shape)}, "

@@ -14,6 +14,12 @@ of `state_dict()`/`parameters()` (so it is never trained, never handed to the op
 and an export is therefore only usable next to its target. `share_embeddings=False` gives the drafter its own
 trainable table (copied from the target at build time) that is saved with it.
 
+Extra target layers (an extension of the paper, off by default): with `target_layers` = [i_1..i_m] (HF
+`hidden_states` indices, 0 = embeddings) h_t is widened to [h_t; l_{i_1,t}; ...; l_{i_m,t}] (width H * (1 + m)),
+as EAGLE-3 fuses low/mid/high layers: a small target's last layer is specialised for x_{t+1}, while earlier layers
+still carry the context the later draft slots need. The decoder then returns those layers with h (`keep_last_hidden`
+of the proposer), and distill/ caches them (`distill.hidden_layers`) so training stays offline.
+
 Draft vocabulary: with `draft_vocab_size` Vd < V the head scores only the Vd most frequent training labels
 (buffer `d2t` (Vd,): target id = draft id + d2t[draft id], as EAGLE-3 exports it). The head is most of the
 drafter's compute (V = 49,152 for SmolLM2, 128,256 for Llama 3): Vd = 16,384 trains ~3x faster here and drafts
@@ -52,7 +58,7 @@ class ReDrafterConfig(PretrainedConfig):
     tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
     embed_dim: int | None = None  # E: token-embedding / RNN-state width (None: base_hidden_size)
     exit_dim: int | None = (
-        None  # width of the ResBlock stack (None: embed_dim + base_hidden_size, no projection)
+        None  # width of the ResBlock stack (None: embed_dim + feature width, no projection)
     )
     draft_len: int = 4  # D: tokens drafted after the root
     num_layers: int = 2  # ResBlocks after [s, h]
@@ -62,16 +68,22 @@ class ReDrafterConfig(PretrainedConfig):
     )
     beam_width: int = 8  # default beam width at decode time
     draft_vocab_size: int | None = None  # Vd: head width, the top training labels (None: vocab_size)
+    target_layers: list = field(default_factory=list)  # extra target hidden_states read with h ([]: none)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.embed_dim is None:
             self.embed_dim = self.base_hidden_size
         if self.exit_dim is None:
-            self.exit_dim = self.embed_dim + self.base_hidden_size
+            self.exit_dim = self.embed_dim + self.base_hidden_size * (1 + len(self.target_layers))
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.vocab_size
         super().__post_init__(**kwargs)
+
+
+def feature_dim(config: ReDrafterConfig) -> int:
+    """Width F of the drafter's target features: H for h_t alone, H * (1 + m) with m extra `target_layers`."""
+    return int(config.base_hidden_size) * (1 + len(config.target_layers or ()))
 
 
 class ReDrafter(PreTrainedModel):
@@ -84,8 +96,9 @@ class ReDrafter(PreTrainedModel):
 
     def __init__(self, config: ReDrafterConfig) -> None:
         super().__init__(config)
-        e, h, x, vd = config.embed_dim, config.base_hidden_size, config.exit_dim, config.draft_vocab_size
+        e, x, vd = config.embed_dim, config.exit_dim, config.draft_vocab_size
         assert e is not None and x is not None and vd is not None  # set by ReDrafterConfig.__post_init__
+        h = feature_dim(config)  # H * (1 + m): h_t and the m extra target layers
         if not 0 < vd <= config.vocab_size:
             raise ValueError(f"draft_vocab_size={vd} must be in [1, vocab_size={config.vocab_size}]")
         if config.rnn:
@@ -173,11 +186,19 @@ class ReDrafter(PreTrainedModel):
     def state_logits(
         self, state: Tensor, hidden: Tensor, head: Callable[[Tensor], Tensor] | None = None
     ) -> Tensor:
-        """state (..., E), hidden (..., H) -> logits (..., Vd) over the draft vocabulary for this state's slot.
+        """state (..., E), hidden (..., F) -> logits (..., Vd) over the draft vocabulary for this state's slot.
+
+        F = `feature_dim(config)`: h_t, then the extra `target_layers` when the drafter has them.
 
         `head` replaces the vocabulary head, (..., X) -> (..., Vd) (e.g. an int8 copy at decode time).
         """
-        g = torch.cat([state, hidden.to(device=state.device, dtype=state.dtype)], dim=-1)  # (..., E + H)
+        hidden = hidden.to(device=state.device, dtype=state.dtype)  # (..., F)
+        if self.config.target_layers:  # raw residual-stream layers, RMS-normalised one H-wide chunk at a time
+            h = int(self.config.base_hidden_size)
+            extra = hidden[..., h:].unflatten(-1, (-1, h))  # (..., m, H)
+            extra = F.rms_norm(extra.to(torch.promote_types(extra.dtype, torch.float32)), (h,)).flatten(-2)
+            hidden = torch.cat([hidden[..., :h], extra.to(state.dtype)], dim=-1)  # (..., F)
+        g = torch.cat([state, hidden], dim=-1)  # (..., E + F)
         if self.input_proj is not None:
             g = self.input_proj(g)  # (..., X)
         for block in self.blocks:
@@ -200,7 +221,7 @@ class ReDrafter(PreTrainedModel):
                       slot 0: x_{t+2}    slot 1: x_{t+3}        slot D-1: x_{t+1+D}
 
         Args:
-            hidden: (B, L, H) target last-layer states h_t.
+            hidden: (B, L, F) target features: last-layer states h_t (F = H), or [h_t; extra layers].
             root: (B, L) long, the root token x_{t+1} of each position.
             targets: (B, L, D) long target ids, the draft labels (-100 = ignored); slot k-1's label is fed to
                 slot k.
@@ -224,7 +245,7 @@ class ReDrafter(PreTrainedModel):
         """Beam search over the drafter for one position (batch size 1).
 
         Args:
-            hidden: (H,) the target's last-layer state at the newest committed position.
+            hidden: (F,) the target's features at the newest committed position (`forward`'s `hidden`).
             root_token: the token the target just committed (not drafted, always beams[:, 0]).
             beam_width: W beams kept.
             draft_len: D tokens drafted after the root.
@@ -235,7 +256,7 @@ class ReDrafter(PreTrainedModel):
             filler beams when W exceeds the number of distinct beams).
         """
         dev = self.head.weight.device
-        h = hidden.reshape(1, -1).to(dev).expand(beam_width, -1)  # (W, H)
+        h = hidden.reshape(1, -1).to(dev).expand(beam_width, -1)  # (W, F)
         beams = torch.full((beam_width, 1), int(root_token), dtype=torch.long, device=dev)  # (W, 1)
         # Only beam 0 is live at first, so step 1 spreads its top-W tokens over the W beams.
         scores = torch.full((beam_width,), LOG_0, dtype=torch.float32, device=dev)
@@ -259,7 +280,7 @@ class ReDrafter(PreTrainedModel):
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------
 MODEL, CONFIG = ReDrafter, ReDrafterConfig
 __all__ = ["ReDrafter", "ReDrafterConfig", "attach", "build", "compute_loss", "init_from_lm_head"]
-TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer hidden state is needed
+TARGET_LAYERS: tuple[int, ...] = ()  # per model: the loop reads `config.target_layers` (default: none)
 
 
 def attach(model: ReDrafter, target: PreTrainedModel) -> ReDrafter:
@@ -287,6 +308,12 @@ def build(
             vocabulary is the Vd most frequent labels).
     """
     hidden, v = int(fingerprint["hidden_size"]), int(fingerprint["vocab_size"])
+    layers = [int(i) for i in (getattr(schema, "target_layers", None) or ())]
+    n_layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
+    if any(not 0 <= i <= n_layers for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(
+            f"drafter.target_layers={layers}: indices must be distinct and in [0, {n_layers}] (0 = embeddings)"
+        )
     ids = draft_vocab_ids(getattr(schema, "draft_vocab_size", None), v, token_counts)  # (Vd,) ascending
     vd = int(ids.numel())
     share = bool(schema.share_embeddings)
@@ -304,6 +331,7 @@ def build(
         rnn=bool(schema.rnn),
         share_embeddings=share,
         beam_width=int(schema.beam_width),
+        target_layers=layers,
     )
     model = ReDrafter(config)
     emb = cast(nn.Embedding, target.get_input_embeddings()).weight
@@ -328,17 +356,18 @@ def init_from_lm_head(model: ReDrafter, lm_head: Tensor) -> None:
     """Start from the target's next-token head applied to h (Medusa-style): logits = W_lm h at step 0.
 
     Args:
-        model: the drafter; with no input projection the head becomes [0 | W_lm], with a projection to width
-            H the projection becomes [small noise | I] and the head W_lm; other widths keep the random init.
+        model: the drafter; with no input projection the head becomes [0 | W_lm | 0], with a projection to width
+            H the projection becomes [small noise | I | small noise] and the head W_lm (the trailing block: the
+            extra `target_layers`); other widths keep the random init.
         lm_head: (Vd, H) the target's output embedding rows of the draft vocabulary (`model.draft_ids()`).
     """
     e, h, x = model.config.embed_dim, model.config.base_hidden_size, model.config.exit_dim
     w = lm_head.detach().to(model.head.weight)  # (Vd, H)
     if model.input_proj is None:
         model.head.weight.zero_()
-        model.head.weight[:, e:] = w
+        model.head.weight[:, e : e + h] = w
     elif x == h:
         model.input_proj.weight.normal_(std=0.02)
-        model.input_proj.weight[:, e:] = torch.eye(h, dtype=w.dtype, device=w.device)
+        model.input_proj.weight[:, e : e + h] = torch.eye(h, dtype=w.dtype, device=w.device)
         model.input_proj.bias.zero_()
         model.head.weight.copy_(w)

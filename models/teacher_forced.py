@@ -22,8 +22,8 @@ def compute_loss(
         model: the (possibly accelerate-wrapped) ReDrafter or Medusa.
         batch: from `data.collate` - `root` (B, L), `targets` (B, L, D'), `pos_mask` (B, L) bool, and optionally
             `topk_ids`/`topk_logprobs` (B, L, k) cached teacher top-k.
-        target_out: `TargetOutput` of the frozen target on `batch["input_ids"]` (`hidden` (B, L, H); `logits`
-            (B, L, V) needed only for online soft targets).
+        target_out: `TargetOutput` of the frozen target on `batch["input_ids"]` (`hidden` (B, L, H); `layers`
+            (B, L, m, H) when the drafter has `target_layers`; `logits` (B, L, V) only for online soft targets).
         opts: `loss` ("ce" | "kl" | "ce+kl"), `kl_weight`, `kl_topk`, `slot_weights` (list), `draft_len`,
             `max_positions` (random subset of positions per call), `generator` (torch.Generator).
 
@@ -44,6 +44,13 @@ def compute_loss(
     inner: Any = getattr(model, "module", model)  # a ReDrafter or a Medusa
     reduced = bool(getattr(inner, "reduced_vocab", False))  # Medusa shares this loss, always full-vocabulary
     hidden = target_out.hidden[b, t]  # (N, H)
+    if getattr(inner.config, "target_layers", None):  # ReDrafter with extra layers: [h_t; l_i1; ...; l_im]
+        if target_out.layers is None:
+            raise ValueError(
+                f"the drafter needs target layers {inner.config.target_layers} in TargetOutput.layers"
+            )
+        extra = target_out.layers[b, t].flatten(1).to(hidden)  # (N, m*H)
+        hidden = torch.cat([hidden, extra], dim=-1)  # (N, H * (1 + m))
     root, targets = batch["root"][b, t], batch["targets"][b, t, :d]  # (N,), (N, D) target ids
     logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
     # (N, D) draft ids, -1 for padding and tokens outside the draft vocabulary (one lookup, used twice below)

@@ -19,6 +19,7 @@ class ReDrafterSchema:
     exit_dim: int | None = None  # ResBlock width (None: embed + hidden, no projection; hidden: cheaper)
     freeze_head: bool = False  # keep the vocab head fixed (the target LM head, with init_from_lm_head)
     draft_vocab_size: int | None = None  # head over the most frequent training labels only (None: full vocab)
+    target_layers: list[int] = field(default_factory=list)  # extra target layers read with h ([]: h only)
 
 
 @dataclass

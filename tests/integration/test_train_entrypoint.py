@@ -108,3 +108,25 @@ def test_warm_start_with_a_reduced_draft_vocabulary(reference, assets):
     assert set(beams[:, 1:].flatten().tolist()) <= set(drafter.draft_ids().tolist())
     card = (assets / "runs" / "warm" / "export" / "README.md").read_text()
     assert "draft vocabulary: the 24 most frequent" in card and f"warm-started from: {reference}" in card
+
+
+def test_target_layers_train_online_export_and_decode_losslessly(assets):
+    """drafter.target_layers: the loop asks the target for the extra layer (no distill cache here), the export
+    records it, and the eval decoder feeds it back: greedy speculative output equals the target's own."""
+    from specdraft.eval.decode import ar_generate, speculative_generate
+    from specdraft.eval.proposers import ReDrafterProposer
+
+    run_train(
+        assets, "layers", "drafter.target_layers=[1]", "drafter.exit_dim=32", "train.max_steps=4",
+        "train.eval_every=2", "train.ckpt_every=4",
+    )  # fmt: skip
+    evals = [r for r in read_metrics(assets / "runs" / "layers") if "eval/acc1_s0" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    target = tiny_llama()
+    drafter = load_drafter(str(assets / "runs" / "layers" / "export"), target=target)
+    assert drafter.config.target_layers == [1] and drafter.input_proj.weight.shape == (32, 32 + 2 * 32)
+    proposer = ReDrafterProposer(drafter, beam_width=4, beam_length=4)
+    prompt = torch.arange(5, 17)
+    ref, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
+    out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
+    assert out == ref

@@ -119,3 +119,33 @@ def test_lookup_proposers_are_lossless_and_accept_repeats(target_and_drafter, pr
         assert out == ref_echo
         assert max(stats.accepted) >= 3  # the echoed continuation is found and accepted
     assert stats.compression and max(stats.tree_sizes) <= 4 * 3 + 6 + 1
+
+
+def test_redrafter_with_target_layers_reads_h_and_the_layers_and_is_lossless():
+    """With `target_layers` the decoder hands the drafter [h_t; l_i,t] of the newest committed position (checked
+    against a plain forward over the same tokens), and greedy output still equals the target's own."""
+    from specdraft.models.base_llm import forward_with_hidden
+
+    target = tiny_llama(dtype=torch.float64)
+    schema = ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, target_layers=[1], exit_dim=32)
+    drafter = redrafter.build(schema, target, target_fingerprint(target, tiny_tokenizer())).double().eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    proposer = ReDrafterProposer(drafter, beam_width=4, beam_length=4)
+    assert proposer.target_layers == (1,) and proposer.keep_last_hidden
+    seen: list[torch.Tensor] = []
+    search = drafter.beam_search
+    drafter.beam_search = lambda h, *a: seen.append(h) or search(h, *a)  # type: ignore[method-assign]
+    prompt = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(3))
+    ref, _ = ar_generate(target, None, prompt, 24, stop_ids=set())
+    out, stats = speculative_generate(target, None, prompt, proposer, 24, stop_ids=set())
+    assert out == ref and stats.steps == len(seen)
+    full = forward_with_hidden(
+        target, torch.cat([prompt, torch.tensor(out)])[None], layers=(1,), logits=False
+    )
+    feats = torch.cat([full.hidden[0], full.layers[0].flatten(-2)], dim=-1)  # (L, 2H): [h; l_1]
+    # step 1 drafts from the last prompt position; later steps from the last accepted position
+    torch.testing.assert_close(seen[0], feats[len(prompt) - 1])
+    committed = len(prompt) - 1 + 1 + stats.accepted[0]  # + root + accepted drafts of step 1
+    torch.testing.assert_close(seen[1], feats[committed], rtol=1e-9, atol=1e-9)

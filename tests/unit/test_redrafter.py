@@ -356,3 +356,64 @@ def test_warm_start_remaps_head_rows_to_a_new_draft_vocabulary(target, tmp_path)
         warm_start(deep, str(tmp_path / "full"), fp)
     with pytest.raises(ValueError, match="tokenizer_hash"):
         warm_start(fresh, str(tmp_path / "full"), {**fp, "tokenizer_hash": "other"})
+
+
+# ---- extra target layers (`target_layers`) ----------------------------------------------------------------------
+def test_target_layers_widen_h_with_rms_normalised_layers(target):
+    """g = [s, h, rms(l)]: checked against the naive loop fed the normalised features by hand."""
+    model = make_drafter(target, target_layers=[0], exit_dim=12)
+    assert model.input_proj is not None and model.input_proj.weight.shape == (12, H + 2 * H)
+    h, layer = torch.randn(H).double(), 50 * torch.randn(H).double()  # raw residual stream: any scale
+    tokens = [3, 5, 7]
+    got = model(torch.cat([h, layer])[None, None], torch.tensor([[3]]), torch.tensor([[tokens[1:] + [0]]]))
+    feats = torch.cat([h, layer / layer.pow(2).mean().sqrt()])
+    ref = naive_logits(model, target.get_input_embeddings().weight, feats, tokens)
+    torch.testing.assert_close(got[0, 0], ref, rtol=1e-5, atol=1e-5)  # rms_norm's eps
+    scaled = model(torch.cat([h, 10 * layer])[None, None], torch.tensor([[3]]), torch.tensor([[[5, 7, 0]]]))
+    torch.testing.assert_close(scaled, got, rtol=1e-6, atol=1e-6)  # an extra layer's scale does not matter
+
+
+def test_build_with_target_layers_checks_indices_and_starts_as_the_lm_head(target):
+    schema = OmegaConf.create(
+        {"draft_len": 2, "num_layers": 1, "rnn": True, "share_embeddings": True, "beam_width": 4,
+         "init_from_lm_head": True, "target_layers": [0, 1]}
+    )  # fmt: skip
+    fp = {"name_or_path": "tiny", "hidden_size": H, "vocab_size": V, "tokenizer_hash": "x"}
+    for bad in ([2], [1, 1], [-1]):
+        with pytest.raises(ValueError, match=r"drafter.target_layers=.*\[0, 1\]"):
+            build(OmegaConf.merge(schema, {"target_layers": bad}), target, fp)
+    model = build(schema, target, fp)
+    assert model.config.target_layers == [0, 1] and model.head.weight.shape == (V, H + 3 * H)
+    h = torch.randn(3, H)
+    feats = torch.cat([h, torch.randn(3, 2 * H)], dim=-1)  # (3, 3H): [h; l_0; l_1]
+    logits = model(feats[None], torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 2, dtype=torch.long))
+    torch.testing.assert_close(logits[0, :, 0], target.get_output_embeddings()(h))  # extra columns start at 0
+    batch = {"root": torch.tensor([[1, 2]]), "targets": torch.tensor([[[2, 3], [3, 4]]]),
+             "pos_mask": torch.ones(1, 2).bool()}  # fmt: skip
+    out = type("Out", (), {"hidden": h[None, :2], "layers": None})()
+    with pytest.raises(ValueError, match=r"needs target layers \[0, 1\]"):
+        compute_loss(model, batch, out)
+    out.layers = feats[None, :2, H:].unflatten(-1, (2, H))  # (1, 2, m, H)
+    _, aux = compute_loss(model, batch, out)
+    ref = model(feats[None, :2], batch["root"], batch["targets"])[0]
+    torch.testing.assert_close(aux["logits"], ref.detach())
+
+
+def test_warm_start_adds_target_layers_to_an_export_exactly(target, tmp_path):
+    """An export without extra layers warm-starts a drafter with them: new input columns start at 0, so the
+    drafter computes the export's logits whatever the new layers hold."""
+    from specdraft.models.hub import warm_start
+
+    fp = {"name_or_path": "tiny", "hidden_size": H, "vocab_size": V, "tokenizer_hash": "x"}
+    src = make_drafter(target, exit_dim=12).float()
+    src.config.tokenizer_hash = "x"
+    src.save_pretrained(tmp_path / "src")
+    wide = make_drafter(target, exit_dim=12, target_layers=[0, 1]).float()
+    assert warm_start(wide, str(tmp_path / "src"), fp) == len(src.state_dict())
+    h, extra = torch.randn(1, 4, H), 30 * torch.randn(1, 4, 2 * H)
+    root, drafted = torch.randint(0, V, (1, 4)), torch.randint(0, V, (1, 4, 3))
+    torch.testing.assert_close(wide(torch.cat([h, extra], -1), root, drafted), src(h, root, drafted))
+    wide.config.tokenizer_hash = "x"
+    wide.save_pretrained(tmp_path / "wide")
+    with pytest.raises(ValueError, match="'input_proj.weight' has shape"):  # fewer inputs: not a widening
+        warm_start(make_drafter(target, exit_dim=12).float(), str(tmp_path / "wide"), fp)

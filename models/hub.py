@@ -170,13 +170,24 @@ def _widened(src: Any, dst: Any) -> bool:
     return len(src) == len(dst) == 2 and src[0] == dst[0] and src[1] < dst[1]
 
 
+def _new_residual_block(name: str, dst: Any, theirs: dict[str, Any]) -> bool:
+    """True for a parameter of a zero-initialised ResBlock `...blocks.<i>.` that the export does not have."""
+    import re
+
+    m = re.search(r"(^|\.)blocks\.(\d+)\.", name)
+    if m is None or any(k.startswith(name[: m.end()]) for k in theirs):
+        return False
+    return not bool(dst.any())
+
+
 def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[str, Any]) -> int:
     """Start a freshly built drafter from an export's weights (`train.init_from`), e.g. to keep training a
     drafter on a grown dataset or with a reduced draft vocabulary.
 
     Every tensor is copied by name and must have the same shape, except (1) an input projection widened by new
     input features (ReDrafter `target_layers` added): the export's columns are copied first and the new columns
-    start at zero; (2) the vocabulary head: when the two
+    start at zero; (2) ResBlocks added after the export's (a deeper drafter) stay at their identity init; (3) the
+    vocabulary head: when the two
     drafters have different draft vocabularies (`draft_ids()`), the rows of the tokens both have are copied and
     a token new to the draft vocabulary gets the mean of the export's rows, so its logit starts at the mean
     logit and ranks below the trained tokens (a fresh row, e.g. the target's LM-head row, is on another scale
@@ -189,7 +200,7 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
         fingerprint: `target_fingerprint` of the target in use (the export must have been made for it).
 
     Returns:
-        how many tensors were copied.
+        how many tensors were copied (new ResBlocks are not counted).
     """
     import torch
 
@@ -206,6 +217,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
         for name, dst in model.state_dict().items():
             if name in ("d2t", "t2d"):
                 continue  # the draft vocabulary is this run's (built from its own data)
+            if name not in theirs and _new_residual_block(name, dst, theirs):
+                continue  # a ResBlock added after the export's: kept at its identity init
             if name not in theirs:
                 raise ValueError(
                     f"train.init_from={path_or_hub_id!r} has no tensor {name!r} "

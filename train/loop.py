@@ -143,6 +143,13 @@ def train(cfg: DictConfig) -> Path:
     # family; read from distill/'s cache when it holds them all, otherwise the target computes them online.
     layers = tuple(getattr(model.config, "target_layers", ()) or getattr(family, "TARGET_LAYERS", ()))
     cached = layers if cached_layers_cover(feats, layers) else ()
+    if layers and not cached and feats and main:
+        log.warning(
+            "target layers %s are not all in the distilled cache (%s): the target runs for every batch; "
+            "re-distill with distill.hidden_layers covering them to train offline",
+            list(layers),
+            list(feats.get("layers") or ()),
+        )
     collate = Collator(pad_id=int(tokenizer.pad_token_id), draft_len=int(cfg.drafter.draft_len))
     # held-out metrics always score assistant positions only (what decoding sees)
     train_collate = Collator(collate.pad_id, collate.draft_len, bool(cfg.train.context_positions))

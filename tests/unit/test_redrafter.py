@@ -417,3 +417,23 @@ def test_warm_start_adds_target_layers_to_an_export_exactly(target, tmp_path):
     wide.save_pretrained(tmp_path / "wide")
     with pytest.raises(ValueError, match="'input_proj.weight' has shape"):  # fewer inputs: not a widening
         warm_start(make_drafter(target, exit_dim=12).float(), str(tmp_path / "wide"), fp)
+
+
+def test_warm_start_into_a_deeper_drafter_keeps_new_blocks_at_identity(target, tmp_path):
+    from specdraft.models.hub import warm_start
+
+    fp = {"name_or_path": "tiny", "hidden_size": H, "vocab_size": V, "tokenizer_hash": "x"}
+    src = make_drafter(target).float()
+    src.config.tokenizer_hash = "x"
+    src.save_pretrained(tmp_path / "src")
+    deep = ReDrafter(ReDrafterConfig(base_hidden_size=H, vocab_size=V, draft_len=3, num_layers=4))
+    assert warm_start(deep.attach_embeddings(target), str(tmp_path / "src"), fp) == len(src.state_dict())
+    h, root, drafted = torch.randn(1, 4, H), torch.randint(0, V, (1, 4)), torch.randint(0, V, (1, 4, 3))
+    torch.testing.assert_close(deep(h, root, drafted), src(h, root, drafted))
+    deeper = ReDrafter(ReDrafterConfig(base_hidden_size=H, vocab_size=V, draft_len=3, num_layers=5))
+    deep.config.tokenizer_hash = "x"
+    deep.save_pretrained(tmp_path / "deep")
+    with torch.no_grad():  # not at its identity init: a tensor the export lacks is an error again
+        deeper.blocks[4].linear.weight.fill_(1.0)
+    with pytest.raises(ValueError, match="has no tensor 'blocks.4.linear.weight'"):
+        warm_start(deeper.attach_embeddings(target), str(tmp_path / "deep"), fp)

@@ -189,10 +189,9 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     start at zero; (2) ResBlocks added after the export's (a deeper drafter) stay at their identity init; (3) the
     vocabulary head: when the two drafters have different draft vocabularies (`draft_ids()`), the rows of the
     tokens both have are copied and a token new to the draft vocabulary gets the mean of the export's rows, so
-    its logit starts at the mean
-    logit and ranks below the trained tokens (a fresh row, e.g. the target's LM-head row, is on another scale
-    than the trained features and can outrank them: a grown dataset's warm start then began at half the
-    exported accuracy).
+    its logit starts at the mean logit and ranks below the trained tokens (a fresh row, e.g. the target's
+    LM-head row, is on another scale than the trained features and can outrank them: a grown dataset's warm
+    start then began at half the exported accuracy).
 
     Args:
         model: the freshly built drafter (same family as the export).

@@ -63,9 +63,9 @@ def redrafter_beam_search(
     Step 1 scores only the live root beam (the other W-1 rows would be LOG_0 fillers).
 
     Args:
-        drafter: a ReDrafter (`init_state`, `next_state`, `state_logits`, `to_target_ids`, `blocks`).
+        drafter: a ReDrafter (`features`, `init_state`, `next_state`, `state_logits`, `to_target_ids`, `blocks`).
         head: callable (W, X) -> (W, Vd) draft-vocabulary logits (the drafter's `head` or an `Int8Linear`).
-        hidden: (F,) target features at the newest committed position (see `ReDrafter.state_logits`).
+        hidden: (F,) target features at the newest committed position (see `ReDrafter.features`).
         root, beam_width, draft_len: as in `ReDrafter.beam_search`.
 
     Returns:
@@ -73,7 +73,7 @@ def redrafter_beam_search(
         cumulative drafter log-prob of each beam prefix (cum[:, 0] = 0, cum[:, -1] = the beam score).
     """
     dev = drafter.blocks[0].linear.weight.device if len(drafter.blocks) else hidden.device
-    h = hidden.reshape(1, -1)  # (1, F)
+    h = drafter.features(hidden.reshape(1, -1))  # (1, F), prepared once for every step
     root_t = torch.tensor([root], dtype=torch.long, device=dev)
     state = drafter.init_state(root_t)  # (1, E)
     beams = root_t[:, None]  # (1, 1)
@@ -159,6 +159,8 @@ class ReDrafterProposer:
             (dynamic tree size; 0: keep all). Uses `redrafter_beam_search`.
     """
 
+    keep_last_hidden = True  # the decoder passes h first, then the drafter's `target_layers` (if any)
+
     def __init__(
         self,
         drafter: torch.nn.Module,
@@ -184,10 +186,9 @@ class ReDrafterProposer:
         self.max_depth = max(self.draft_len, lookup_tokens)  # deepest possible draft (acceptance-rate unit)
         self.min_logp = math.log(min_prob) if min_prob > 0 else None
         # extra target layers the drafter reads after h (`ReDrafterConfig.target_layers`): the decoder returns
-        # [h; layers] for every verified position
+        # [h; layers] for every verified position (`keep_last_hidden`)
         cfg = getattr(drafter, "config", None)
         self.target_layers = tuple(int(i) for i in (getattr(cfg, "target_layers", None) or ()))
-        self.keep_last_hidden = bool(self.target_layers)
 
     def reset(self) -> None:
         """Forget the previous prompt."""

@@ -183,22 +183,28 @@ class ReDrafter(PreTrainedModel):
             return F.silu(self.rnn_u(state) + self.rnn_w(e))
         return state + e
 
-    def state_logits(
-        self, state: Tensor, hidden: Tensor, head: Callable[[Tensor], Tensor] | None = None
-    ) -> Tensor:
-        """state (..., E), hidden (..., F) -> logits (..., Vd) over the draft vocabulary for this state's slot.
+    def features(self, hidden: Tensor) -> Tensor:
+        """Target features (..., F) -> the drafter's input (..., F) in its dtype and on its device, once per
+        position (every slot reuses it): h_t as is, each extra `target_layers` chunk (a raw residual stream, any
+        scale) RMS-normalised. F = `feature_dim(config)`."""
+        w = self.head.weight
+        hidden = hidden.to(device=w.device, dtype=w.dtype)  # (..., F)
+        if not self.config.target_layers:
+            return hidden
+        h = int(self.config.base_hidden_size)
+        extra = hidden[..., h:].unflatten(-1, (-1, h))  # (..., m, H)
+        extra = F.rms_norm(extra.to(torch.promote_types(extra.dtype, torch.float32)), (h,)).flatten(-2)
+        return torch.cat([hidden[..., :h], extra.to(w.dtype)], dim=-1)  # (..., F)
 
-        F = `feature_dim(config)`: h_t, then the extra `target_layers` when the drafter has them.
+    def state_logits(
+        self, state: Tensor, feats: Tensor, head: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """state (..., E), feats (..., F) from `features` -> logits (..., Vd) over the draft vocabulary for this
+        state's slot.
 
         `head` replaces the vocabulary head, (..., X) -> (..., Vd) (e.g. an int8 copy at decode time).
         """
-        hidden = hidden.to(device=state.device, dtype=state.dtype)  # (..., F)
-        if self.config.target_layers:  # raw residual-stream layers, RMS-normalised one H-wide chunk at a time
-            h = int(self.config.base_hidden_size)
-            extra = hidden[..., h:].unflatten(-1, (-1, h))  # (..., m, H)
-            extra = F.rms_norm(extra.to(torch.promote_types(extra.dtype, torch.float32)), (h,)).flatten(-2)
-            hidden = torch.cat([hidden[..., :h], extra.to(state.dtype)], dim=-1)  # (..., F)
-        g = torch.cat([state, hidden], dim=-1)  # (..., E + F)
+        g = torch.cat([state, feats.to(state.dtype)], dim=-1)  # (..., E + F); bf16 state under autocast
         if self.input_proj is not None:
             g = self.input_proj(g)  # (..., X)
         for block in self.blocks:
@@ -229,12 +235,13 @@ class ReDrafter(PreTrainedModel):
         Returns:
             logits: (B, L, D, Vd) over the draft vocabulary (Vd = V unless `draft_vocab_size` is set).
         """
+        feats = self.features(hidden)  # (B, L, F)
         state = self.init_state(root)  # (B, L, E)
         logits = []
         for k in range(targets.shape[-1]):
             if k > 0:
                 state = self.next_state(state, targets[..., k - 1])  # (B, L, E)
-            logits.append(self.state_logits(state, hidden))  # (B, L, V)
+            logits.append(self.state_logits(state, feats))  # (B, L, V)
         return torch.stack(logits, dim=2)  # (B, L, D, Vd)
 
     # ---- decoding ---------------------------------------------------------------------------------------
@@ -256,7 +263,7 @@ class ReDrafter(PreTrainedModel):
             filler beams when W exceeds the number of distinct beams).
         """
         dev = self.head.weight.device
-        h = hidden.reshape(1, -1).to(dev).expand(beam_width, -1)  # (W, F)
+        h = self.features(hidden.reshape(1, -1)).expand(beam_width, -1)  # (W, F)
         beams = torch.full((beam_width, 1), int(root_token), dtype=torch.long, device=dev)  # (W, 1)
         # Only beam 0 is live at first, so step 1 spreads its top-W tokens over the W beams.
         scores = torch.full((beam_width,), LOG_0, dtype=torch.float32, device=dev)

@@ -55,9 +55,7 @@ def compute_loss(
     logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
     # (N, D) draft ids, -1 for padding and tokens outside the draft vocabulary (one lookup, used twice below)
     draft = inner.to_draft_ids(targets, missing=-1) if reduced else targets
-    labels = (
-        draft.masked_fill(draft < 0, -100) if reduced else targets
-    )  # (N, D); out-of-vocabulary -> ignored
+    labels = draft.masked_fill(draft < 0, -100) if reduced else targets  # (N, D); out of vocabulary: ignored
     weights = torch.tensor(opts["slot_weights"][:d]) if opts.get("slot_weights") else None
     kind = opts.get("loss", "ce")
     loss = multi_position_ce(logits, labels, weights) if "ce" in kind else logits.new_zeros(())

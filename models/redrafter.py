@@ -69,6 +69,7 @@ class ReDrafterConfig(PretrainedConfig):
     beam_width: int = 8  # default beam width at decode time
     draft_vocab_size: int | None = None  # Vd: head width, the top training labels (None: vocab_size)
     target_layers: list = field(default_factory=list)  # extra target hidden_states read with h ([]: none)
+    feature_dropout: float = 0.0  # dropout on the target features in training mode (0: none; eval: never)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -186,15 +187,16 @@ class ReDrafter(PreTrainedModel):
     def features(self, hidden: Tensor) -> Tensor:
         """Target features (..., F) -> the drafter's input (..., F) in its dtype and on its device, once per
         position (every slot reuses it): h_t as is, each extra `target_layers` chunk (a raw residual stream, any
-        scale) RMS-normalised. F = `feature_dim(config)`."""
+        scale) RMS-normalised; then, in training mode only, `feature_dropout`. F = `feature_dim(config)`."""
         w = self.head.weight
         hidden = hidden.to(device=w.device, dtype=w.dtype)  # (..., F)
-        if not self.config.target_layers:
-            return hidden
-        h = int(self.config.base_hidden_size)
-        extra = hidden[..., h:].unflatten(-1, (-1, h))  # (..., m, H)
-        extra = F.rms_norm(extra.to(torch.promote_types(extra.dtype, torch.float32)), (h,)).flatten(-2)
-        return torch.cat([hidden[..., :h], extra.to(w.dtype)], dim=-1)  # (..., F)
+        if self.config.target_layers:
+            h = int(self.config.base_hidden_size)
+            extra = hidden[..., h:].unflatten(-1, (-1, h))  # (..., m, H)
+            extra = F.rms_norm(extra.to(torch.promote_types(extra.dtype, torch.float32)), (h,)).flatten(-2)
+            hidden = torch.cat([hidden[..., :h], extra.to(w.dtype)], dim=-1)  # (..., F)
+        p = float(getattr(self.config, "feature_dropout", 0.0) or 0.0)  # exports older than the field: none
+        return F.dropout(hidden, p, training=True) if p > 0 and self.training else hidden
 
     def state_logits(
         self, state: Tensor, feats: Tensor, head: Callable[[Tensor], Tensor] | None = None
@@ -321,6 +323,9 @@ def build(
         raise ValueError(
             f"drafter.target_layers={layers}: indices must be distinct and in [0, {n_layers}] (0 = embeddings)"
         )
+    dropout = float(getattr(schema, "feature_dropout", 0.0) or 0.0)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"drafter.feature_dropout={dropout} must be in [0, 1)")
     ids = draft_vocab_ids(getattr(schema, "draft_vocab_size", None), v, token_counts)  # (Vd,) ascending
     vd = int(ids.numel())
     share = bool(schema.share_embeddings)
@@ -339,6 +344,7 @@ def build(
         share_embeddings=share,
         beam_width=int(schema.beam_width),
         target_layers=layers,
+        feature_dropout=dropout,
     )
     model = ReDrafter(config)
     emb = cast(nn.Embedding, target.get_input_embeddings()).weight

@@ -20,6 +20,7 @@ class ReDrafterSchema:
     freeze_head: bool = False  # keep the vocab head fixed (the target LM head, with init_from_lm_head)
     draft_vocab_size: int | None = None  # head over the most frequent training labels only (None: full vocab)
     target_layers: list[int] = field(default_factory=list)  # extra target layers read with h ([]: h only)
+    feature_dropout: float = 0.0  # dropout on [h; layers] while training (a regulariser; 0: none)
 
 
 @dataclass

@@ -437,3 +437,33 @@ def test_warm_start_into_a_deeper_drafter_keeps_new_blocks_at_identity(target, t
         deeper.blocks[4].linear.weight.fill_(1.0)
     with pytest.raises(ValueError, match="has no tensor 'blocks.4.linear.weight'"):
         warm_start(deeper.attach_embeddings(target), str(tmp_path / "deep"), fp)
+
+
+def test_feature_dropout_acts_only_in_training_mode(target, tmp_path):
+    """`feature_dropout` zeroes (and rescales) target features while training; eval-mode logits (metrics, beam
+    search, a reloaded export) are exactly the dropout-free drafter's. `build` refuses p outside [0, 1)."""
+    plain = make_drafter(target, target_layers=[0])
+    noisy = make_drafter(target, target_layers=[0], feature_dropout=0.5)
+    h, root = torch.randn(2, 5, 2 * H, dtype=torch.float64), torch.randint(0, V, (2, 5))
+    drafted = torch.randint(0, V, (2, 5, 3))
+    noisy.eval()
+    torch.testing.assert_close(noisy(h, root, drafted), plain.eval()(h, root, drafted))
+    noisy.train()
+    feats = noisy.features(h)  # (2, 5, 2H)
+    ref = plain.features(h)
+    dropped = feats == 0
+    assert 0.3 < dropped.double().mean() < 0.7  # about half the features dropped
+    torch.testing.assert_close(feats[~dropped], 2 * ref[~dropped])  # the rest scaled by 1 / (1 - p)
+    assert not torch.allclose(noisy(h, root, drafted), plain(h, root, drafted))
+    noisy.float().save_pretrained(tmp_path / "export")
+    back = ReDrafter.from_pretrained(tmp_path / "export").attach_embeddings(target).double()
+    assert back.config.feature_dropout == 0.5 and not back.training
+    torch.testing.assert_close(back(h, root, drafted), plain(h, root, drafted).detach(), rtol=1e-5, atol=1e-5)
+    schema = OmegaConf.create(
+        {"draft_len": 2, "num_layers": 1, "rnn": True, "share_embeddings": True, "beam_width": 4,
+         "init_from_lm_head": True, "feature_dropout": 1.0}
+    )  # fmt: skip
+    fp = {"name_or_path": "tiny", "hidden_size": H, "vocab_size": V, "tokenizer_hash": "x"}
+    with pytest.raises(ValueError, match=r"drafter.feature_dropout=1.0 must be in \[0, 1\)"):
+        build(schema, target, fp)
+    assert build(OmegaConf.merge(schema, {"feature_dropout": 0.1}), target, fp).config.feature_dropout == 0.1

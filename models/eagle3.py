@@ -34,7 +34,7 @@ from specdraft.models.eagle_common import (
     target_block,
     unroll,
 )
-from specdraft.models.layers import draft_vocab_ids, scatter_to_vocab
+from specdraft.models.layers import check_target_layers, draft_vocab_ids, scatter_to_vocab
 
 
 def default_target_layers(num_layers: int) -> list[int]:
@@ -196,10 +196,7 @@ def build(
     v = int(fingerprint["vocab_size"])
     n_layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
     layers = list(schema.target_layers) if schema.target_layers else default_target_layers(n_layers)
-    if any(not 0 <= i <= n_layers for i in layers):
-        raise ValueError(
-            f"drafter.target_layers={layers}: every index must be in [0, {n_layers}] (0 = embeddings)"
-        )
+    check_target_layers(layers, n_layers)
     ids = draft_vocab_ids(schema.draft_vocab_size, v, token_counts)  # (Vd,) ascending
     vd = int(ids.numel())
     config = Eagle3Config(

@@ -23,6 +23,14 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+def check_target_layers(layers: list[int], n_layers: int, distinct: bool = False) -> None:
+    """Refuse `drafter.target_layers` (HF `hidden_states` indices, 0 = embeddings) outside [0, n_layers], and
+    repeated indices when `distinct` (ReDrafter concatenates each once; EAGLE-3 accepts repeats)."""
+    if any(not 0 <= i <= n_layers for i in layers) or (distinct and len(set(layers)) != len(layers)):
+        what = "indices must be distinct and in" if distinct else "every index must be in"
+        raise ValueError(f"drafter.target_layers={layers}: {what} [0, {n_layers}] (0 = embeddings)")
+
+
 def draft_vocab_ids(draft_vocab_size: int | None, vocab_size: int, token_counts: Tensor | None) -> Tensor:
     """The target ids of a reduced draft vocabulary (ReDrafter, EAGLE-3): the most frequent training labels.
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from specdraft.models.layers import ResBlock, ZeroInitLinear, draft_vocab_ids
+from specdraft.models.layers import ResBlock, ZeroInitLinear, check_target_layers, draft_vocab_ids
 from specdraft.models.teacher_forced import compute_loss  # the family's loss (shared with Medusa)
 
 FORMAT_VERSION = 1
@@ -195,7 +195,7 @@ class ReDrafter(PreTrainedModel):
             extra = hidden[..., h:].unflatten(-1, (-1, h))  # (..., m, H)
             extra = F.rms_norm(extra.to(torch.promote_types(extra.dtype, torch.float32)), (h,)).flatten(-2)
             hidden = torch.cat([hidden[..., :h], extra.to(w.dtype)], dim=-1)  # (..., F)
-        p = float(getattr(self.config, "feature_dropout", 0.0) or 0.0)  # exports older than the field: none
+        p = float(self.config.feature_dropout)  # 0.0 for exports older than the field (the config default)
         return F.dropout(hidden, p, training=True) if p > 0 and self.training else hidden
 
     def state_logits(
@@ -319,10 +319,7 @@ def build(
     hidden, v = int(fingerprint["hidden_size"]), int(fingerprint["vocab_size"])
     layers = [int(i) for i in (getattr(schema, "target_layers", None) or ())]
     n_layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
-    if any(not 0 <= i <= n_layers for i in layers) or len(set(layers)) != len(layers):
-        raise ValueError(
-            f"drafter.target_layers={layers}: indices must be distinct and in [0, {n_layers}] (0 = embeddings)"
-        )
+    check_target_layers(layers, n_layers, distinct=True)
     dropout = float(getattr(schema, "feature_dropout", 0.0) or 0.0)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"drafter.feature_dropout={dropout} must be in [0, 1)")

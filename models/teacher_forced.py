@@ -65,6 +65,13 @@ def compute_loss(
         pos = t[:, None] + 1 + torch.arange(d, device=t.device)  # (N, D)
         valid = (pos < seq_len) & (targets != -100)
         pos = pos.clamp_max(seq_len - 1)
+        if "input_ids" in batch:
+            # The teacher at t+1+k saw the row's own tokens x_{t+1..t+1+k}; slot k saw (root, targets[:k]).
+            # They differ on rows whose labels are greedy continuations of *other* text (distill.regenerate=
+            # false): there the teacher is only right while the text follows the chain.
+            fed = torch.cat([root[:, None], targets[:, : d - 1]], dim=1)  # (N, D) newest input of slot k
+            agree = (batch["input_ids"][b[:, None], pos] == fed).long().cumprod(-1).bool()  # (N, D)
+            valid = valid & agree
         if "topk_ids" in batch:
             ids, lps = (
                 batch["topk_ids"][b[:, None], pos],

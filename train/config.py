@@ -62,6 +62,7 @@ class TrainConfig:
     seed: int = 0  # global seed
     mixed_precision: str = "no"  # accelerate mixed precision: no | bf16 | fp16
     data_dir: str | None = None  # distilled dataset dir (None: raw conversations from `data`)
+    val_data_dir: str | None = None  # held-out rows: this distilled dataset's val split (None: data_dir's)
     allow_incomplete_data: bool = False  # train on the finished shards of a distill run still in progress
     init_from: str | None = None  # start from this drafter export's weights (same family; head rows remapped)
     export_dir: str | None = None  # where to export the drafter (default <run_dir>/export)

@@ -121,6 +121,8 @@ def train(cfg: DictConfig) -> Path:
         train_rows, val_rows, manifest = distilled_rows(cfg, fingerprint)
         feats = manifest.get("features") if cfg.train.use_cached_features else None
         data_info = f"distilled {cfg.train.data_dir} ({manifest.get('num_rows')} rows)"
+        if cfg.train.get("val_data_dir"):
+            data_info += f", held-out rows from {cfg.train.val_data_dir}"
     else:
         train_rows, val_rows, data_info = raw_rows(cfg, tokenizer)
         feats = None

@@ -152,6 +152,22 @@ def test_distilled_dataset_rows_features_and_guard(tmp_path):
     with pytest.raises(ValueError, match="hidden_size"):
         distilled_rows(cfg, {**target, "hidden_size": 8})
 
+    # train.val_data_dir: held-out rows from another dataset's val split (the same ids are held out in both)
+    other_dir = tmp_path / "other"
+    other = [{**r, "id": str(i), "input_ids": [1, 2, 7, 7, 7]} for i, r in enumerate(rows)]
+    for r in other:
+        del r["continuations"]
+    write_shard(other_dir, 0, other, row_features(False, spec), {})
+    other_manifest = {"format_version": FORMAT_VERSION, "target": target, "features": spec,
+                      "shards": [{"name": "shard-00000", "rows": 6}], "num_rows": 6, "complete": True}  # fmt: skip
+    write_manifest(other_dir, other_manifest)
+    cfg.train.val_data_dir = str(other_dir)
+    train2, val2, _ = distilled_rows(cfg, target)
+    assert train2["id"] == train["id"] and val2["id"] == ["4"] and val2["input_ids"] == [[1, 2, 7, 7, 7]]
+    write_manifest(other_dir, {**other_manifest, "features": {**spec, "topk": 20}})
+    with pytest.raises(ValueError, match="val_data_dir=.*caches features"):
+        distilled_rows(cfg, target)
+
 
 def test_cached_intermediate_layers_replace_the_online_target():
     """EAGLE-3 reads distill/'s cached `hidden_layers` (any cached superset, any order) instead of running the

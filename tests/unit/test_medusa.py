@@ -156,6 +156,18 @@ def test_soft_target_loss():
     kl = lambda q: float((torch.log(torch.tensor(1 / 3)) - q).mean())  # noqa: E731  KL(u || q)
     assert float(loss.detach()) == pytest.approx(kl(logq[0]) + 0.8 * kl(logq[1]), abs=1e-6)
 
+    # With the row's tokens: the teacher at t+1+k counts only while x_{t+1..t+1+k} = (root, targets[:k]).
+    # Slot 0 is fed root=0 and slot 1 also targets[0]=1; the teacher saw input_ids[1] and input_ids[2].
+    uniform = {**same, "topk_logprobs": teacher}
+
+    def kl_loss(ids: list[int]) -> float:
+        batch = {**uniform, "input_ids": torch.tensor([ids])}
+        return float(compute_loss(golden_model(), batch, Out(torch.ones(1, 3, 3)), {"loss": "kl"})[0])
+
+    assert kl_loss([2, 0, 1]) == pytest.approx(kl(logq[0]) + 0.8 * kl(logq[1]), abs=1e-6)  # on the chain
+    assert kl_loss([2, 0, 2]) == pytest.approx(kl(logq[0]), abs=1e-6)  # leaves it after the root
+    assert kl_loss([2, 1, 1]) == pytest.approx(0.0, abs=1e-9)  # the text never followed the chain
+
 
 def test_build_init_from_lm_head_and_registry():
     target = tiny_llama(vocab_size=V, hidden_size=H, num_heads=2, num_kv_heads=1, num_layers=1)

@@ -215,6 +215,11 @@ def raw_rows(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict], str]:
     from specdraft.data.chat import tokenize_conversation
     from specdraft.data.conversations import load_conversations, split_conversations
 
+    if cfg.get("train", {}).get("val_data_dir"):
+        raise ValueError(
+            f"train.val_data_dir={cfg.train.val_data_dir} needs train.data_dir (held-out rows from another "
+            "distilled dataset are only read when training on a distilled dataset)"
+        )
     convs, report = load_conversations(cfg.data.source, split=cfg.data.split, limit=cfg.data.num_samples)
     if not convs:
         raise ValueError(f"data.source={cfg.data.source!r}: no usable conversation ({report.summary()})")
@@ -237,9 +242,12 @@ def distilled_rows(cfg: Any, fingerprint: dict[str, Any]) -> tuple[Any, Any, dic
     from specdraft.distill.shards import load_distilled
     from specdraft.models.hub import check_target_match
 
-    incomplete = bool(cfg.train.get("allow_incomplete_data", False))
-    ds, manifest = load_distilled(cfg.train.data_dir, incomplete)
-    check_target_match(manifest.get("target", {}), fingerprint, f"dataset {cfg.train.data_dir}")
+    def load(folder: str) -> tuple[Any, dict[str, Any]]:
+        ds, manifest = load_distilled(folder, bool(cfg.train.get("allow_incomplete_data", False)))
+        check_target_match(manifest.get("target", {}), fingerprint, f"dataset {folder}")
+        return ds, manifest
+
+    ds, manifest = load(cfg.train.data_dir)
     frac, seed = float(cfg.data.val_fraction), int(cfg.data.seed)
     train, val = split_indices(list(ds["id"]), frac, seed)
     val_dir = cfg.train.get("val_data_dir")
@@ -248,8 +256,7 @@ def distilled_rows(cfg: Any, fingerprint: dict[str, Any]) -> tuple[Any, Any, dic
     # Held-out rows from another distilled dataset (e.g. self-distilled rows while training on continuations
     # of original responses). The split hashes conversation ids, so a conversation held out there is held
     # out here too and never trains.
-    other, other_manifest = load_distilled(val_dir, incomplete)
-    check_target_match(other_manifest.get("target", {}), fingerprint, f"dataset {val_dir}")
+    other, other_manifest = load(val_dir)
     if other_manifest.get("features") != manifest.get("features"):
         raise ValueError(
             f"train.val_data_dir={val_dir} caches features {other_manifest.get('features')} but "

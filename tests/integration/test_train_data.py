@@ -119,7 +119,7 @@ def test_distilled_dataset_rows_features_and_guard(tmp_path):
     import pytest
     from omegaconf import OmegaConf
 
-    from specdraft.data.collate import distilled_rows
+    from specdraft.data.collate import distilled_rows, raw_rows
     from specdraft.distill.shards import FORMAT_VERSION, row_features, write_manifest, write_shard
 
     spec = {"hidden": True, "layers": [], "topk": 0, "dtype": "bf16", "hidden_size": 4}
@@ -167,6 +167,8 @@ def test_distilled_dataset_rows_features_and_guard(tmp_path):
     write_manifest(other_dir, {**other_manifest, "features": {**spec, "topk": 20}})
     with pytest.raises(ValueError, match="val_data_dir=.*caches features"):
         distilled_rows(cfg, target)
+    with pytest.raises(ValueError, match="val_data_dir=.* needs train.data_dir"):  # not ignored on raw data
+        raw_rows(OmegaConf.create({"train": {"data_dir": None, "val_data_dir": str(other_dir)}}), None)
 
 
 def test_cached_intermediate_layers_replace_the_online_target():

@@ -56,7 +56,13 @@ def int8_supported() -> bool:
 
 @torch.inference_mode()
 def redrafter_beam_search(
-    drafter, head, hidden: Tensor, root: int, beam_width: int, draft_len: int
+    drafter,
+    head,
+    hidden: Tensor,
+    root: int,
+    beam_width: int,
+    draft_len: int,
+    context: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`ReDrafter.beam_search` with a replaceable vocabulary head (same algorithm and result for the same head).
 
@@ -66,7 +72,7 @@ def redrafter_beam_search(
         drafter: a ReDrafter (`features`, `init_state`, `next_state`, `state_logits`, `to_target_ids`, `blocks`).
         head: callable (W, X) -> (W, Vd) draft-vocabulary logits (the drafter's `head` or an `Int8Linear`).
         hidden: (F,) target features at the newest committed position (see `ReDrafter.features`).
-        root, beam_width, draft_len: as in `ReDrafter.beam_search`.
+        root, beam_width, draft_len, context: as in `ReDrafter.beam_search`.
 
     Returns:
         beams (W', 1 + D) long sorted by score (W' = W unless V < W); cum (W', 1 + D) float32, the
@@ -82,7 +88,8 @@ def redrafter_beam_search(
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[:, -1])  # (W, E)
-        logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head)  # (W, Vd)
+        ctx = None if context is None else (*context, None)
+        logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head, context=ctx)  # (W, Vd)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (W, Vd)
         vocab = logp.shape[-1]
         scores, idx = (scores[:, None] + logp).reshape(-1).topk(min(beam_width, logp.numel()))  # (W,)
@@ -189,12 +196,48 @@ class ReDrafterProposer:
         # [h; layers] for every verified position (`keep_last_hidden`)
         cfg = getattr(drafter, "config", None)
         self.target_layers = tuple(int(i) for i in (getattr(cfg, "target_layers", None) or ()))
+        # prefix attention (`context_heads` > 0): keys/values of every committed position, grown each step
+        self.uses_context = bool(getattr(cfg, "context_heads", 0))
+        self.hidden_size = int(getattr(cfg, "base_hidden_size", 0) or 0)
+        self._history: Tensor | None = None  # (m,) x_1 .. x_m: the token after each committed position
+        self._memory: tuple[Tensor, Tensor] | None = None  # keys, values (M, A) of positions 2 .. m - 1
 
     def reset(self) -> None:
         """Forget the previous prompt."""
         self.last_compression = None
+        self._history, self._memory = None, None
         if self.lookup is not None:
             self.lookup.reset()
+
+    def _update_memory(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the newly committed positions to the prefix-attention memory; returns keys, values (M, A).
+
+        Position j stores (x_{j-1}, x_j, x_{j+1}, h_j) as in training; positions 0 and 1 are skipped (their
+        x_{j-1} / x_j are not handed to the proposer: the first call's tokens start at x_1).
+
+        Args:
+            hidden: (n, F) features of the new positions m0 .. m0 + n - 1 (h_j: the first H columns).
+            tokens: (n,) the token after each, x_{m0+1} .. x_{m0+n}.
+        """
+        m0 = 0 if self._history is None else int(self._history.shape[0])
+        old = self._history
+        hist = tokens if old is None else torch.cat([old, tokens.to(old)])  # (m,)
+        end = m0 + tokens.shape[0]
+        js = torch.arange(min(max(m0, 2), end), end, device=hist.device)  # new positions with j >= 2
+        if js.numel():
+            keys, values = self.drafter.context_memory(
+                hidden[js - m0, : self.hidden_size], hist[js - 2], hist[js - 1], hist[js]
+            )  # (n', A) each
+            if self._memory is not None:
+                keys, values = torch.cat([self._memory[0], keys]), torch.cat([self._memory[1], values])
+            self._memory = (keys, values)
+        self._history = hist
+        if self._memory is None:  # nothing visible yet (a prompt of < 2 tokens): the sink alone
+            assert self.drafter.ctx is not None  # uses_context implies prefix attention
+            width = self.drafter.ctx.q.out_features
+            w = self.drafter.head.weight
+            return w.new_zeros(0, width), w.new_zeros(0, width)
+        return self._memory
 
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
@@ -214,15 +257,18 @@ class ReDrafterProposer:
             return DraftTree(
                 tokens[-1:].clone(), torch.full((1,), -1, dtype=torch.long, device=tokens.device)
             )
+        context = self._update_memory(hidden, tokens) if self.uses_context else None
         if self.head is not None or self.min_logp is not None:
             head = self.head if self.head is not None else self.drafter.head
             beams, cum = redrafter_beam_search(
-                self.drafter, head, hidden[-1], root, self.beam_width, self.draft_len
+                self.drafter, head, hidden[-1], root, self.beam_width, self.draft_len, context
             )
             if self.min_logp is not None:
                 beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails
         else:
-            beams, _ = self.drafter.beam_search(hidden[-1], root, self.beam_width, self.draft_len)  # (W, 1+D)
+            beams, _ = self.drafter.beam_search(
+                hidden[-1], root, self.beam_width, self.draft_len, context
+            )  # (W, 1+D)
         beams = beams.to(tokens.device)
         if self.lookup is not None:
             cont = self.lookup.continuation(tokens)  # (k,)

@@ -218,6 +218,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
                 continue  # the draft vocabulary is this run's (built from its own data)
             if name not in theirs and _new_residual_block(name, dst, theirs):
                 continue  # a ResBlock added after the export's: kept at its identity init
+            if name not in theirs and name.startswith("ctx."):
+                continue  # prefix attention added to an export without it: its zero output leaves logits as they were
             if name not in theirs:
                 raise ValueError(
                     f"train.init_from={path_or_hub_id!r} has no tensor {name!r} "

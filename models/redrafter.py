@@ -20,6 +20,11 @@ as EAGLE-3 fuses low/mid/high layers: a small target's last layer is specialised
 still carry the context the later draft slots need. The decoder then returns those layers with h (`keep_last_hidden`
 of the proposer), and distill/ caches them (`distill.hidden_layers`) so training stays offline.
 
+Prefix attention (an extension of the paper, off by default): with `context_heads` > 0 the state [s_k; h_t] of
+every slot also queries the committed positions 2 <= j <= t (`layers.PrefixAttention`; keys from [e(x_j); e(x_{j-1})],
+values from [e(x_{j+1}); h_j]) and the read is added to g after the input projection. It can learn to copy what
+followed an earlier occurrence of the current token (prompt lookup, learnt) and to recover context h_t lost.
+
 Draft vocabulary: with `draft_vocab_size` Vd < V the head scores only the Vd most frequent training labels
 (buffer `d2t` (Vd,): target id = draft id + d2t[draft id], as EAGLE-3 exports it). The head is most of the
 drafter's compute (V = 49,152 for SmolLM2, 128,256 for Llama 3): Vd = 16,384 trains ~3x faster here and drafts
@@ -37,7 +42,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from specdraft.models.layers import ResBlock, ZeroInitLinear, check_target_layers, draft_vocab_ids
+from specdraft.models.layers import (
+    PrefixAttention,
+    ResBlock,
+    ZeroInitLinear,
+    check_target_layers,
+    draft_vocab_ids,
+)
 from specdraft.models.teacher_forced import compute_loss  # the family's loss (shared with Medusa)
 
 FORMAT_VERSION = 1
@@ -70,6 +81,8 @@ class ReDrafterConfig(PretrainedConfig):
     draft_vocab_size: int | None = None  # Vd: head width, the top training labels (None: vocab_size)
     target_layers: list = field(default_factory=list)  # extra target hidden_states read with h ([]: none)
     feature_dropout: float = 0.0  # dropout on the target features in training mode (0: none; eval: never)
+    context_heads: int = 0  # > 0: prefix attention over the committed positions (an extension; 0: the paper)
+    context_dim: int = 256  # A: width of the prefix attention (split over context_heads)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -113,6 +126,10 @@ class ReDrafter(PreTrainedModel):
         self.reduced_vocab = vd < config.vocab_size
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=self.reduced_vocab)
         self.embed = None if config.share_embeddings else nn.Embedding(config.vocab_size, e)
+        heads, hid = int(config.context_heads or 0), int(config.base_hidden_size)
+        # keys [e(x_j); e(x_{j-1})], values [e(x_{j+1}); h_j], queries [s_k; features of t]; output added to g
+        width = int(config.context_dim)
+        self.ctx = PrefixAttention(e + h, 2 * e, e + hid, width, heads, x) if heads else None
         self._borrowed: list[nn.Embedding] = []  # the target's embedding, hidden from state_dict/parameters
         self.post_init()
 
@@ -198,23 +215,50 @@ class ReDrafter(PreTrainedModel):
         p = float(self.config.feature_dropout)  # 0.0 for exports older than the field (the config default)
         return F.dropout(hidden, p, training=True) if p > 0 and self.training else hidden
 
+    def context_memory(self, last: Tensor, prev: Tensor, cur: Tensor, nxt: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of committed positions j for the prefix attention (`context_heads` > 0).
+
+        Args:
+            last: (..., M, H) the target's last-layer state h_j (post norm: the first H columns of the features).
+            prev, cur, nxt: (..., M) long, the tokens x_{j-1}, x_j and x_{j+1} (h_j's prediction).
+
+        Returns:
+            keys, values: (..., M, A).
+        """
+        if self.ctx is None:
+            raise RuntimeError("context_memory needs a drafter built with context_heads > 0")
+        k_in = torch.cat([self.embed_tokens(cur), self.embed_tokens(prev)], dim=-1)  # (..., M, 2E)
+        w = self.head.weight
+        last = last.to(device=w.device, dtype=w.dtype)
+        v_in = torch.cat([self.embed_tokens(nxt), last], dim=-1)  # (..., M, E + H)
+        return self.ctx.memory(k_in, v_in)
+
     def state_logits(
-        self, state: Tensor, feats: Tensor, head: Callable[[Tensor], Tensor] | None = None
+        self,
+        state: Tensor,
+        feats: Tensor,
+        head: Callable[[Tensor], Tensor] | None = None,
+        context: tuple | None = None,
     ) -> Tensor:
-        """state (..., E), feats (..., F) from `features` -> logits (..., Vd) over the draft vocabulary for this
-        state's slot.
+        """state (..., n, E), feats (..., n, F) from `features` -> logits (..., n, Vd) over the draft vocabulary
+        for this state's slot.
 
         `head` replaces the vocabulary head, (..., X) -> (..., Vd) (e.g. an int8 copy at decode time).
+        `context` (prefix attention only): keys, values (..., M, A) from `context_memory`, a visibility mask
+        (..., n, M) bool (None: every position visible) and optionally `rows` (see `PrefixAttention.forward`).
         """
-        g = torch.cat([state, feats.to(state.dtype)], dim=-1)  # (..., E + F); bf16 state under autocast
-        if self.input_proj is not None:
-            g = self.input_proj(g)  # (..., X)
+        g_in = torch.cat([state, feats.to(state.dtype)], dim=-1)  # (..., E + F); bf16 state under autocast
+        g = self.input_proj(g_in) if self.input_proj is not None else g_in  # (..., X)
+        if self.ctx is not None and context is not None:
+            g = g + self.ctx(g_in, *context).to(g.dtype)  # (..., n, X)
         for block in self.blocks:
             g = block(g)
         return (self.head if head is None else head)(g)  # (..., Vd)
 
     # ---- training ---------------------------------------------------------------------------------------
-    def forward(self, hidden: Tensor, root: Tensor, targets: Tensor) -> Tensor:
+    def forward(
+        self, hidden: Tensor, root: Tensor, targets: Tensor, context: dict[str, Tensor] | None = None
+    ) -> Tensor:
         """Teacher-forced logits of every draft slot at every position.
 
         The recurrence unrolled over D slots for one position t (targets[t] = x_{t+2} .. x_{t+1+D}):
@@ -233,23 +277,40 @@ class ReDrafter(PreTrainedModel):
             root: (B, L) long, the root token x_{t+1} of each position.
             targets: (B, L, D) long target ids, the draft labels (-100 = ignored); slot k-1's label is fed to
                 slot k.
+            context: prefix attention only (`context_heads` > 0): `last` (B', M, H) h_j, `input_ids` (B', M) x_j,
+                `next` (B', M) x_{j+1} of the rows, `mask` (B', n, M) bool (position t sees j: 2 <= j <= t) and
+                optionally `row`, `rank` (L,): with B = 1, position i belongs to row `row[i]` of the context and is
+                query `rank[i]` of that row's mask (`PrefixAttention.forward`).
 
         Returns:
             logits: (B, L, D, Vd) over the draft vocabulary (Vd = V unless `draft_vocab_size` is set).
         """
         feats = self.features(hidden)  # (B, L, F)
         state = self.init_state(root)  # (B, L, E)
+        ctx = None
+        if self.ctx is not None:
+            if context is None:
+                raise ValueError("a drafter with context_heads > 0 needs the prefix `context`")
+            ids = context["input_ids"]  # (B, M) x_j
+            prev = F.pad(ids[:, :-1], (1, 0))  # (B, M) x_{j-1} (position 0 is never visible)
+            rows = (context["row"], context["rank"]) if "row" in context else None
+            ctx = (*self.context_memory(context["last"], prev, ids, context["next"]), context["mask"], rows)
         logits = []
         for k in range(targets.shape[-1]):
             if k > 0:
                 state = self.next_state(state, targets[..., k - 1])  # (B, L, E)
-            logits.append(self.state_logits(state, feats))  # (B, L, V)
+            logits.append(self.state_logits(state, feats, context=ctx))  # (B, L, V)
         return torch.stack(logits, dim=2)  # (B, L, D, Vd)
 
     # ---- decoding ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def beam_search(
-        self, hidden: Tensor, root_token: int, beam_width: int, draft_len: int
+        self,
+        hidden: Tensor,
+        root_token: int,
+        beam_width: int,
+        draft_len: int,
+        context: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Beam search over the drafter for one position (batch size 1).
 
@@ -258,6 +319,7 @@ class ReDrafter(PreTrainedModel):
             root_token: the token the target just committed (not drafted, always beams[:, 0]).
             beam_width: W beams kept.
             draft_len: D tokens drafted after the root.
+            context: prefix attention only: keys, values (M, A) of the committed positions (`context_memory`).
 
         Returns:
             beams: (W, 1 + D) long, sorted by score, beams[:, 0] == root_token.
@@ -274,7 +336,8 @@ class ReDrafter(PreTrainedModel):
         for k in range(draft_len):
             if k > 0:
                 state = self.next_state(state, beams[:, -1])  # (W, E)
-            logp = torch.log_softmax(self.state_logits(state, h).float(), dim=-1)  # (W, Vd)
+            ctx = None if context is None else (*context, None)
+            logp = torch.log_softmax(self.state_logits(state, h, context=ctx).float(), dim=-1)  # (W, Vd)
             vocab = logp.shape[-1]
             cand = (scores[:, None] + logp).reshape(-1)  # (W * Vd,)
             scores, idx = cand.topk(beam_width)  # (W,), sorted descending
@@ -342,6 +405,8 @@ def build(
         beam_width=int(schema.beam_width),
         target_layers=layers,
         feature_dropout=dropout,
+        context_heads=int(getattr(schema, "context_heads", 0) or 0),
+        context_dim=int(getattr(schema, "context_dim", 256) or 256),
     )
     model = ReDrafter(config)
     emb = cast(nn.Embedding, target.get_input_embeddings()).weight

@@ -52,7 +52,10 @@ def compute_loss(
         extra = target_out.layers[b, t].flatten(1).to(hidden)  # (N, m*H)
         hidden = torch.cat([hidden, extra], dim=-1)  # (N, H * (1 + m))
     root, targets = batch["root"][b, t], batch["targets"][b, t, :d]  # (N,), (N, D) target ids
-    logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
+    if getattr(inner.config, "context_heads", 0):  # ReDrafter with prefix attention: rows of the batch kept
+        logits = _forward_with_context(model, batch, target_out.hidden, hidden, root, targets, b, t)
+    else:
+        logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
     # (N, D) draft ids, -1 for padding and tokens outside the draft vocabulary (one lookup, used twice below)
     draft = inner.to_draft_ids(targets, missing=-1) if reduced else targets
     labels = draft.masked_fill(draft < 0, -100) if reduced else targets  # (N, D); out of vocabulary: ignored
@@ -91,3 +94,38 @@ def compute_loss(
     elif reduced:  # training metrics stay in draft ids (out-of-vocabulary labels -> -1: always a miss)
         targets = draft.masked_fill(targets == -100, -100)
     return loss, {"logits": out, "targets": targets}
+
+
+def _forward_with_context(
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    last: Tensor,
+    hidden: Tensor,
+    root: Tensor,
+    targets: Tensor,
+    b: Tensor,
+    t: Tensor,
+) -> Tensor:
+    """The teacher-forced forward of a drafter with prefix attention: the N selected positions stay flat; each
+    attends to its own row's committed positions 2 <= j <= t (a (B, n, L) mask, n = most positions in a row).
+
+    Args:
+        last: (B, L, H) the target's last-layer states of the whole batch; hidden (N, F), root (N,),
+            targets (N, D): the selected positions' inputs; b, t (N,): their row and position (row-major order).
+
+    Returns:
+        logits (N, D, Vd).
+    """
+    bsz, seq = batch["input_ids"].shape
+    counts = torch.bincount(b, minlength=bsz)  # (B,)
+    first = counts.cumsum(0) - counts  # (B,) index of each row's first selected position
+    rank = torch.arange(b.shape[0], device=b.device) - first[b]  # (N,) index within the row
+    tpos = t.new_full((bsz, int(counts.max())), -1)  # (B, n); -1: padding, sees nothing
+    tpos[b, rank] = t
+    j = torch.arange(seq, device=t.device)
+    mask = (j >= 2) & (j[None, None, :] <= tpos[:, :, None])  # (B, n, L)
+    ids = batch["input_ids"]
+    # (B, L) x_{j+1}: the sequence itself (as at decode time), not the labels' greedy root
+    nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+    ctx = {"last": last, "input_ids": ids, "next": nxt, "mask": mask, "row": b, "rank": rank}
+    return model(hidden[None], root[None], targets[None], context=ctx)[0]  # (N, D, Vd)

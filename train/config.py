@@ -21,6 +21,8 @@ class ReDrafterSchema:
     draft_vocab_size: int | None = None  # head over the most frequent training labels only (None: full vocab)
     target_layers: list[int] = field(default_factory=list)  # extra target layers read with h ([]: h only)
     feature_dropout: float = 0.0  # dropout on [h; layers] while training (a regulariser; 0: none)
+    context_heads: int = 0  # > 0: prefix attention over the committed positions (an extension; 0: the paper)
+    context_dim: int = 256  # width of that attention, split over context_heads
 
 
 @dataclass

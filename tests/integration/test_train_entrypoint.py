@@ -130,3 +130,30 @@ def test_target_layers_train_online_export_and_decode_losslessly(assets):
     ref, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
     out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
     assert out == ref
+
+
+def test_prefix_attention_warm_starts_exactly_trains_and_decodes_losslessly(reference, assets):
+    """drafter.context_heads on top of an export without it: the first eval is the export's own (the attention's
+    output starts at zero), training moves it, and the export decodes with the grown memory losslessly."""
+    from specdraft.eval.decode import ar_generate, speculative_generate
+    from specdraft.eval.proposers import make_proposer
+
+    run_train(
+        assets, "ctx", f"train.init_from={reference / 'export'}", "drafter.context_heads=2",
+        "drafter.context_dim=8", "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4",
+        "optim.lr=1e-3", "train.eval_at_start=true",
+    )  # fmt: skip
+    warm = [r for r in read_metrics(assets / "runs" / "ctx") if "eval/loss" in r]
+    ref = [r for r in read_metrics(reference) if "eval/loss" in r]
+    assert [r["step"] for r in warm] == [0, 4]
+    assert warm[0]["eval/loss"] == pytest.approx(ref[-1]["eval/loss"], rel=1e-4)
+    assert warm[1]["eval/loss"] != warm[0]["eval/loss"]
+    target = tiny_llama()
+    drafter = load_drafter(str(assets / "runs" / "ctx" / "export"), target=target)
+    assert drafter.config.context_heads == 2 and float(drafter.ctx.out.weight.detach().abs().sum()) > 0
+    proposer = make_proposer(drafter)
+    assert proposer.uses_context
+    prompt = torch.arange(5, 17)
+    ref_out, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
+    out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
+    assert out == ref_out

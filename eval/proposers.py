@@ -85,10 +85,10 @@ def redrafter_beam_search(
     beams = root_t[:, None]  # (1, 1)
     scores = torch.zeros(1, dtype=torch.float32, device=dev)
     cum = scores[:, None]  # (1, 1)
+    ctx = None if context is None else (*context, None)  # every beam sees the whole memory
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[:, -1])  # (W, E)
-        ctx = None if context is None else (*context, None)
         logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head, context=ctx)  # (W, Vd)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (W, Vd)
         vocab = logp.shape[-1]
@@ -219,8 +219,8 @@ class ReDrafterProposer:
             hidden: (n, F) features of the new positions m0 .. m0 + n - 1 (h_j: the first H columns).
             tokens: (n,) the token after each, x_{m0+1} .. x_{m0+n}.
         """
-        m0 = 0 if self._history is None else int(self._history.shape[0])
         old = self._history
+        m0 = 0 if old is None else int(old.shape[0])
         hist = tokens if old is None else torch.cat([old, tokens.to(old)])  # (m,)
         end = m0 + tokens.shape[0]
         js = torch.arange(min(max(m0, 2), end), end, device=hist.device)  # new positions with j >= 2

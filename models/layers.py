@@ -108,9 +108,8 @@ class PrefixAttention(nn.Module):
         sink = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])  # (..., 1, A)
         # (..., 1 + M, A) with the sink first
         keys, values = torch.cat([sink, keys], dim=-2), torch.cat([sink, values.to(keys)], dim=-2)
-        if (
-            mask is not None
-        ):  # (..., n, M) -> (..., 1, n, 1 + M): the sink always visible, one mask for all heads
+        if mask is not None:
+            # (..., n, M) -> (..., 1, n, 1 + M): the sink always visible, one mask for all heads
             mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)[..., None, :, :]
 
         def split(x: Tensor) -> Tensor:

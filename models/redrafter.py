@@ -333,10 +333,10 @@ class ReDrafter(PreTrainedModel):
         scores = torch.full((beam_width,), LOG_0, dtype=torch.float32, device=dev)
         scores[0] = 0.0
         state = self.init_state(beams[:, 0])  # (W, E)
+        ctx = None if context is None else (*context, None)  # every beam sees the whole memory
         for k in range(draft_len):
             if k > 0:
                 state = self.next_state(state, beams[:, -1])  # (W, E)
-            ctx = None if context is None else (*context, None)
             logp = torch.log_softmax(self.state_logits(state, h, context=ctx).float(), dim=-1)  # (W, Vd)
             vocab = logp.shape[-1]
             cand = (scores[:, None] + logp).reshape(-1)  # (W * Vd,)

@@ -54,52 +54,6 @@ def int8_supported() -> bool:
         return False
 
 
-@torch.inference_mode()
-def redrafter_beam_search(
-    drafter,
-    head,
-    hidden: Tensor,
-    root: int,
-    beam_width: int,
-    draft_len: int,
-    context: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`ReDrafter.beam_search` with a replaceable vocabulary head (same algorithm and result for the same head).
-
-    Step 1 scores only the live root beam (the other W-1 rows would be LOG_0 fillers).
-
-    Args:
-        drafter: a ReDrafter (`features`, `init_state`, `next_state`, `state_logits`, `to_target_ids`, `blocks`).
-        head: callable (W, X) -> (W, Vd) draft-vocabulary logits (the drafter's `head` or an `Int8Linear`).
-        hidden: (F,) target features at the newest committed position (see `ReDrafter.features`).
-        root, beam_width, draft_len, context: as in `ReDrafter.beam_search`.
-
-    Returns:
-        beams (W', 1 + D) long sorted by score (W' = W unless V < W); cum (W', 1 + D) float32, the
-        cumulative drafter log-prob of each beam prefix (cum[:, 0] = 0, cum[:, -1] = the beam score).
-    """
-    dev = drafter.blocks[0].linear.weight.device if len(drafter.blocks) else hidden.device
-    h = drafter.features(hidden.reshape(1, -1))  # (1, F), prepared once for every step
-    root_t = torch.tensor([root], dtype=torch.long, device=dev)
-    state = drafter.init_state(root_t)  # (1, E)
-    beams = root_t[:, None]  # (1, 1)
-    scores = torch.zeros(1, dtype=torch.float32, device=dev)
-    cum = scores[:, None]  # (1, 1)
-    ctx = None if context is None else (*context, None)  # every beam sees the whole memory
-    for k in range(draft_len):
-        if k > 0:
-            state = drafter.next_state(state, beams[:, -1])  # (W, E)
-        logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head, context=ctx)  # (W, Vd)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (W, Vd)
-        vocab = logp.shape[-1]
-        scores, idx = (scores[:, None] + logp).reshape(-1).topk(min(beam_width, logp.numel()))  # (W,)
-        parent, token = idx // vocab, drafter.to_target_ids(idx % vocab)  # (W,), (W,) target ids
-        beams = torch.cat([beams[parent], token[:, None]], dim=1)  # (W, k + 2)
-        cum = torch.cat([cum[parent], scores[:, None]], dim=1)  # (W, k + 2)
-        state = state[parent]  # (W, E)
-    return beams, cum
-
-
 def prompt_lookup(context: Tensor, max_ngram: int, num_tokens: int) -> Tensor:
     """Prompt-lookup drafting: the tokens that followed an earlier occurrence of the context's last n-gram
     (n = max_ngram down to 1; the first n with a match wins). Among the matches, the most recent one with
@@ -155,15 +109,14 @@ class ReDrafterProposer:
     """Beam search with a ReDrafter RNN drafter + dynamic tree attention (prefix dedup).
 
     Args:
-        drafter: exposes `beam_search(hidden (H,), root_token: int, beam_width, draft_len)
-            -> (beams (W, 1+draft_len) long, scores (W,))` with `beams[:, 0] == root_token`.
+        drafter: exposes `beam_search(hidden (F,), root_token: int, beam_width, draft_len, context, head)
+            -> (beams (W, 1+draft_len) long, cum (W, 1+draft_len))` with `beams[:, 0] == root_token`.
         beam_width: W.
         beam_length: 1 + draft_len (root included).
-        int8_head: draft with an int8 copy of the vocabulary head (CPU only; ignored where unsupported)
-            via `redrafter_beam_search`; False calls `drafter.beam_search` itself.
+        int8_head: draft with an int8 copy of the vocabulary head (CPU only; ignored where unsupported).
         lookup_tokens: also add one prompt-lookup beam of up to this many tokens (0: drafter beams only).
         min_prob: drop beam positions whose drafter probability (product along the beam) is below this
-            (dynamic tree size; 0: keep all). Uses `redrafter_beam_search`.
+            (dynamic tree size; 0: keep all).
     """
 
     keep_last_hidden = True  # the decoder passes h first, then the drafter's `target_layers` (if any)
@@ -200,17 +153,20 @@ class ReDrafterProposer:
         self.uses_context = bool(getattr(cfg, "context_heads", 0))
         self.hidden_size = int(getattr(cfg, "base_hidden_size", 0) or 0)
         self._history: Tensor | None = None  # (m,) x_1 .. x_m: the token after each committed position
-        self._memory: tuple[Tensor, Tensor] | None = None  # keys, values (M, A) of positions 2 .. m - 1
+        # keys, values (capacity, A): rows [: self._used] are the sink, then positions 2 .. m - 1
+        self._memory: tuple[Tensor, Tensor] | None = None
+        self._used = 0
 
     def reset(self) -> None:
         """Forget the previous prompt."""
         self.last_compression = None
-        self._history, self._memory = None, None
+        self._history, self._memory, self._used = None, None, 0
         if self.lookup is not None:
             self.lookup.reset()
 
     def _update_memory(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """Append the newly committed positions to the prefix-attention memory; returns keys, values (M, A).
+        """Append the newly committed positions to the prefix-attention memory; returns keys, values (1 + M, A),
+        the attention's sink first (views of a buffer that doubles when full: appending copies only new rows).
 
         Position j stores (x_{j-1}, x_j, x_{j+1}, h_j) as in training; positions 0 and 1 are skipped (their
         x_{j-1} / x_j are not handed to the proposer: the first call's tokens start at x_1).
@@ -224,20 +180,26 @@ class ReDrafterProposer:
         hist = tokens if old is None else torch.cat([old, tokens.to(old)])  # (m,)
         end = m0 + tokens.shape[0]
         js = torch.arange(min(max(m0, 2), end), end, device=hist.device)  # new positions with j >= 2
-        if js.numel():
-            keys, values = self.drafter.context_memory(
-                hidden[js - m0, : self.hidden_size], hist[js - 2], hist[js - 1], hist[js]
-            )  # (n', A) each
-            if self._memory is not None:
-                keys, values = torch.cat([self._memory[0], keys]), torch.cat([self._memory[1], values])
-            self._memory = (keys, values)
+        first = self._memory is None
+        keys, values = self.drafter.context_memory(
+            hidden[js - m0, : self.hidden_size], hist[js - 2], hist[js - 1], hist[js], sink=first
+        )  # (first + n', A) each
         self._history = hist
-        if self._memory is None:  # nothing visible yet (a prompt of < 2 tokens): the sink alone
-            assert self.drafter.ctx is not None  # uses_context implies prefix attention
-            width = self.drafter.ctx.q.out_features
-            w = self.drafter.head.weight
-            return w.new_zeros(0, width), w.new_zeros(0, width)
-        return self._memory
+        if first:  # the sink (and any visible positions): a buffer with room to grow
+            cap = max(64, 2 * keys.shape[0])
+            self._memory = tuple(x.new_empty(cap, x.shape[-1]) for x in (keys, values))  # type: ignore[assignment]
+            self._used = 0
+        assert self._memory is not None
+        used, cap = self._used + keys.shape[0], self._memory[0].shape[0]
+        if used > cap:  # double: amortised O(1) copy per position
+            grown = [x.new_empty(max(2 * cap, used), x.shape[-1]) for x in self._memory]
+            for dst, src in zip(grown, self._memory, strict=True):
+                dst[: self._used] = src[: self._used]
+            self._memory = (grown[0], grown[1])
+        self._memory[0][self._used : used] = keys
+        self._memory[1][self._used : used] = values
+        self._used = used
+        return self._memory[0][:used], self._memory[1][:used]
 
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
@@ -258,17 +220,11 @@ class ReDrafterProposer:
                 tokens[-1:].clone(), torch.full((1,), -1, dtype=torch.long, device=tokens.device)
             )
         context = self._update_memory(hidden, tokens) if self.uses_context else None
-        if self.head is not None or self.min_logp is not None:
-            head = self.head if self.head is not None else self.drafter.head
-            beams, cum = redrafter_beam_search(
-                self.drafter, head, hidden[-1], root, self.beam_width, self.draft_len, context
-            )
-            if self.min_logp is not None:
-                beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails
-        else:
-            beams, _ = self.drafter.beam_search(
-                hidden[-1], root, self.beam_width, self.draft_len, context
-            )  # (W, 1+D)
+        beams, cum = self.drafter.beam_search(
+            hidden[-1], root, self.beam_width, self.draft_len, context, self.head
+        )  # (W, 1+D) each
+        if self.min_logp is not None:
+            beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails
         beams = beams.to(tokens.device)
         if self.lookup is not None:
             cont = self.lookup.continuation(tokens)  # (k,)

@@ -180,6 +180,15 @@ def _new_residual_block(name: str, dst: Any, theirs: dict[str, Any]) -> bool:
     return not bool(dst.any())
 
 
+def _new_prefix_attention(name: str, model: Any, theirs: dict[str, Any]) -> bool:
+    """True for a parameter of ReDrafter prefix attention (`ctx.`) when the export has none and the module's
+    output projection is still at its zero init (so the added module leaves the export's logits unchanged)."""
+    if not name.startswith("ctx.") or any(k.startswith("ctx.") for k in theirs):
+        return False
+    ctx = getattr(model, "ctx", None)
+    return ctx is not None and not bool(ctx.out.weight.any()) and not bool(ctx.out.bias.any())
+
+
 def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[str, Any]) -> int:
     """Start a freshly built drafter from an export's weights (`train.init_from`), e.g. to keep training a
     drafter on a grown dataset or with a reduced draft vocabulary.
@@ -191,7 +200,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     tokens both have are copied and a token new to the draft vocabulary gets the mean of the export's rows, so
     its logit starts at the mean logit and ranks below the trained tokens (a fresh row, e.g. the target's
     LM-head row, is on another scale than the trained features and can outrank them: a grown dataset's warm
-    start then began at half the exported accuracy).
+    start then began at half the exported accuracy); (4) ReDrafter prefix attention (`ctx.`) added to an export
+    without it stays at its init, whose zero output projection leaves the logits unchanged.
 
     Args:
         model: the freshly built drafter (same family as the export).
@@ -218,7 +228,7 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
                 continue  # the draft vocabulary is this run's (built from its own data)
             if name not in theirs and _new_residual_block(name, dst, theirs):
                 continue  # a ResBlock added after the export's: kept at its identity init
-            if name not in theirs and name.startswith("ctx."):
+            if name not in theirs and _new_prefix_attention(name, model, theirs):
                 continue  # prefix attention added to an export without it: its zero output leaves logits as they were
             if name not in theirs:
                 raise ValueError(

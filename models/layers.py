@@ -65,9 +65,10 @@ def scatter_to_vocab(logits: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
 class PrefixAttention(nn.Module):
     """Multi-head attention from a draft slot's state to the committed prefix (a ReDrafter extension).
 
-    Keys and values are computed once per committed position (`memory`); a zero "sink" slot that every query
-    may attend to lets a query read nothing (and keeps rows with no visible position finite). The output
-    projection starts at zero, so adding the module to a trained drafter leaves its logits unchanged at first.
+    Keys and values are computed once per committed position (`memory`), after a zero "sink" slot that every
+    query may attend to: it lets a query read nothing (and keeps rows with no visible position finite). The sink
+    is part of the memory, so a call copies nothing. The output projection starts at zero, so adding the module
+    to a trained drafter leaves its logits unchanged at first.
     """
 
     def __init__(self, q_dim: int, k_dim: int, v_dim: int, width: int, heads: int, out_dim: int) -> None:
@@ -80,9 +81,14 @@ class PrefixAttention(nn.Module):
         self.v = nn.Linear(v_dim, width)
         self.out = ZeroInitLinear(width, out_dim)
 
-    def memory(self, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor]:
-        """k_in (..., M, Kd), v_in (..., M, Vd) -> keys, values (..., M, A), A = width."""
-        return self.k(k_in), self.v(v_in)
+    def memory(self, k_in: Tensor, v_in: Tensor, sink: bool = True) -> tuple[Tensor, Tensor]:
+        """k_in (..., M, Kd), v_in (..., M, Vd) -> keys, values (..., 1 + M, A) with the sink first (A = width);
+        (..., M, A) with `sink=False`, to append to a memory that has it."""
+        keys, values = self.k(k_in), self.v(v_in)  # (..., M, A)
+        if not sink:
+            return keys, values
+        zero = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])  # (..., 1, A)
+        return torch.cat([zero, keys], dim=-2), torch.cat([zero.to(values), values], dim=-2)
 
     def forward(
         self,
@@ -92,12 +98,12 @@ class PrefixAttention(nn.Module):
         mask: Tensor | None = None,
         rows: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """q_in (..., n, Qd); keys/values (..., M, A); mask (..., n, M) bool (True = visible; None: all)
-        -> (..., n, out_dim).
+        """q_in (..., n, Qd); keys/values (..., 1 + M, A) from `memory` (the sink first); mask (..., n, 1 + M)
+        bool (True = visible; column 0, the sink, must be True; None: all) -> (..., n, out_dim).
 
         With `rows` = (row (N,), rank (N,)) the queries come flat, q_in (1, N, Qd), and query i attends to
-        row `row[i]` of keys/values (B, M, A) under mask[row[i], rank[i]] ((B, n, M)): training batches keep only
-        a subset of each row's positions, so only the attention runs in the padded (B, n) layout.
+        row `row[i]` of keys/values (B, 1 + M, A) under mask[row[i], rank[i]] ((B, n, 1 + M)): training batches
+        keep only a subset of each row's positions, so only the attention runs in the padded (B, n) layout.
         """
         q = self.q(q_in)  # (..., n, A)
         if rows is not None:
@@ -105,19 +111,18 @@ class PrefixAttention(nn.Module):
             pad = q.new_zeros(*mask.shape[:-1], q.shape[-1])  # (B, n, A)
             pad[rows] = q[0]
             q = pad
-        sink = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])  # (..., 1, A)
-        # (..., 1 + M, A) with the sink first
-        keys, values = torch.cat([sink, keys], dim=-2), torch.cat([sink, values.to(keys)], dim=-2)
+
+        def split(x: Tensor) -> Tensor:  # (..., len, A) -> (B', heads, len, A / heads)
+            x = x.unflatten(-1, (self.heads, -1)).transpose(-3, -2)  # (..., heads, len, A / heads)
+            # 4-D for the fused CPU kernel: a 3-D call (decoding: no batch dim) takes the math path, ~10x slower
+            return x.reshape(-1, *x.shape[-3:]) if x.dim() != 4 else x
+
+        q, k, v = split(q.to(keys.dtype)), split(keys), split(values.to(keys.dtype))
         if mask is not None:
-            # (..., n, M) -> (..., 1, n, 1 + M): the sink always visible, one mask for all heads
-            mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)[..., None, :, :]
-
-        def split(x: Tensor) -> Tensor:
-            return x.unflatten(-1, (self.heads, -1)).transpose(-3, -2)  # (..., heads, len, A / heads)
-
-        q, k, v = split(q.to(keys.dtype)), split(keys), split(values)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (..., heads, n, A / heads)
-        out = out.transpose(-3, -2).flatten(-2)  # (..., n, A)
-        if rows is not None:
-            out = out[rows][None]  # (1, N, A)
+            mask = mask.reshape(-1, 1, *mask.shape[-2:])  # (B', 1, n, 1 + M): one mask for all heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B', heads, n, A / heads)
+        out = out.transpose(-3, -2).flatten(-2)  # (B', n, A)
+        out = (
+            out.reshape(*q_in.shape[:-2], *out.shape[-2:]) if rows is None else out[rows][None]
+        )  # (..., n, A)
         return self.out(out)  # (..., n, out_dim)

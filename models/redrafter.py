@@ -34,13 +34,12 @@ faster at decode time; tokens outside the draft vocabulary are never drafted (co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import field
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specdraft.models.layers import (
     PrefixAttention,
@@ -49,55 +48,8 @@ from specdraft.models.layers import (
     check_target_layers,
     draft_vocab_ids,
 )
+from specdraft.models.redrafter_config import FORMAT_VERSION, ReDrafterConfig, feature_dim
 from specdraft.models.teacher_forced import compute_loss  # the family's loss (shared with Medusa)
-
-FORMAT_VERSION = 1
-LOG_0 = -1e9  # "log(0)" that stays finite, so beam scores never become nan
-
-
-class ReDrafterConfig(PretrainedConfig):
-    """Hyper-parameters plus the identity of the target the drafter was trained for."""
-
-    model_type = "specdraft_redrafter"
-
-    architecture: str = "redrafter"  # family name used by models/registry.py
-    format_version: int = FORMAT_VERSION  # export format of specdraft drafters
-    base_model_name_or_path: str = ""  # the target (Hub id, folder, gguf, or embedded alias)
-    base_revision: str | None = None  # target revision / GGUF hash
-    base_hidden_size: int = 64  # H: width of the target's last hidden state
-    vocab_size: int = 128  # V: target vocabulary size (drafter head width)
-    tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
-    embed_dim: int | None = None  # E: token-embedding / RNN-state width (None: base_hidden_size)
-    exit_dim: int | None = (
-        None  # width of the ResBlock stack (None: embed_dim + feature width, no projection)
-    )
-    draft_len: int = 4  # D: tokens drafted after the root
-    num_layers: int = 2  # ResBlocks after [s, h]
-    rnn: bool = True  # True: s_k = SiLU(U s + W e + b); False: s_k = s_{k-1} + e (no recurrence weights)
-    share_embeddings: bool = (
-        True  # borrow the target's frozen embeddings (not saved) instead of owning a table
-    )
-    beam_width: int = 8  # default beam width at decode time
-    draft_vocab_size: int | None = None  # Vd: head width, the top training labels (None: vocab_size)
-    target_layers: list = field(default_factory=list)  # extra target hidden_states read with h ([]: none)
-    feature_dropout: float = 0.0  # dropout on the target features in training mode (0: none; eval: never)
-    context_heads: int = 0  # > 0: prefix attention over the committed positions (an extension; 0: the paper)
-    context_dim: int = 256  # A: width of the prefix attention (split over context_heads)
-    training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
-
-    def __post_init__(self, **kwargs: Any) -> None:
-        if self.embed_dim is None:
-            self.embed_dim = self.base_hidden_size
-        if self.exit_dim is None:
-            self.exit_dim = self.embed_dim + self.base_hidden_size * (1 + len(self.target_layers))
-        if self.draft_vocab_size is None:
-            self.draft_vocab_size = self.vocab_size
-        super().__post_init__(**kwargs)
-
-
-def feature_dim(config: ReDrafterConfig) -> int:
-    """Width F of the drafter's target features: H for h_t alone, H * (1 + m) with m extra `target_layers`."""
-    return int(config.base_hidden_size) * (1 + len(config.target_layers or ()))
 
 
 class ReDrafter(PreTrainedModel):
@@ -215,15 +167,18 @@ class ReDrafter(PreTrainedModel):
         p = float(self.config.feature_dropout)  # 0.0 for exports older than the field (the config default)
         return F.dropout(hidden, p, training=True) if p > 0 and self.training else hidden
 
-    def context_memory(self, last: Tensor, prev: Tensor, cur: Tensor, nxt: Tensor) -> tuple[Tensor, Tensor]:
+    def context_memory(
+        self, last: Tensor, prev: Tensor, cur: Tensor, nxt: Tensor, sink: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """Keys and values of committed positions j for the prefix attention (`context_heads` > 0).
 
         Args:
             last: (..., M, H) the target's last-layer state h_j (post norm: the first H columns of the features).
             prev, cur, nxt: (..., M) long, the tokens x_{j-1}, x_j and x_{j+1} (h_j's prediction).
+            sink: prepend the attention's zero sink slot (False: rows to append to a memory that has it).
 
         Returns:
-            keys, values: (..., M, A).
+            keys, values: (..., 1 + M, A), the sink first ((..., M, A) with `sink=False`).
         """
         if self.ctx is None:
             raise RuntimeError("context_memory needs a drafter built with context_heads > 0")
@@ -231,7 +186,7 @@ class ReDrafter(PreTrainedModel):
         w = self.head.weight
         last = last.to(device=w.device, dtype=w.dtype)
         v_in = torch.cat([self.embed_tokens(nxt), last], dim=-1)  # (..., M, E + H)
-        return self.ctx.memory(k_in, v_in)
+        return self.ctx.memory(k_in, v_in, sink)
 
     def state_logits(
         self,
@@ -244,8 +199,8 @@ class ReDrafter(PreTrainedModel):
         for this state's slot.
 
         `head` replaces the vocabulary head, (..., X) -> (..., Vd) (e.g. an int8 copy at decode time).
-        `context` (prefix attention only): keys, values (..., M, A) from `context_memory`, a visibility mask
-        (..., n, M) bool (None: every position visible) and optionally `rows` (see `PrefixAttention.forward`).
+        `context` (prefix attention only): keys, values (..., 1 + M, A) from `context_memory`, a visibility mask
+        (..., n, 1 + M) bool (column 0: the sink, always visible; None: every position visible) and optionally `rows` (see `PrefixAttention.forward`).
         """
         g_in = torch.cat([state, feats.to(state.dtype)], dim=-1)  # (..., E + F); bf16 state under autocast
         g = self.input_proj(g_in) if self.input_proj is not None else g_in  # (..., X)
@@ -278,7 +233,8 @@ class ReDrafter(PreTrainedModel):
             targets: (B, L, D) long target ids, the draft labels (-100 = ignored); slot k-1's label is fed to
                 slot k.
             context: prefix attention only (`context_heads` > 0): `last` (B', M, H) h_j, `input_ids` (B', M) x_j,
-                `next` (B', M) x_{j+1} of the rows, `mask` (B', n, M) bool (position t sees j: 2 <= j <= t) and
+                `next` (B', M) x_{j+1} of the rows, `mask` (B', n, 1 + M) bool (column 0: the attention's sink,
+                always True; column 1 + j: position t sees j when 2 <= j <= t) and
                 optionally `row`, `rank` (L,): with B = 1, position i belongs to row `row[i]` of the context and is
                 query `rank[i]` of that row's mask (`PrefixAttention.forward`).
 
@@ -303,7 +259,6 @@ class ReDrafter(PreTrainedModel):
         return torch.stack(logits, dim=2)  # (B, L, D, Vd)
 
     # ---- decoding ---------------------------------------------------------------------------------------
-    @torch.no_grad()
     def beam_search(
         self,
         hidden: Tensor,
@@ -311,47 +266,39 @@ class ReDrafter(PreTrainedModel):
         beam_width: int,
         draft_len: int,
         context: tuple[Tensor, Tensor] | None = None,
+        head: Callable[[Tensor], Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Beam search over the drafter for one position (batch size 1).
+        """Beam search over the drafter for one position (batch size 1): `redrafter_beam.beam_search`.
 
         Args:
             hidden: (F,) the target's features at the newest committed position (`forward`'s `hidden`).
             root_token: the token the target just committed (not drafted, always beams[:, 0]).
-            beam_width: W beams kept.
-            draft_len: D tokens drafted after the root.
-            context: prefix attention only: keys, values (M, A) of the committed positions (`context_memory`).
+            beam_width: W beams kept; draft_len: D tokens drafted after the root.
+            context: prefix attention only: keys, values (1 + M, A) of the committed positions, the sink first
+                (`context_memory`).
+            head: replaces the vocabulary head, (W, X) -> (W, Vd) (e.g. an int8 copy at decode time).
 
         Returns:
-            beams: (W, 1 + D) long, sorted by score, beams[:, 0] == root_token.
-            scores: (W,) float32 sum of drafter log-probs of each beam's D draft tokens (LOG_0-ish for
-            filler beams when W exceeds the number of distinct beams).
+            beams: (W', 1 + D) long target ids sorted by score, beams[:, 0] == root_token (W' = W unless fewer
+                distinct beams exist). cum: (W', 1 + D) float32 cumulative drafter log-prob of each beam prefix
+                (cum[:, 0] = 0; cum[:, -1] is the beam's score).
         """
-        dev = self.head.weight.device
-        h = self.features(hidden.reshape(1, -1)).expand(beam_width, -1)  # (W, F)
-        beams = torch.full((beam_width, 1), int(root_token), dtype=torch.long, device=dev)  # (W, 1)
-        # Only beam 0 is live at first, so step 1 spreads its top-W tokens over the W beams.
-        scores = torch.full((beam_width,), LOG_0, dtype=torch.float32, device=dev)
-        scores[0] = 0.0
-        state = self.init_state(beams[:, 0])  # (W, E)
-        ctx = None if context is None else (*context, None)  # every beam sees the whole memory
-        for k in range(draft_len):
-            if k > 0:
-                state = self.next_state(state, beams[:, -1])  # (W, E)
-            logp = torch.log_softmax(self.state_logits(state, h, context=ctx).float(), dim=-1)  # (W, Vd)
-            vocab = logp.shape[-1]
-            cand = (scores[:, None] + logp).reshape(-1)  # (W * Vd,)
-            scores, idx = cand.topk(beam_width)  # (W,), sorted descending
-            parent, token = idx // vocab, self.to_target_ids(idx % vocab)  # (W,), (W,) target ids
-            beams = torch.cat([beams[parent], token[:, None]], dim=1)  # (W, k + 2)
-            state = state[parent]  # (W, E)
-        if draft_len == 0:
-            scores = torch.where(scores > LOG_0, 0.0, scores)
-        return beams, scores
+        from specdraft.models.redrafter_beam import beam_search
+
+        return beam_search(self, hidden, root_token, beam_width, draft_len, context, head)
 
 
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------
 MODEL, CONFIG = ReDrafter, ReDrafterConfig
-__all__ = ["ReDrafter", "ReDrafterConfig", "attach", "build", "compute_loss", "init_from_lm_head"]
+__all__ = [
+    "FORMAT_VERSION",
+    "ReDrafter",
+    "ReDrafterConfig",
+    "attach",
+    "build",
+    "compute_loss",
+    "init_from_lm_head",
+]
 TARGET_LAYERS: tuple[int, ...] = ()  # per model: the loop reads `config.target_layers` (default: none)
 
 

@@ -107,7 +107,8 @@ def _forward_with_context(
     t: Tensor,
 ) -> Tensor:
     """The teacher-forced forward of a drafter with prefix attention: the N selected positions stay flat; each
-    attends to its own row's committed positions 2 <= j <= t (a (B, n, L) mask, n = most positions in a row).
+    attends to its own row's committed positions 2 <= j <= t (a (B, n, 1 + L) mask with the attention's sink
+    first, n = most positions in a row).
 
     Args:
         last: (B, L, H) the target's last-layer states of the whole batch; hidden (N, F), root (N,),
@@ -124,6 +125,7 @@ def _forward_with_context(
     tpos[b, rank] = t
     j = torch.arange(seq, device=t.device)
     mask = (j >= 2) & (j[None, None, :] <= tpos[:, :, None])  # (B, n, L)
+    mask = torch.nn.functional.pad(mask, (1, 0), value=True)  # (B, n, 1 + L): the sink column first
     ids = batch["input_ids"]
     # (B, L) x_{j+1}: the sequence itself (as at decode time), not the labels' greedy root
     nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1))

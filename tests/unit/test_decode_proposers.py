@@ -11,7 +11,6 @@ from specdraft.eval.proposers import (
     int8_supported,
     make_proposer,
     prompt_lookup,
-    redrafter_beam_search,
 )
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
@@ -30,16 +29,22 @@ def target_and_drafter():
     return target, drafter
 
 
-def test_local_beam_search_equals_drafter_beam_search(target_and_drafter):
+def test_beam_search_cum_are_the_prefix_log_probs(target_and_drafter):
+    """cum[:, k] (what `min_prob` prunes on) is the teacher-forced log-prob of each beam's first k drafts."""
     _, drafter = target_and_drafter
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         h = torch.randn(32, generator=g, dtype=torch.float64)
-        ref_beams, ref_scores = drafter.beam_search(h, 7, beam_width=6, draft_len=4)
-        beams, cum = redrafter_beam_search(drafter, drafter.head, h, 7, 6, 4)
-        assert torch.equal(beams, ref_beams)
-        torch.testing.assert_close(cum[:, -1], ref_scores)
-        assert (cum[:, 0] == 0).all() and (cum.diff(dim=1) <= 0).all()  # log-probs only decrease
+        beams, cum = drafter.beam_search(h, 7, beam_width=6, draft_len=4)
+        again, cum2 = drafter.beam_search(h, 7, 6, 4, head=drafter.head)  # an explicit head: the same search
+        assert torch.equal(again, beams) and torch.equal(cum2, cum)
+        logits = drafter(h[None, None].expand(1, 6, -1), beams[None, :, 0], beams[None, :, 1:])[
+            0
+        ]  # (W, D, V)
+        per = torch.log_softmax(logits, -1).gather(-1, beams[:, 1:, None]).squeeze(-1)  # (W, D)
+        ref = torch.nn.functional.pad(per.cumsum(-1), (1, 0))  # (W, 1 + D), 0 for the root
+        torch.testing.assert_close(cum.double(), ref, rtol=1e-6, atol=1e-6)
+        assert (cum[:-1, -1] >= cum[1:, -1]).all() and (cum.diff(dim=1) <= 0).all()
 
 
 @pytest.mark.parametrize(("int8", "min_prob"), [(False, 0.0), (True, 0.0), (False, 0.02)])

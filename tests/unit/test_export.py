@@ -62,7 +62,9 @@ def test_export_round_trip_identical_logits(tmp_path, tiny_llama, tiny_tokenizer
     torch.testing.assert_close(loaded(hidden, root, targets), model(hidden, root, targets), rtol=0, atol=0)
     b1, s1 = model.beam_search(hidden[0, 0], 5, 4, 3)
     b2, s2 = loaded.beam_search(hidden[0, 0], 5, 4, 3)
-    assert torch.equal(b1, b2) and torch.equal(s1, s2)
+    # same beams; scores to fp32 rounding (a one-row matmul may take an alignment-dependent kernel path)
+    assert torch.equal(b1, b2)
+    torch.testing.assert_close(s1, s2, rtol=0, atol=1e-6)
 
 
 def test_loaded_without_target_needs_embeddings(tmp_path, tiny_llama, tiny_tokenizer):

@@ -87,7 +87,8 @@ def test_decoder_memory_gives_the_training_logits(target_and_drafter):
         cut = min(2, t)
         proposer._update_memory(feats[:cut], ids[1 : cut + 1])  # prefill: positions 0.., tokens x_1..
         keys, values = proposer._update_memory(feats[cut : t + 1], ids[cut + 1 : t + 2])
-        assert keys.shape[0] == t - 1  # positions 2..t
+        assert keys.shape[0] == t  # the sink, then positions 2..t
+        assert not keys[0].any() and not values[0].any()
         h = drafter.features(feats[t][None])  # (1, F)
         state = drafter.init_state(ids[t + 1][None])
         for k in range(D):
@@ -98,7 +99,7 @@ def test_decoder_memory_gives_the_training_logits(target_and_drafter):
 
 
 @pytest.mark.parametrize("prompt_len", [1, 3, 20])
-@pytest.mark.parametrize("min_prob", [0.0, 0.01])  # 0.01: the `redrafter_beam_search` path (as the int8 head)
+@pytest.mark.parametrize("min_prob", [0.0, 0.01])  # 0.01: trees pruned on the cumulative log-probs
 def test_prefix_attention_decoding_is_lossless(target_and_drafter, prompt_len, min_prob):
     target, drafter = target_and_drafter
     proposer = ReDrafterProposer(drafter, 4, D + 1, lookup_tokens=4, min_prob=min_prob)
@@ -127,6 +128,12 @@ def test_warm_start_adds_prefix_attention_exactly(target_and_drafter, tmp_path):
     schema = ReDrafterSchema(
         draft_len=D, num_layers=1, target_layers=[1], exit_dim=32, context_heads=2, context_dim=16
     )
+    dst = redrafter.build(schema, target, fp).double()
+    assert dst.ctx is not None
+    with torch.no_grad():  # a used attention (non-zero output) would change the export's logits: refused
+        dst.ctx.out.weight.fill_(0.1)
+    with pytest.raises(ValueError, match="has no tensor 'ctx"):
+        warm_start(dst, str(tmp_path / "src"), fp)
     dst = redrafter.build(schema, target, fp).double()
     assert warm_start(dst, str(tmp_path / "src"), fp) == len(src.state_dict())
     ids, feats = _sequence(2)

@@ -300,6 +300,9 @@ __all__ = [
     "init_from_lm_head",
 ]
 TARGET_LAYERS: tuple[int, ...] = ()  # per model: the loop reads `config.target_layers` (default: none)
+LOW_PRECISION_OUTPUTS = (
+    True  # compute_loss takes bf16 logits (fp32 math inside): no fp32 copy (train/loop.py)
+)
 
 
 def attach(model: ReDrafter, target: PreTrainedModel) -> ReDrafter:

@@ -6,7 +6,9 @@ A family module (e.g. `models/redrafter.py`) exposes:
   * `attach(model, target) -> model`: reconnect what is borrowed from the target after loading;
   * `compute_loss(model, batch, target_out, opts) -> (loss, aux)` with aux["logits"] (N, D, V) and
     aux["targets"] (N, D), from which the loop computes every metric (so it stays family-agnostic);
-  * `TARGET_LAYERS`: intermediate target layers the family needs in `TargetOutput.layers` (() for none).
+  * `TARGET_LAYERS`: intermediate target layers the family needs in `TargetOutput.layers` (() for none);
+  * optional `LOW_PRECISION_OUTPUTS = True`: `compute_loss` takes bf16/fp16 outputs (the loop then skips
+    accelerate's fp32 copy of them); `USES_TOKEN_COUNTS = True`: `build` takes the training-label counts.
 Adding Medusa/EAGLE = one file with those names + one line in FAMILY_MODULES.
 """
 

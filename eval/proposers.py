@@ -187,7 +187,7 @@ class ReDrafterProposer:
         self._history = hist
         if first:  # the sink (and any visible positions): a buffer with room to grow
             cap = max(64, 2 * keys.shape[0])
-            self._memory = tuple(x.new_empty(cap, x.shape[-1]) for x in (keys, values))  # type: ignore[assignment]
+            self._memory = (keys.new_empty(cap, keys.shape[-1]), values.new_empty(cap, values.shape[-1]))
             self._used = 0
         assert self._memory is not None
         used, cap = self._used + keys.shape[0], self._memory[0].shape[0]

@@ -98,6 +98,29 @@ def test_decoder_memory_gives_the_training_logits(target_and_drafter):
             torch.testing.assert_close(out, ref[i, k])
 
 
+def test_decoder_memory_grows_past_its_buffer_and_resets(target_and_drafter):
+    """The proposer's memory buffer doubles when full (64 rows first): after 200 positions committed in uneven
+    calls it holds exactly the memory computed in one go; `reset` starts a new prompt from the sink alone."""
+    _, drafter = target_and_drafter
+    n = 200
+    ids, feats = _sequence(3, n + 1)
+    proposer = ReDrafterProposer(drafter, beam_width=4, beam_length=D + 1)
+    start = 0
+    for size in [1, 2, 5, 40, 3, 90, 1, 58]:  # sums to 200
+        keys, values = proposer._update_memory(feats[start : start + size], ids[start + 1 : start + size + 1])
+        start += size
+    assert start == n and keys.shape[0] == 1 + (n - 2)  # the sink, then positions 2 .. n - 1
+    j = torch.arange(2, n)
+    ref_k, ref_v = drafter.context_memory(
+        feats[j, :32], ids[j - 1], ids[j], ids[j + 1]
+    )  # (1 + n - 2, A) each
+    torch.testing.assert_close(keys, ref_k)
+    torch.testing.assert_close(values, ref_v)
+    proposer.reset()
+    keys, _ = proposer._update_memory(feats[:3], ids[1:4])
+    torch.testing.assert_close(keys, ref_k[:2])  # the sink and position 2 only
+
+
 @pytest.mark.parametrize("prompt_len", [1, 3, 20])
 @pytest.mark.parametrize("min_prob", [0.0, 0.01])  # 0.01: trees pruned on the cumulative log-probs
 def test_prefix_attention_decoding_is_lossless(target_and_drafter, prompt_len, min_prob):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -125,3 +126,32 @@ def test_unknown_baseline_is_a_clear_error(assets, tmp_path):
         )
     with pytest.raises(ValueError, match="eval.baselines"):
         evaluate(cfg)
+
+
+def test_draft_dtype_casts_the_drafter_and_stays_lossless(assets, tmp_path, monkeypatch):
+    """`eval.draft_dtype=bf16` drafts with a bf16 copy next to an fp32 target: the drafts change, the output
+    does not; an unknown dtype is a clear error naming the field."""
+    GlobalHydra.instance().clear()
+    register_configs()
+    extra = ["eval.limit=1", "eval.benches=[mt_bench]", "eval.baselines=[]", "eval.plots=false",
+             "eval.warmup=0", "eval.check_lossless=true", "eval.near_tie_gap=0"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=_overrides(assets, tmp_path, *extra, "eval.draft_dtype=bf16")
+        )
+        bad = compose(
+            config_name="config", overrides=_overrides(assets, tmp_path, *extra, "eval.draft_dtype=fp8")
+        )
+    from specdraft.eval import proposers
+
+    seen: list[torch.dtype] = []
+    make = proposers.make_proposer
+    monkeypatch.setattr(
+        proposers, "make_proposer", lambda d, *a: seen.append(d.head.weight.dtype) or make(d, *a)
+    )
+    res = json.loads(evaluate(cfg).read_text())
+    assert seen == [torch.bfloat16]  # the drafter the proposer drafts with
+    spec = next(s for s in res["summary"] if s["method"] == "redrafter:drafter")
+    assert spec["identical"] == spec["total"] == 2  # both turns token for token
+    with pytest.raises(ValueError, match="eval.draft_dtype='fp8'"):
+        evaluate(bad)

@@ -58,7 +58,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     """The AR reference, one method per drafter, then the transformers baselines (and why any was skipped)."""
     from specdraft.eval import runner
     from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
-    from specdraft.models.base_llm import DTYPES, target_fingerprint
+    from specdraft.models.base_llm import resolve_dtype, target_fingerprint
     from specdraft.models.hub import load_drafter
 
     e = cfg.eval
@@ -68,9 +68,8 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     for path in _drafter_paths(cfg):
         drafter = load_drafter(path, model, fingerprint)
         if e.draft_dtype:  # e.g. bf16: small matmuls of a few beams run ~2x faster than fp32 on CPU
-            if e.draft_dtype not in DTYPES:
-                raise ValueError(f"eval.draft_dtype={e.draft_dtype!r} is not one of {sorted(set(DTYPES))}")
-            torch.nn.Module.to(drafter, DTYPES[e.draft_dtype])  # (PreTrainedModel.to is typed as a wrapper)
+            dtype = resolve_dtype(e.draft_dtype, "eval.draft_dtype")
+            torch.nn.Module.to(drafter, dtype)  # (PreTrainedModel.to is typed as a wrapper)
         base_name = f"{drafter_family(drafter)}:{Path(path).name or path}"
         variants = [(base_name, 0)]
         if e.lookup_tokens and drafter_family(drafter) == "redrafter":  # also with a prompt-lookup beam

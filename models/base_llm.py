@@ -58,12 +58,12 @@ class TargetOutput:
     past_key_values: Any
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map "fp32"/"bf16"/"fp16" (or a torch.dtype) to a torch.dtype, with a clear error otherwise."""
+def resolve_dtype(name: str | torch.dtype, field: str = "base_model.dtype") -> torch.dtype:
+    """Map "fp32"/"bf16"/"fp16" (or a torch.dtype) to a torch.dtype, with a clear error naming `field` otherwise."""
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"base_model.dtype={name!r} is not one of {sorted(set(DTYPES))}")
+        raise ValueError(f"{field}={name!r} is not one of {sorted(set(DTYPES))}")
     return DTYPES[name]
 
 

@@ -124,9 +124,7 @@ class Medusa(PreTrainedModel):
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------
 MODEL, CONFIG = Medusa, MedusaConfig
 TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer hidden state is needed
-LOW_PRECISION_OUTPUTS = (
-    True  # compute_loss takes bf16 logits (fp32 math inside): no fp32 copy (train/loop.py)
-)
+LOW_PRECISION_OUTPUTS = True  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
 
 
 def attach(model: Medusa, target: PreTrainedModel) -> Medusa:

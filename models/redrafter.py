@@ -200,7 +200,8 @@ class ReDrafter(PreTrainedModel):
 
         `head` replaces the vocabulary head, (..., X) -> (..., Vd) (e.g. an int8 copy at decode time).
         `context` (prefix attention only): keys, values (..., 1 + M, A) from `context_memory`, a visibility mask
-        (..., n, 1 + M) bool (column 0: the sink, always visible; None: every position visible) and optionally `rows` (see `PrefixAttention.forward`).
+        (..., n, 1 + M) bool (column 0: the sink, always visible; None: every position visible) and optionally
+        `rows` (see `PrefixAttention.forward`).
         """
         g_in = torch.cat([state, feats.to(state.dtype)], dim=-1)  # (..., E + F); bf16 state under autocast
         g = self.input_proj(g_in) if self.input_proj is not None else g_in  # (..., X)
@@ -300,9 +301,7 @@ __all__ = [
     "init_from_lm_head",
 ]
 TARGET_LAYERS: tuple[int, ...] = ()  # per model: the loop reads `config.target_layers` (default: none)
-LOW_PRECISION_OUTPUTS = (
-    True  # compute_loss takes bf16 logits (fp32 math inside): no fp32 copy (train/loop.py)
-)
+LOW_PRECISION_OUTPUTS = True  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
 
 
 def attach(model: ReDrafter, target: PreTrainedModel) -> ReDrafter:

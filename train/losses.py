@@ -69,16 +69,22 @@ def soft_kl(
     """
     d = logits.shape[-2]
     logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids.clamp_min(0))  # (..., D, k)
-    logp = torch.log_softmax(topk_logprobs.float(), dim=-1)  # (..., D, k) renormalised teacher
-    p = logp.exp()  # (..., D, k)
-    keep = p > 0  # -inf teacher entries drop out (and all -inf rows, nan here, give 0 and a 0 gradient)
-    p, logp = torch.where(keep, p, 0.0), torch.where(keep, logp, 0.0)
+    p, logp = _teacher(topk_logprobs)  # (..., D, k) each
     kl = (p * (logp - logq)).sum(-1)  # (..., D)
     vf = valid.float()
     per_slot = (kl * vf).reshape(-1, d).sum(0) / vf.reshape(-1, d).sum(0).clamp_min(1.0)  # (D,)
     if weights is not None:
         per_slot = per_slot * weights.to(per_slot)
     return per_slot.sum()
+
+
+def _teacher(topk_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """Cached teacher top-k log-probs (..., k) -> renormalised (p, log p) (..., k) float32; -inf entries drop out
+    as p = log p = 0 (an all -inf row, nan after renormalising, too: it adds 0 and a 0 gradient)."""
+    logp = torch.log_softmax(topk_logprobs.float(), dim=-1)  # (..., k)
+    p = logp.exp()
+    keep = p > 0
+    return torch.where(keep, p, 0.0), torch.where(keep, logp, 0.0)
 
 
 def distill_loss(
@@ -123,23 +129,23 @@ def distill_loss(
         valid = (tg != IGNORE_INDEX).float()  # (N, D)
         c_ce = (valid * (w / valid.sum(0).clamp_min(1.0))).reshape(-1)  # (R,) weight of each row's CE
         labels = tg.clamp_min(0).reshape(-1)  # (R,)
-    c_kl, ids, p = zero, torch.zeros(rows, 1, dtype=torch.long, device=logits.device), zero[:, None]
+    c_kl, ids = zero, torch.zeros(rows, 1, dtype=torch.long, device=logits.device)
+    p = logp = zero[:, None]
     if kl is not None:
         topk_ids, topk_logprobs, kl_valid = kl
         k = topk_ids.shape[-1]
         vf = kl_valid.reshape(-1, d).float()  # (N, D)
         c_kl = (vf * (kl_weight * w / vf.sum(0).clamp_min(1.0))).reshape(-1)  # (R,)
         ids = topk_ids.clamp_min(0).reshape(-1, k)  # (R, k)
-        # (R, k) the renormalised teacher
-        p = torch.log_softmax(topk_logprobs.float(), dim=-1).exp().reshape(-1, k)
-        p = torch.where(p > 0, p, 0.0)  # -inf entries (and all -inf rows: nan) drop out, as in `soft_kl`
+        p, logp = (x.reshape(-1, k) for x in _teacher(topk_logprobs))  # (R, k) each, as in `soft_kl`
     if chunk_rows is None:
         chunk_rows = (1 << 20 if logits.device.type == "cpu" else 1 << 24) // v
-    return _ChunkedDistill.apply(flat, labels, c_ce, ids, p, c_kl, max(1, int(chunk_rows)))
+    return _ChunkedDistill.apply(flat, labels, c_ce, ids, p, logp, c_kl, max(1, int(chunk_rows)))
 
 
 class _ChunkedDistill(torch.autograd.Function):
-    """sum_r c_ce[r] * CE_r + c_kl[r] * KL_r over rows of (R, V) logits, chunk by chunk (see `distill_loss`)."""
+    """sum_r c_ce[r] * CE_r + c_kl[r] * KL_r over rows of (R, V) logits, chunk by chunk (see `distill_loss`);
+    the teacher comes as (p, log p) (R, k) from `_teacher`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -149,13 +155,13 @@ class _ChunkedDistill(torch.autograd.Function):
         c_ce: Tensor,
         ids: Tensor,
         p: Tensor,
+        logp: Tensor,
         c_kl: Tensor,
         chunk: int,
     ) -> Tensor:
         dt = torch.promote_types(logits.dtype, torch.float32)  # fp32 math for bf16/fp16 logits, fp64 stays
         lses = torch.empty(logits.shape[0], dtype=dt, device=logits.device)  # (R,) logsumexp
         total = torch.zeros((), dtype=dt, device=logits.device)
-        logp = torch.where(p > 0, p.clamp_min(1e-45).log(), 0.0)  # (R, k) teacher log-probs, 0 where dropped
         for s in range(0, logits.shape[0], chunk):
             e = slice(s, s + chunk)
             lg = logits[e].to(dt)  # (r, V)
@@ -180,7 +186,7 @@ class _ChunkedDistill(torch.autograd.Function):
             g.scatter_add_(-1, labels[e, None], -c_ce[e, None].to(g.dtype))
             g.scatter_add_(-1, ids[e], -(c_kl[e, None] * p[e]).to(g.dtype))
             grad[e] = g * grad_out
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def topk_hits(logits: Tensor, targets: Tensor, k: int = 1) -> Tensor:

@@ -138,11 +138,12 @@ class Collator:
     context_positions: bool = (
         False  # also train prompt/user positions on the target's greedy chain (cached top-k)
     )
+    copy_ngram: int = 0  # > 0: add the copy gate's lookup candidates (ReDrafter `copy_ngram`)
 
     def __call__(self, items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         """items -> batch: input_ids/attention_mask/root (B, L), targets (B, L, D), pos_mask (B, L) bool,
         optional hidden (B, L, H), hidden_layers (B, L, m, H), topk_ids/topk_logprobs (B, L, k); `num_positions` ()
-        trainable positions."""
+        trainable positions; with `copy_ngram`, copy_ids (B, L, D) (-1: none) and copy_len (B, L, D)."""
         bsz, seq = len(items), max(int(it["input_ids"].shape[0]) for it in items)
         batch = {
             "input_ids": torch.full((bsz, seq), self.pad_id, dtype=torch.long),
@@ -151,6 +152,9 @@ class Collator:
             "targets": torch.full((bsz, seq, self.draft_len), IGNORE_INDEX, dtype=torch.long),
             "pos_mask": torch.zeros(bsz, seq, dtype=torch.bool),
         }
+        if self.copy_ngram > 0:
+            batch["copy_ids"] = torch.full((bsz, seq, self.draft_len), -1, dtype=torch.long)
+            batch["copy_len"] = torch.zeros(bsz, seq, self.draft_len, dtype=torch.long)
         for key in FEATURE_KEYS:
             if key in items[0]:
                 shape, dtype = items[0][key].shape[1:], items[0][key].dtype
@@ -170,6 +174,13 @@ class Collator:
             batch["input_ids"][b, :n] = it["input_ids"]
             batch["attention_mask"][b, :n] = 1
             batch["root"][b, :n], batch["targets"][b, :n], batch["pos_mask"][b, :n] = root, targets, pos
+            if self.copy_ngram > 0:
+                from specdraft.models.copy_lookup import ngram_candidates, slot_candidates
+
+                cand, length = ngram_candidates(it["input_ids"].tolist(), self.copy_ngram)  # (L,) each
+                batch["copy_ids"][b, :n], batch["copy_len"][b, :n] = slot_candidates(
+                    torch.tensor(cand), torch.tensor(length), it["input_ids"], root, targets
+                )  # (L, D) each
             for key in FEATURE_KEYS:
                 if key in batch:
                     batch[key][b, :n] = it[key]

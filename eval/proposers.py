@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from specdraft.eval.tree import PAD, DraftTree, pack_beams, pad_beams
+from specdraft.models.copy_lookup import NgramIndex
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -109,7 +110,7 @@ class ReDrafterProposer:
     """Beam search with a ReDrafter RNN drafter + dynamic tree attention (prefix dedup).
 
     Args:
-        drafter: exposes `beam_search(hidden (F,), root_token: int, beam_width, draft_len, context, head)
+        drafter: exposes `beam_search(hidden (F,), root_token: int, beam_width, draft_len, context, head, copy)
             -> (beams (W, 1+draft_len) long, cum (W, 1+draft_len))` with `beams[:, 0] == root_token`.
         beam_width: W.
         beam_length: 1 + draft_len (root included).
@@ -156,11 +157,16 @@ class ReDrafterProposer:
         # keys, values (capacity, A): rows [: self._used] are the sink, then positions 2 .. m - 1
         self._memory: tuple[Tensor, Tensor] | None = None
         self._used = 0
+        # copy gate (`copy_ngram` > 0): m-gram index of the committed tokens before the root, grown each step
+        self.copy_ngram = int(getattr(cfg, "copy_ngram", 0) or 0)
+        self._copy: NgramIndex | None = None
+        self._root: int | None = None  # the previous call's root: committed, indexed on the next call
 
     def reset(self) -> None:
         """Forget the previous prompt."""
         self.last_compression = None
         self._history, self._memory, self._used = None, None, 0
+        self._copy, self._root = None, None
         if self.lookup is not None:
             self.lookup.reset()
 
@@ -201,6 +207,15 @@ class ReDrafterProposer:
         self._used = used
         return self._memory[0][:used], self._memory[1][:used]
 
+    def _update_copy_index(self, tokens: Tensor) -> NgramIndex:
+        """Index the committed tokens before the new root (tokens[-1]): the previous root, then tokens[:-1]."""
+        if self._copy is None:
+            self._copy = NgramIndex(self.copy_ngram)
+        new = ([] if self._root is None else [self._root]) + tokens[:-1].tolist()
+        self._copy.extend(new)
+        self._root = int(tokens[-1])
+        return self._copy
+
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
         """Beams from the newest position (hidden[-1], root tokens[-1]) packed into a tree.
@@ -220,8 +235,9 @@ class ReDrafterProposer:
                 tokens[-1:].clone(), torch.full((1,), -1, dtype=torch.long, device=tokens.device)
             )
         context = self._update_memory(hidden, tokens) if self.uses_context else None
+        copy = self._update_copy_index(tokens) if self.copy_ngram else None
         beams, cum = self.drafter.beam_search(
-            hidden[-1], root, self.beam_width, self.draft_len, context, self.head
+            hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy
         )  # (W, 1+D) each
         if self.min_logp is not None:
             beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails

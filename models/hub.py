@@ -189,6 +189,15 @@ def _new_prefix_attention(name: str, model: Any, theirs: dict[str, Any]) -> bool
     return ctx is not None and not bool(ctx.out.weight.any()) and not bool(ctx.out.bias.any())
 
 
+def _new_copy_gate(name: str, model: Any, theirs: dict[str, Any]) -> bool:
+    """True for a parameter of a ReDrafter copy gate (`copy_gate.`) when the export has none and the gate's output
+    layer and per-length bias are still at their zero init (lam = 1/2 on every lookup candidate, `CopyGate`)."""
+    if not name.startswith("copy_gate.") or any(k.startswith("copy_gate.") for k in theirs):
+        return False
+    gate = getattr(model, "copy_gate", None)
+    return gate is not None and not any(bool(p.any()) for p in (*gate.out.parameters(), gate.length_bias))
+
+
 def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[str, Any]) -> int:
     """Start a freshly built drafter from an export's weights (`train.init_from`), e.g. to keep training a
     drafter on a grown dataset or with a reduced draft vocabulary.
@@ -201,7 +210,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     its logit starts at the mean logit and ranks below the trained tokens (a fresh row, e.g. the target's
     LM-head row, is on another scale than the trained features and can outrank them: a grown dataset's warm
     start then began at half the exported accuracy); (4) ReDrafter prefix attention (`ctx.`) added to an export
-    without it stays at its init, whose zero output projection leaves the logits unchanged.
+    without it stays at its init, whose zero output projection leaves the logits unchanged; (5) a ReDrafter copy
+    gate (`copy_gate.`) added to an export without it starts at its init: copy weight 1/2 on every lookup candidate.
 
     Args:
         model: the freshly built drafter (same family as the export).
@@ -230,6 +240,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
                 continue  # a ResBlock added after the export's: kept at its identity init
             if name not in theirs and _new_prefix_attention(name, model, theirs):
                 continue  # prefix attention added to an export without it: its zero output leaves logits as they were
+            if name not in theirs and _new_copy_gate(name, model, theirs):
+                continue  # a copy gate added to an export without it: starts at its init (lam = 1/2)
             if name not in theirs:
                 raise ValueError(
                     f"train.init_from={path_or_hub_id!r} has no tensor {name!r} "

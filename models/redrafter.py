@@ -25,6 +25,10 @@ every slot also queries the committed positions 2 <= j <= t (`layers.PrefixAtten
 values from [e(x_{j+1}); h_j]) and the read is added to g after the input projection. It can learn to copy what
 followed an earlier occurrence of the current token (prompt lookup, learnt) and to recover context h_t lost.
 
+Copy gate (an extension of the paper, off by default): with `copy_ngram` = n > 0 each slot mixes a learnt weight of
+its prompt-lookup candidate into its distribution (the token after the newest earlier occurrence of the context's suffix
+m-gram, m <= n), so the drafter can copy the repetitions a small target makes (`models/copy_lookup.py`).
+
 Draft vocabulary: with `draft_vocab_size` Vd < V the head scores only the Vd most frequent training labels
 (buffer `d2t` (Vd,): target id = draft id + d2t[draft id], as EAGLE-3 exports it). The head is most of the
 drafter's compute (V = 49,152 for SmolLM2, 128,256 for Llama 3): Vd = 16,384 trains ~3x faster here and drafts
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from specdraft.models.copy_lookup import CopyGate, NgramIndex, mix_logits
 from specdraft.models.layers import (
     PrefixAttention,
     ResBlock,
@@ -82,6 +87,9 @@ class ReDrafter(PreTrainedModel):
         # keys [e(x_j); e(x_{j-1})], values [e(x_{j+1}); h_j], queries [s_k; features of t]; output added to g
         width = int(config.context_dim)
         self.ctx = PrefixAttention(e + h, 2 * e, e + hid, width, heads, x) if heads else None
+        n_copy = int(config.copy_ngram or 0)  # 0 for exports older than the field
+        gate_args = (int(config.copy_hidden), float(config.copy_scale))
+        self.copy_gate = CopyGate(x, e, n_copy, *gate_args) if n_copy else None
         self._borrowed: list[nn.Embedding] = []  # the target's embedding, hidden from state_dict/parameters
         self.post_init()
 
@@ -194,6 +202,7 @@ class ReDrafter(PreTrainedModel):
         feats: Tensor,
         head: Callable[[Tensor], Tensor] | None = None,
         context: tuple | None = None,
+        copy: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """state (..., n, E), feats (..., n, F) from `features` -> logits (..., n, Vd) over the draft vocabulary
         for this state's slot.
@@ -202,6 +211,8 @@ class ReDrafter(PreTrainedModel):
         `context` (prefix attention only): keys, values (..., 1 + M, A) from `context_memory`, a visibility mask
         (..., n, 1 + M) bool (column 0: the sink, always visible; None: every position visible) and optionally
         `rows` (see `PrefixAttention.forward`).
+        `copy` (copy gate only): the slot's lookup candidates (..., n) target ids (-1: none) and their match
+        lengths (..., n) (0: none); the logits become those of the gate's mixture with each candidate.
         """
         g_in = torch.cat([state, feats.to(state.dtype)], dim=-1)  # (..., E + F); bf16 state under autocast
         g = self.input_proj(g_in) if self.input_proj is not None else g_in  # (..., X)
@@ -209,11 +220,23 @@ class ReDrafter(PreTrainedModel):
             g = g + self.ctx(g_in, *context).to(g.dtype)  # (..., n, X)
         for block in self.blocks:
             g = block(g)
-        return (self.head if head is None else head)(g)  # (..., Vd)
+        logits = (self.head if head is None else head)(g)  # (..., Vd)
+        if self.copy_gate is None or copy is None:
+            return logits
+        cand, length = copy
+        draft = self.to_draft_ids(cand, missing=-1)  # (..., n); tokens outside the draft vocabulary: no copy
+        length = length.to(draft.device).masked_fill(draft < 0, 0)
+        lam = self.copy_gate(g, self.embed_tokens(cand), length)  # (..., n), 0 without a candidate
+        return mix_logits(logits, draft.clamp_min(0), lam)  # (..., Vd)
 
     # ---- training ---------------------------------------------------------------------------------------
     def forward(
-        self, hidden: Tensor, root: Tensor, targets: Tensor, context: dict[str, Tensor] | None = None
+        self,
+        hidden: Tensor,
+        root: Tensor,
+        targets: Tensor,
+        context: dict[str, Tensor] | None = None,
+        copy: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Teacher-forced logits of every draft slot at every position.
 
@@ -238,6 +261,8 @@ class ReDrafter(PreTrainedModel):
                 always True; column 1 + j: position t sees j when 2 <= j <= t) and
                 optionally `row`, `rank` (L,): with B = 1, position i belongs to row `row[i]` of the context and is
                 query `rank[i]` of that row's mask (`PrefixAttention.forward`).
+            copy: copy gate only (`copy_ngram` > 0): the lookup candidates (B, L, D) target ids (-1: none) and
+                match lengths (B, L, D) of every slot (`copy_lookup.slot_candidates`).
 
         Returns:
             logits: (B, L, D, Vd) over the draft vocabulary (Vd = V unless `draft_vocab_size` is set).
@@ -245,6 +270,8 @@ class ReDrafter(PreTrainedModel):
         feats = self.features(hidden)  # (B, L, F)
         state = self.init_state(root)  # (B, L, E)
         ctx = None
+        if self.copy_gate is not None and copy is None:
+            raise ValueError("a drafter with copy_ngram > 0 needs the slots' lookup candidates (`copy`)")
         if self.ctx is not None:
             if context is None:
                 raise ValueError("a drafter with context_heads > 0 needs the prefix `context`")
@@ -256,7 +283,8 @@ class ReDrafter(PreTrainedModel):
         for k in range(targets.shape[-1]):
             if k > 0:
                 state = self.next_state(state, targets[..., k - 1])  # (B, L, E)
-            logits.append(self.state_logits(state, feats, context=ctx))  # (B, L, V)
+            slot_copy = None if copy is None else (copy[0][..., k], copy[1][..., k])  # (B, L) each
+            logits.append(self.state_logits(state, feats, context=ctx, copy=slot_copy))  # (B, L, Vd)
         return torch.stack(logits, dim=2)  # (B, L, D, Vd)
 
     # ---- decoding ---------------------------------------------------------------------------------------
@@ -268,6 +296,7 @@ class ReDrafter(PreTrainedModel):
         draft_len: int,
         context: tuple[Tensor, Tensor] | None = None,
         head: Callable[[Tensor], Tensor] | None = None,
+        copy: NgramIndex | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Beam search over the drafter for one position (batch size 1): `redrafter_beam.beam_search`.
 
@@ -278,6 +307,7 @@ class ReDrafter(PreTrainedModel):
             context: prefix attention only: keys, values (1 + M, A) of the committed positions, the sink first
                 (`context_memory`).
             head: replaces the vocabulary head, (W, X) -> (W, Vd) (e.g. an int8 copy at decode time).
+            copy: copy gate only: the committed tokens before the root (`copy_lookup.NgramIndex`).
 
         Returns:
             beams: (W', 1 + D) long target ids sorted by score, beams[:, 0] == root_token (W' = W unless fewer
@@ -286,7 +316,7 @@ class ReDrafter(PreTrainedModel):
         """
         from specdraft.models.redrafter_beam import beam_search
 
-        return beam_search(self, hidden, root_token, beam_width, draft_len, context, head)
+        return beam_search(self, hidden, root_token, beam_width, draft_len, context, head, copy)
 
 
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------
@@ -356,6 +386,9 @@ def build(
         feature_dropout=dropout,
         context_heads=int(getattr(schema, "context_heads", 0) or 0),
         context_dim=int(getattr(schema, "context_dim", 256) or 256),
+        copy_ngram=int(getattr(schema, "copy_ngram", 0) or 0),
+        copy_hidden=int(getattr(schema, "copy_hidden", 64) or 64),
+        copy_scale=float(getattr(schema, "copy_scale", 8.0) or 8.0),
     )
     model = ReDrafter(config)
     emb = cast(nn.Embedding, target.get_input_embeddings()).weight

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from specdraft.models.copy_lookup import NgramIndex
     from specdraft.models.redrafter import ReDrafter
 
 
@@ -25,6 +26,7 @@ def beam_search(
     draft_len: int,
     context: tuple[Tensor, Tensor] | None = None,
     head: Callable[[Tensor], Tensor] | None = None,
+    copy: NgramIndex | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Beam search over the drafter's slots from the newest committed position.
 
@@ -38,6 +40,8 @@ def beam_search(
         draft_len: D tokens drafted after the root.
         context: prefix attention only: keys, values (1 + M, A), the sink first (`ReDrafter.context_memory`).
         head: (W, X) -> (W, Vd) draft-vocabulary logits (None: the drafter's head; e.g. an `Int8Linear`).
+        copy: copy gate only (`copy_ngram` > 0): the committed tokens before the root; each beam's candidate is
+            looked up on them + the beam (root and drafted tokens), as in training.
 
     Returns:
         beams (W', 1 + D) long target ids sorted by score (W' = W unless fewer distinct beams exist); cum
@@ -55,7 +59,8 @@ def beam_search(
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[:, -1])  # (W, E)
-        logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head, context=ctx)  # (W, Vd)
+        cands = None if copy is None else copy.lookup_beams(beams)  # (W,), (W,): candidate, match length
+        logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head, ctx, cands)  # (W, Vd)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (W, Vd)
         vocab = logp.shape[-1]
         scores, idx = (scores[:, None] + logp).reshape(-1).topk(min(beam_width, logp.numel()))  # (W,)

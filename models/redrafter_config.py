@@ -42,6 +42,9 @@ class ReDrafterConfig(PretrainedConfig):
     feature_dropout: float = 0.0  # dropout on the target features in training mode (0: none; eval: never)
     context_heads: int = 0  # > 0: prefix attention over the committed positions (an extension; 0: the paper)
     context_dim: int = 256  # A: width of the prefix attention (split over context_heads)
+    copy_ngram: int = 0  # > 0: copy gate on the prompt-lookup candidate of suffix n-grams up to this (0: off)
+    copy_hidden: int = 64  # hidden width of the copy gate
+    copy_scale: float = 8.0  # the gate's output multiplier (an Adam step moves the bias this many times lr)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:

@@ -52,8 +52,17 @@ def compute_loss(
         extra = target_out.layers[b, t].flatten(1).to(hidden)  # (N, m*H)
         hidden = torch.cat([hidden, extra], dim=-1)  # (N, H * (1 + m))
     root, targets = batch["root"][b, t], batch["targets"][b, t, :d]  # (N,), (N, D) target ids
+    copy = None
+    if getattr(inner.config, "copy_ngram", 0):  # ReDrafter with the copy gate: the slots' lookup candidates
+        if "copy_ids" not in batch:
+            raise ValueError(
+                "the drafter has copy_ngram > 0 but the batch has no `copy_ids` (build the Collator with copy_ngram)"
+            )
+        copy = (batch["copy_ids"][b, t, :d][None], batch["copy_len"][b, t, :d][None])  # (1, N, D) each
     if getattr(inner.config, "context_heads", 0):  # ReDrafter with prefix attention: rows of the batch kept
-        logits = _forward_with_context(model, batch, target_out.hidden, hidden, root, targets, b, t)
+        logits = _forward_with_context(model, batch, target_out.hidden, hidden, root, targets, b, t, copy)
+    elif copy is not None:
+        logits = model(hidden[None], root[None], targets[None], copy=copy)[0]  # (N, D, Vd)
     else:
         logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
     # (N, D) draft ids, -1 for padding and tokens outside the draft vocabulary (one lookup, used twice below)
@@ -109,6 +118,7 @@ def _forward_with_context(
     targets: Tensor,
     b: Tensor,
     t: Tensor,
+    copy: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The teacher-forced forward of a drafter with prefix attention: the N selected positions stay flat; each
     attends to its own row's committed positions 2 <= j <= t (a (B, n, 1 + L) mask with the attention's sink
@@ -116,7 +126,8 @@ def _forward_with_context(
 
     Args:
         last: (B, L, H) the target's last-layer states of the whole batch; hidden (N, F), root (N,),
-            targets (N, D): the selected positions' inputs; b, t (N,): their row and position (row-major order).
+            targets (N, D): the selected positions' inputs; b, t (N,): their row and position (row-major order);
+            copy: the copy gate's candidates and match lengths (1, N, D) each, or None.
 
     Returns:
         logits (N, D, Vd).
@@ -134,4 +145,4 @@ def _forward_with_context(
     # (B, L) x_{j+1}: the sequence itself (as at decode time), not the labels' greedy root
     nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1))
     ctx = {"last": last, "input_ids": ids, "next": nxt, "mask": mask, "row": b, "rank": rank}
-    return model(hidden[None], root[None], targets[None], context=ctx)[0]  # (N, D, Vd)
+    return model(hidden[None], root[None], targets[None], context=ctx, copy=copy)[0]  # (N, D, Vd)

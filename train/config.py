@@ -23,6 +23,9 @@ class ReDrafterSchema:
     feature_dropout: float = 0.0  # dropout on [h; layers] while training (a regulariser; 0: none)
     context_heads: int = 0  # > 0: prefix attention over the committed positions (an extension; 0: the paper)
     context_dim: int = 256  # width of that attention, split over context_heads
+    copy_ngram: int = 0  # > 0: learnt copy of the prompt-lookup candidate, n-grams up to this (an extension)
+    copy_hidden: int = 64  # hidden width of the copy gate
+    copy_scale: float = 8.0  # multiplier of the gate's output (lets Adam move the bias by several nats)
 
 
 @dataclass

@@ -152,9 +152,10 @@ def train(cfg: DictConfig) -> Path:
             list(layers),
             list(feats.get("layers") or ()),
         )
-    collate = Collator(pad_id=int(tokenizer.pad_token_id), draft_len=int(cfg.drafter.draft_len))
+    copy_ngram = int(getattr(model.config, "copy_ngram", 0) or 0)  # ReDrafter copy gate: lookup candidates
+    collate = Collator(int(tokenizer.pad_token_id), int(cfg.drafter.draft_len), copy_ngram=copy_ngram)
     # held-out metrics always score assistant positions only (what decoding sees)
-    train_collate = Collator(collate.pad_id, collate.draft_len, bool(cfg.train.context_positions))
+    train_collate = Collator(collate.pad_id, collate.draft_len, bool(cfg.train.context_positions), copy_ngram)
     sampler = EpochSampler(len(train_rows), cfg.train.seed)
     loader = DataLoader(
         RowDataset(train_rows, feats, layers=cached),

@@ -157,3 +157,28 @@ def test_prefix_attention_warm_starts_exactly_trains_and_decodes_losslessly(refe
     ref_out, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
     out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
     assert out == ref_out
+
+
+def test_copy_gate_warm_starts_exactly_trains_and_decodes_losslessly(reference, assets):
+    """drafter.copy_ngram on top of an export without it: the run starts, training moves the gate, and the export
+    decodes with the grown n-gram index losslessly."""
+    from specdraft.eval.decode import ar_generate, speculative_generate
+    from specdraft.eval.proposers import make_proposer
+
+    run_train(
+        assets, "copy", f"train.init_from={reference / 'export'}", "drafter.copy_ngram=3",
+        "drafter.copy_hidden=8", "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4",
+        "optim.lr=1e-2", "train.eval_at_start=true",
+    )  # fmt: skip
+    warm = [r for r in read_metrics(assets / "runs" / "copy") if "eval/loss" in r]
+    assert [r["step"] for r in warm] == [0, 4]
+    assert warm[1]["eval/loss"] != warm[0]["eval/loss"]
+    target = tiny_llama()
+    drafter = load_drafter(str(assets / "runs" / "copy" / "export"), target=target)
+    assert drafter.config.copy_ngram == 3 and float(drafter.copy_gate.length_bias.detach().abs().sum()) > 0
+    proposer = make_proposer(drafter)
+    assert proposer.copy_ngram == 3
+    prompt = torch.tensor([5, 6, 7, 5, 6, 7, 5, 6])
+    ref_out, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
+    out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
+    assert out == ref_out

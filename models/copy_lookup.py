@@ -1,0 +1,227 @@
+"""Copy gate for ReDrafter (an extension of the paper, off by default: `copy_ngram` = 0).
+
+A small target repeats itself: in SmolLM2-135M's own greedy answers about 40% of the positions end a 3-gram seen
+earlier in the conversation, and the token that followed it then comes next 84% of the time. The drafter's MLP
+cannot see the prefix, so it cannot copy. With `copy_ngram` = n > 0 every draft slot gets one *lookup candidate*:
+
+    c_k = the token after the most recent earlier occurrence of the longest suffix m-gram (m <= n) of the
+          context x_0 .. x_{t+1}, tok_1 .. tok_k that the slot has seen (prompt lookup, one token)
+
+and the drafter adds a learnt bias to that token's logit, b_k = gate([g_k; e(c_k)]) + bias[m], where g_k is the
+slot's last ResBlock output. The gate decides, from the drafter's own state and the match length, how far to
+trust the copy; its output layer and the per-length bias start at zero, so an export without the gate is
+reproduced exactly at the start of a warm-started run. The same candidates are computed in training (the row's
+own tokens, `ngram_candidates`) and at decode time (`NgramIndex` over the committed tokens, per beam).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdraft.models.layers import ZeroInitLinear
+
+NO_CANDIDATE = -1  # candidate id when no suffix n-gram occurred before
+
+
+def ngram_candidates(ids: list[int], max_ngram: int) -> tuple[list[int], list[int]]:
+    """The lookup candidate after every position of a token sequence.
+
+    Args:
+        ids: (L,) the tokens.
+        max_ngram: n, the longest suffix n-gram matched.
+
+    Returns:
+        cand (L,): cand[p] = ids[q + 1] for the most recent q < p whose m-gram ids[q-m+1 .. q] equals
+            ids[p-m+1 .. p], with the largest m <= n that has such a q (`NO_CANDIDATE` when none);
+        length (L,): that m (0 when none).
+    """
+    cand, length = [NO_CANDIDATE] * len(ids), [0] * len(ids)
+    last: dict[tuple[int, ...], int] = {}  # m-gram -> the latest position it ended at (before p)
+    for p in range(len(ids)):
+        for m in range(min(max_ngram, p + 1), 0, -1):
+            q = last.get(tuple(ids[p - m + 1 : p + 1]))
+            if q is not None:
+                cand[p], length[p] = ids[q + 1], m
+                break
+        for m in range(1, min(max_ngram, p + 1) + 1):
+            last[tuple(ids[p - m + 1 : p + 1])] = p
+    return cand, length
+
+
+class NgramIndex:
+    """Incremental m-gram index of the committed tokens, for lookups on committed + a short drafted chain.
+
+    `lookup(chain)` returns what `ngram_candidates(committed + chain, n)` gives at the chain's last position,
+    in O(n * len(chain)) instead of O(L): matches ending inside the chain are scanned, older ones come from
+    the index.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = int(max_ngram)
+        self.ids: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        """Commit `tokens` (appended to the context)."""
+        for tok in tokens:
+            self.ids.append(int(tok))
+            p = len(self.ids) - 1
+            for m in range(1, min(self.max_ngram, p + 1) + 1):
+                self.last[tuple(self.ids[p - m + 1 : p + 1])] = p
+
+    def lookup(self, chain: list[int]) -> tuple[int, int]:
+        """(candidate, m) at the end of committed + `chain` (`NO_CANDIDATE`, 0 when nothing matches)."""
+        n0, chain = len(self.ids), [int(c) for c in chain]
+        start = max(0, n0 - self.max_ngram)  # the committed tokens a match ending inside the chain can touch
+        ctx = self.ids[start:] + chain  # ctx[i] is position start + i of committed + chain
+        p = n0 + len(chain) - 1  # the newest position
+
+        def at(i: int) -> int:
+            return ctx[i - start] if i >= start else self.ids[i]
+
+        for m in range(min(self.max_ngram, p + 1), 0, -1):
+            gram = ctx[p - m + 1 - start : p + 1 - start]
+            for q in range(p - 1, max(n0, m - 1) - 1, -1):  # matches ending inside the chain, newest first
+                if ctx[q - m + 1 - start : q + 1 - start] == gram:
+                    return ctx[q + 1 - start], m
+            q_old = self.last.get(tuple(gram))  # the newest match ending in the committed tokens
+            if q_old is not None and q_old < p:
+                return at(q_old + 1), m
+        return NO_CANDIDATE, 0
+
+    def lookup_beams(self, beams: Tensor) -> tuple[Tensor, Tensor]:
+        """beams (W, k) long, each a chain after the committed tokens -> candidates (W,) and lengths (W,)."""
+        out = [self.lookup(row) for row in beams.tolist()]
+        cand = torch.tensor([c for c, _ in out], dtype=torch.long, device=beams.device)
+        return cand, torch.tensor([m for _, m in out], dtype=torch.long, device=beams.device)
+
+
+def slot_candidates(
+    cand: Tensor, length: Tensor, input_ids: Tensor, root: Tensor, targets: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The candidate of every draft slot of a row, from the row's own `ngram_candidates`.
+
+    Slot k at position t has seen x_0 .. x_t, root, targets[t, :k]; its candidate is cand[t + 1 + k] while that
+    chain is the row's own tokens (x_{t+1} .. x_{t+1+k}), else none (labels that are continuations of other text).
+
+    Args:
+        cand, length: (L,) from `ngram_candidates(input_ids)`.
+        input_ids: (L,); root: (L,); targets: (L, D) (-100 = ignored).
+
+    Returns:
+        copy_ids (L, D) long (`NO_CANDIDATE` = none), copy_len (L, D) long (0 = none).
+    """
+    n, d = targets.shape
+    pos = torch.arange(n)[:, None] + 1 + torch.arange(d)  # (L, D) the newest context position of slot k
+    inside = pos < n
+    pos = pos.clamp_max(n - 1)
+    fed = torch.cat([root[:, None], targets[:, : d - 1]], dim=1)  # (L, D) the newest token slot k saw
+    own = (input_ids[pos] == fed) & inside  # (L, D)
+    own = own.long().cumprod(-1).bool()  # the whole chain so far is the row's own text
+    ids = torch.where(own, cand[pos], torch.full_like(pos, NO_CANDIDATE))
+    return ids, torch.where(own, length[pos], torch.zeros_like(pos))
+
+
+class CopyGate(nn.Module):
+    """The copy weight of the lookup candidate c of match length m (0 without a candidate):
+
+        lam = sigmoid(scale * (out(SiLU(fc([g; e(c)]))) + bias[m]))
+
+    and the slot's distribution becomes the mixture (1 - lam) * p_draft + lam * onehot(c) (`mix_logits`), as in a
+    pointer-generator: where the lookup is usually right, lam -> its hit rate and c is drafted whatever the head
+    scored it (an additive logit bias could not: measured, it stalled at 80% of the right copies, whose head logit
+    was often ~6 nats below its top token). `scale` lets Adam, which moves a parameter by about the learning rate
+    per step, move lam's log-odds several units in a few hundred steps. At init lam = 1/2 on every candidate.
+    """
+
+    def __init__(
+        self, state_dim: int, embed_dim: int, max_ngram: int, hidden: int = 64, scale: float = 8.0
+    ) -> None:
+        super().__init__()
+        self.fc = nn.Linear(state_dim + embed_dim, hidden)
+        self.out = ZeroInitLinear(hidden, 1)  # zero at init: lam starts at 1/2 where there is a candidate
+        self.length_bias = nn.Parameter(torch.zeros(max_ngram + 1))  # (n + 1,) per match length
+        self.scale = float(scale)
+
+    def forward(self, g: Tensor, cand_emb: Tensor, length: Tensor) -> Tensor:
+        """g (..., X), cand_emb (..., E), length (...) long -> lam (...) float32 in [0, 1), 0 where length == 0."""
+        z = self.out(F.silu(self.fc(torch.cat([g, cand_emb.to(g.dtype)], dim=-1))))[..., 0].float()  # (...)
+        lam = torch.sigmoid((z + self.length_bias[length].float()) * self.scale)
+        return lam * (length > 0).float()
+
+
+def mix_logits(logits: Tensor, cand: Tensor, lam: Tensor, chunk_rows: int | None = None) -> Tensor:
+    """Logits of the mixture (1 - lam) * softmax(logits) + lam * onehot(cand), changing the candidate's logit only.
+
+    With p_c = softmax(logits)[c] and pi = (1 - lam) p_c + lam, the candidate's new logit is
+    logit(pi) + logsumexp_{j != c}(logits_j); every other token keeps its logit, so its probability becomes
+    (1 - lam) p_j. Rows with lam == 0 are returned unchanged. One pass over the logits forward and one backward,
+    over chunks of rows in float32 (as `train.losses.distill_loss`): no float32 copy of a (N, V) bf16 tensor.
+
+    Args:
+        logits: (..., V) float; cand: (...) long in [0, V); lam: (...) float in [0, 1) (differentiable).
+        chunk_rows: rows per chunk (None: ~1M logits on CPU, ~16M elsewhere).
+
+    Returns:
+        (..., V) logits, logits' dtype.
+    """
+    v = logits.shape[-1]
+    if chunk_rows is None:
+        chunk_rows = (1 << 20 if logits.device.type == "cpu" else 1 << 24) // v
+    out = _MixLogits.apply(logits.reshape(-1, v), cand.reshape(-1), lam.reshape(-1), max(1, int(chunk_rows)))
+    return out.reshape(logits.shape)
+
+
+def _mix_terms(l_c: Tensor, lse: Tensor, lam: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(p_c, pi, new candidate logit) (M,) each, in lse's float dtype, kept inside (0, 1) for the log-odds."""
+    info = torch.finfo(lse.dtype)
+    p_c = torch.exp(l_c - lse).clamp(info.tiny, 1 - info.eps)
+    pi = ((1 - lam) * p_c + lam).clamp(info.tiny, 1 - info.eps)
+    return p_c, pi, torch.log(pi) - torch.log1p(-pi) + lse + torch.log1p(-p_c)
+
+
+class _MixLogits(torch.autograd.Function):
+    """`mix_logits` on (M, V) rows. Backward: out_c = f(l_c, lse(l), lam), every other out_j = l_j, so
+    d/dl_j gets g_j + g_c (1 - A p_c) s_j (s = softmax(l)) and d/dl_c gets g_c (A p_c + (1 - A p_c) p_c), with
+    A = (1 - lam) / (pi (1 - pi)) - 1 / (1 - p_c); d/dlam = g_c (1 - p_c) / (pi (1 - pi))."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, cand: Tensor, lam: Tensor, chunk: int) -> Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (M,)
+        for r in range(0, logits.shape[0], chunk):
+            lse[r : r + chunk] = torch.logsumexp(logits[r : r + chunk].to(dtype), dim=-1)
+        l_c = logits.gather(-1, cand[:, None])[:, 0].to(dtype)  # (M,)
+        lam_f = lam.detach().to(dtype)
+        p_c, pi, new = _mix_terms(l_c, lse, lam_f)
+        on = lam_f > 0  # (M,) rows with a candidate
+        out = logits.clone()
+        rows = on.nonzero()[:, 0]
+        out[rows, cand[rows]] = new[rows].to(out.dtype)
+        ctx.save_for_backward(out, cand, lse, l_c, lam_f, p_c, pi, on)
+        ctx.chunk, ctx.lam_dtype = chunk, lam.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, Tensor, None]:  # type: ignore[override]
+        out, cand, lse, l_c, lam, p_c, pi, on = ctx.saved_tensors
+        g_c = grad.gather(-1, cand[:, None])[:, 0].to(lse.dtype) * on  # (M,) upstream grad of the new logit
+        a = (1 - lam) / (pi * (1 - pi)) - 1 / (1 - p_c)  # (M,)
+        w = g_c * (1 - a * p_c)  # (M,) weight of softmax(l) in every row's gradient
+        grad_in = torch.empty_like(grad)
+        for r in range(0, out.shape[0], ctx.chunk):
+            sl = slice(r, r + ctx.chunk)
+            s = torch.exp(
+                out[sl].to(lse.dtype) - lse[sl, None]
+            )  # (m, V): softmax, but wrong at c (fixed below)
+            grad_in[sl] = (grad[sl].to(lse.dtype) + w[sl, None] * s).to(grad.dtype)
+        rows = on.nonzero()[:, 0]
+        c = cand[rows]
+        grad_c = g_c[rows] * (a[rows] * p_c[rows] + (1 - a[rows] * p_c[rows]) * p_c[rows])
+        grad_in[rows, c] = grad_c.to(grad.dtype)  # out_c depends on l_c only through f
+        grad_lam = (g_c * (1 - p_c) / (pi * (1 - pi))).to(ctx.lam_dtype)
+        return grad_in, None, grad_lam, None

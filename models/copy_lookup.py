@@ -7,11 +7,11 @@ cannot see the prefix, so it cannot copy. With `copy_ngram` = n > 0 every draft 
     c_k = the token after the most recent earlier occurrence of the longest suffix m-gram (m <= n) of the
           context x_0 .. x_{t+1}, tok_1 .. tok_k that the slot has seen (prompt lookup, one token)
 
-and the drafter adds a learnt bias to that token's logit, b_k = gate([g_k; e(c_k)]) + bias[m], where g_k is the
-slot's last ResBlock output. The gate decides, from the drafter's own state and the match length, how far to
-trust the copy; its output layer and the per-length bias start at zero, so an export without the gate is
-reproduced exactly at the start of a warm-started run. The same candidates are computed in training (the row's
-own tokens, `ngram_candidates`) and at decode time (`NgramIndex` over the committed tokens, per beam).
+and the slot's distribution becomes the mixture (1 - lam_k) p_draft + lam_k onehot(c_k), with
+lam_k = gate([g_k; e(c_k)], m) (`CopyGate`; g_k is the slot's last ResBlock output), so the drafter decides from
+its own state and the match length how far to trust the copy (pointer-generator style; `mix_logits`). The gate
+starts at lam = 1/2 on every candidate. The same candidates are computed in training (the row's own tokens,
+`ngram_candidates`, `slot_candidates`) and at decode time (`NgramIndex` over the committed tokens, per beam).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class ReDrafterSchema:
     context_dim: int = 256  # width of that attention, split over context_heads
     copy_ngram: int = 0  # > 0: learnt copy of the prompt-lookup candidate, n-grams up to this (an extension)
     copy_hidden: int = 64  # hidden width of the copy gate
-    copy_scale: float = 8.0  # multiplier of the gate's output (lets Adam move the bias by several nats)
+    copy_scale: float = 8.0  # multiplier of the gate's log-odds (an Adam step moves them this many times lr)
 
 
 @dataclass

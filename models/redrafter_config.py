@@ -44,9 +44,7 @@ class ReDrafterConfig(PretrainedConfig):
     context_dim: int = 256  # A: width of the prefix attention (split over context_heads)
     copy_ngram: int = 0  # > 0: copy gate on the prompt-lookup candidate of suffix n-grams up to this (0: off)
     copy_hidden: int = 64  # hidden width of the copy gate
-    copy_scale: float = (
-        8.0  # multiplier of the copy gate's log-odds (an Adam step moves them this many times lr)
-    )
+    copy_scale: float = 8.0  # multiplier of the copy gate's log-odds (Adam moves them scale * lr a step)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:

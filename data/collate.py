@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
+from specdraft.models.copy_lookup import ngram_candidates, slot_candidates
+
 IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
 
@@ -175,8 +177,6 @@ class Collator:
             batch["attention_mask"][b, :n] = 1
             batch["root"][b, :n], batch["targets"][b, :n], batch["pos_mask"][b, :n] = root, targets, pos
             if self.copy_ngram > 0:
-                from specdraft.models.copy_lookup import ngram_candidates, slot_candidates
-
                 cand, length = ngram_candidates(it["input_ids"].tolist(), self.copy_ngram)  # (L,) each
                 batch["copy_ids"][b, :n], batch["copy_len"][b, :n] = slot_candidates(
                     torch.tensor(cand), torch.tensor(length), it["input_ids"], root, targets

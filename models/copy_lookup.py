@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdraft.models.layers import ZeroInitLinear
+from specdraft.models.layers import ZeroInitLinear, rows_per_chunk
+from specdraft.models.teacher_forced import follows_own_text
 
 NO_CANDIDATE = -1  # candidate id when no suffix n-gram occurred before
 
@@ -39,25 +40,19 @@ def ngram_candidates(ids: list[int], max_ngram: int) -> tuple[list[int], list[in
             ids[p-m+1 .. p], with the largest m <= n that has such a q (`NO_CANDIDATE` when none);
         length (L,): that m (0 when none).
     """
-    cand, length = [NO_CANDIDATE] * len(ids), [0] * len(ids)
-    last: dict[tuple[int, ...], int] = {}  # m-gram -> the latest position it ended at (before p)
-    for p in range(len(ids)):
-        for m in range(min(max_ngram, p + 1), 0, -1):
-            q = last.get(tuple(ids[p - m + 1 : p + 1]))
-            if q is not None:
-                cand[p], length[p] = ids[q + 1], m
-                break
-        for m in range(1, min(max_ngram, p + 1) + 1):
-            last[tuple(ids[p - m + 1 : p + 1])] = p
-    return cand, length
+    index, found = NgramIndex(max_ngram), []
+    for tok in ids:  # each position is a one-token chain after the tokens before it
+        found.append(index.lookup([tok]))
+        index.extend([tok])
+    return [c for c, _ in found], [m for _, m in found]
 
 
 class NgramIndex:
     """Incremental m-gram index of the committed tokens, for lookups on committed + a short drafted chain.
 
-    `lookup(chain)` returns what `ngram_candidates(committed + chain, n)` gives at the chain's last position,
-    in O(n * len(chain)) instead of O(L): matches ending inside the chain are scanned, older ones come from
-    the index.
+    `lookup(chain)` gives the candidate at the chain's last position (as `ngram_candidates(committed + chain, n)`
+    does, which is built on it), in O(n * len(chain)) instead of O(L): matches ending inside the chain are
+    scanned, older ones come from the index.
     """
 
     def __init__(self, max_ngram: int) -> None:
@@ -79,18 +74,14 @@ class NgramIndex:
         start = max(0, n0 - self.max_ngram)  # the committed tokens a match ending inside the chain can touch
         ctx = self.ids[start:] + chain  # ctx[i] is position start + i of committed + chain
         p = n0 + len(chain) - 1  # the newest position
-
-        def at(i: int) -> int:
-            return ctx[i - start] if i >= start else self.ids[i]
-
         for m in range(min(self.max_ngram, p + 1), 0, -1):
             gram = ctx[p - m + 1 - start : p + 1 - start]
             for q in range(p - 1, max(n0, m - 1) - 1, -1):  # matches ending inside the chain, newest first
                 if ctx[q - m + 1 - start : q + 1 - start] == gram:
                     return ctx[q + 1 - start], m
-            q_old = self.last.get(tuple(gram))  # the newest match ending in the committed tokens
-            if q_old is not None and q_old < p:
-                return at(q_old + 1), m
+            q_old = self.last.get(tuple(gram))  # the newest match ending in the committed tokens (< n0 <= p)
+            if q_old is not None:
+                return (self.ids[q_old + 1] if q_old + 1 < n0 else chain[0]), m
         return NO_CANDIDATE, 0
 
     def lookup_beams(self, beams: Tensor) -> tuple[Tensor, Tensor]:
@@ -119,9 +110,9 @@ def slot_candidates(
     pos = torch.arange(n)[:, None] + 1 + torch.arange(d)  # (L, D) the newest context position of slot k
     inside = pos < n
     pos = pos.clamp_max(n - 1)
-    fed = torch.cat([root[:, None], targets[:, : d - 1]], dim=1)  # (L, D) the newest token slot k saw
-    own = (input_ids[pos] == fed) & inside  # (L, D)
-    own = own.long().cumprod(-1).bool()  # the whole chain so far is the row's own text
+    own = (
+        follows_own_text(input_ids[pos], root, targets) & inside
+    )  # (L, D) the chain so far is the row's text
     ids = torch.where(own, cand[pos], torch.full_like(pos, NO_CANDIDATE))
     return ids, torch.where(own, length[pos], torch.zeros_like(pos))
 
@@ -164,15 +155,14 @@ def mix_logits(logits: Tensor, cand: Tensor, lam: Tensor, chunk_rows: int | None
 
     Args:
         logits: (..., V) float; cand: (...) long in [0, V); lam: (...) float in [0, 1) (differentiable).
-        chunk_rows: rows per chunk (None: ~1M logits on CPU, ~16M elsewhere).
+        chunk_rows: rows per chunk (None: `layers.rows_per_chunk`'s default).
 
     Returns:
         (..., V) logits, logits' dtype.
     """
     v = logits.shape[-1]
-    if chunk_rows is None:
-        chunk_rows = (1 << 20 if logits.device.type == "cpu" else 1 << 24) // v
-    out = _MixLogits.apply(logits.reshape(-1, v), cand.reshape(-1), lam.reshape(-1), max(1, int(chunk_rows)))
+    flat = logits.reshape(-1, v)  # (M, V)
+    out = _MixLogits.apply(flat, cand.reshape(-1), lam.reshape(-1), rows_per_chunk(chunk_rows, flat))
     return out.reshape(logits.shape)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,22 +181,23 @@ def _new_residual_block(name: str, dst: Any, theirs: dict[str, Any]) -> bool:
     return not bool(dst.any())
 
 
-def _new_prefix_attention(name: str, model: Any, theirs: dict[str, Any]) -> bool:
-    """True for a parameter of ReDrafter prefix attention (`ctx.`) when the export has none and the module's
-    output projection is still at its zero init (so the added module leaves the export's logits unchanged)."""
-    if not name.startswith("ctx.") or any(k.startswith("ctx.") for k in theirs):
-        return False
-    ctx = getattr(model, "ctx", None)
-    return ctx is not None and not bool(ctx.out.weight.any()) and not bool(ctx.out.bias.any())
+# ReDrafter modules a warm start may add to an export without them (`train.init_from`), each with the parameters
+# that are zero at its init: prefix attention's output projection (so the logits stay the export's) and the copy
+# gate's output layer and per-length bias (copy weight 1/2 on every lookup candidate, `CopyGate`).
+_ADDABLE_MODULES: dict[str, Callable[[Any], tuple[Any, ...]]] = {
+    "ctx": lambda m: tuple(m.out.parameters()),
+    "copy_gate": lambda m: (*m.out.parameters(), m.length_bias),
+}
 
 
-def _new_copy_gate(name: str, model: Any, theirs: dict[str, Any]) -> bool:
-    """True for a parameter of a ReDrafter copy gate (`copy_gate.`) when the export has none and the gate's output
-    layer and per-length bias are still at their zero init (lam = 1/2 on every lookup candidate, `CopyGate`)."""
-    if not name.startswith("copy_gate.") or any(k.startswith("copy_gate.") for k in theirs):
+def _new_module_at_init(name: str, model: Any, theirs: dict[str, Any]) -> bool:
+    """True for a parameter of an `_ADDABLE_MODULES` module that the export does not have, while the module's
+    zero-initialised parameters are still zero (a module trained elsewhere is refused)."""
+    attr = name.split(".", 1)[0]
+    if attr not in _ADDABLE_MODULES or any(k.startswith(attr + ".") for k in theirs):
         return False
-    gate = getattr(model, "copy_gate", None)
-    return gate is not None and not any(bool(p.any()) for p in (*gate.out.parameters(), gate.length_bias))
+    module = getattr(model, attr, None)
+    return module is not None and not any(bool(p.any()) for p in _ADDABLE_MODULES[attr](module))
 
 
 def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[str, Any]) -> int:
@@ -238,10 +240,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
                 continue  # the draft vocabulary is this run's (built from its own data)
             if name not in theirs and _new_residual_block(name, dst, theirs):
                 continue  # a ResBlock added after the export's: kept at its identity init
-            if name not in theirs and _new_prefix_attention(name, model, theirs):
-                continue  # prefix attention added to an export without it: its zero output leaves logits as they were
-            if name not in theirs and _new_copy_gate(name, model, theirs):
-                continue  # a copy gate added to an export without it: starts at its init (lam = 1/2)
+            if name not in theirs and _new_module_at_init(name, model, theirs):
+                continue  # prefix attention or a copy gate added to an export without it: kept at its init
             if name not in theirs:
                 raise ValueError(
                     f"train.init_from={path_or_hub_id!r} has no tensor {name!r} "

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdraft.models.copy_lookup import CopyGate, NgramIndex, mix_logits
+from specdraft.models import redrafter_beam
+from specdraft.models.copy_lookup import CopyGate, mix_logits
 from specdraft.models.layers import (
     PrefixAttention,
     ResBlock,
@@ -288,35 +289,9 @@ class ReDrafter(PreTrainedModel):
         return torch.stack(logits, dim=2)  # (B, L, D, Vd)
 
     # ---- decoding ---------------------------------------------------------------------------------------
-    def beam_search(
-        self,
-        hidden: Tensor,
-        root_token: int,
-        beam_width: int,
-        draft_len: int,
-        context: tuple[Tensor, Tensor] | None = None,
-        head: Callable[[Tensor], Tensor] | None = None,
-        copy: NgramIndex | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Beam search over the drafter for one position (batch size 1): `redrafter_beam.beam_search`.
-
-        Args:
-            hidden: (F,) the target's features at the newest committed position (`forward`'s `hidden`).
-            root_token: the token the target just committed (not drafted, always beams[:, 0]).
-            beam_width: W beams kept; draft_len: D tokens drafted after the root.
-            context: prefix attention only: keys, values (1 + M, A) of the committed positions, the sink first
-                (`context_memory`).
-            head: replaces the vocabulary head, (W, X) -> (W, Vd) (e.g. an int8 copy at decode time).
-            copy: copy gate only: the committed tokens before the root (`copy_lookup.NgramIndex`).
-
-        Returns:
-            beams: (W', 1 + D) long target ids sorted by score, beams[:, 0] == root_token (W' = W unless fewer
-                distinct beams exist). cum: (W', 1 + D) float32 cumulative drafter log-prob of each beam prefix
-                (cum[:, 0] = 0; cum[:, -1] is the beam's score).
-        """
-        from specdraft.models.redrafter_beam import beam_search
-
-        return beam_search(self, hidden, root_token, beam_width, draft_len, context, head, copy)
+    # `drafter.beam_search(hidden (F,), root, beam_width, draft_len, context=None, head=None, copy=None)
+    # -> (beams, cum)`: the one beam search (models/redrafter_beam.py), bound as a method.
+    beam_search = redrafter_beam.beam_search
 
 
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------

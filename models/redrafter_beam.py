@@ -1,6 +1,6 @@
 """ReDrafter beam search at decode time (arXiv 2403.09919, s3.2): W beams of D tokens from one position.
 
-One implementation for every caller: `ReDrafter.beam_search` and the proposer (`eval/proposers.py`), which may
+One implementation, bound as the method `ReDrafter.beam_search`; the proposer (`eval/proposers.py`) may
 swap in an int8 vocabulary head and prunes with the cumulative log-probs.
 """
 

@@ -13,6 +13,21 @@ from torch import Tensor, nn
 from specdraft.models.layers import scatter_to_vocab
 
 
+def follows_own_text(text: Tensor, root: Tensor, targets: Tensor) -> Tensor:
+    """Whether each draft slot's inputs so far are the row's own text (labels that are greedy continuations of
+    other text, `distill.regenerate=false`, leave it).
+
+    Args:
+        text: (..., D) the row's token at t+1+k, the position whose token slot k is fed last.
+        root: (...) the root x_{t+1}; targets: (..., D) the labels (slot k is fed root, targets[..., :k]).
+
+    Returns:
+        (..., D) bool: text[..., i] == fed[..., i] for every i <= k.
+    """
+    fed = torch.cat([root[..., None], targets[..., :-1]], dim=-1)  # (..., D) newest input of slot k
+    return (text == fed).long().cumprod(-1).bool()
+
+
 def compute_loss(
     model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -61,10 +76,9 @@ def compute_loss(
         copy = (batch["copy_ids"][b, t, :d][None], batch["copy_len"][b, t, :d][None])  # (1, N, D) each
     if getattr(inner.config, "context_heads", 0):  # ReDrafter with prefix attention: rows of the batch kept
         logits = _forward_with_context(model, batch, target_out.hidden, hidden, root, targets, b, t, copy)
-    elif copy is not None:
-        logits = model(hidden[None], root[None], targets[None], copy=copy)[0]  # (N, D, Vd)
-    else:
-        logits = model(hidden[None], root[None], targets[None])[0]  # (N, D, Vd)
+    else:  # `copy` only when set: Medusa's forward has no such argument
+        extra_in = {} if copy is None else {"copy": copy}
+        logits = model(hidden[None], root[None], targets[None], **extra_in)[0]  # (N, D, Vd)
     # (N, D) draft ids, -1 for padding and tokens outside the draft vocabulary (one lookup, used twice below)
     draft = inner.to_draft_ids(targets, missing=-1) if reduced else targets
     labels = draft.masked_fill(draft < 0, -100) if reduced else targets  # (N, D); out of vocabulary: ignored
@@ -81,9 +95,7 @@ def compute_loss(
             # The teacher at t+1+k saw the row's own tokens x_{t+1..t+1+k}; slot k saw (root, targets[:k]).
             # They differ on rows whose labels are greedy continuations of *other* text (distill.regenerate=
             # false): there the teacher is only right while the text follows the chain.
-            fed = torch.cat([root[:, None], targets[:, : d - 1]], dim=1)  # (N, D) newest input of slot k
-            agree = (batch["input_ids"][b[:, None], pos] == fed).long().cumprod(-1).bool()  # (N, D)
-            valid = valid & agree
+            valid = valid & follows_own_text(batch["input_ids"][b[:, None], pos], root, targets)  # (N, D)
         if "topk_ids" in batch:
             ids, lps = (
                 batch["topk_ids"][b[:, None], pos],

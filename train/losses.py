@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdraft.models.layers import rows_per_chunk
+
 IGNORE_INDEX = -100
 
 
@@ -138,9 +140,8 @@ def distill_loss(
         c_kl = (vf * (kl_weight * w / vf.sum(0).clamp_min(1.0))).reshape(-1)  # (R,)
         ids = topk_ids.clamp_min(0).reshape(-1, k)  # (R, k)
         p, logp = (x.reshape(-1, k) for x in _teacher(topk_logprobs))  # (R, k) each, as in `soft_kl`
-    if chunk_rows is None:
-        chunk_rows = (1 << 20 if logits.device.type == "cpu" else 1 << 24) // v
-    return _ChunkedDistill.apply(flat, labels, c_ce, ids, p, logp, c_kl, max(1, int(chunk_rows)))
+    chunk = rows_per_chunk(chunk_rows, flat)
+    return _ChunkedDistill.apply(flat, labels, c_ce, ids, p, logp, c_kl, chunk)
 
 
 class _ChunkedDistill(torch.autograd.Function):

@@ -42,6 +42,15 @@ def reference(assets) -> Path:
     return assets / "runs" / "ref"
 
 
+def assert_lossless(target: torch.nn.Module, proposer, prompt: torch.Tensor, new_tokens: int = 20) -> None:
+    """Greedy speculative decoding with `proposer` gives the target's own greedy tokens."""
+    from specdraft.eval.decode import ar_generate, speculative_generate
+
+    ref, _ = ar_generate(target, None, prompt, new_tokens, stop_ids=set())
+    out, _ = speculative_generate(target, None, prompt, proposer, new_tokens, stop_ids=set())
+    assert out == ref
+
+
 def test_entry_point_trains_beats_unigram_and_exports(reference, assets):
     evals = [r for r in read_metrics(reference) if "eval/acc1_mean" in r]
     assert [r["step"] for r in evals] == [8, 16, 24]
@@ -113,7 +122,6 @@ def test_warm_start_with_a_reduced_draft_vocabulary(reference, assets):
 def test_target_layers_train_online_export_and_decode_losslessly(assets):
     """drafter.target_layers: the loop asks the target for the extra layer (no distill cache here), the export
     records it, and the eval decoder feeds it back: greedy speculative output equals the target's own."""
-    from specdraft.eval.decode import ar_generate, speculative_generate
     from specdraft.eval.proposers import ReDrafterProposer
 
     run_train(
@@ -126,16 +134,12 @@ def test_target_layers_train_online_export_and_decode_losslessly(assets):
     drafter = load_drafter(str(assets / "runs" / "layers" / "export"), target=target)
     assert drafter.config.target_layers == [1] and drafter.input_proj.weight.shape == (32, 32 + 2 * 32)
     proposer = ReDrafterProposer(drafter, beam_width=4, beam_length=4)
-    prompt = torch.arange(5, 17)
-    ref, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
-    out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
-    assert out == ref
+    assert_lossless(target, proposer, torch.arange(5, 17))
 
 
 def test_prefix_attention_warm_starts_exactly_trains_and_decodes_losslessly(reference, assets):
     """drafter.context_heads on top of an export without it: the first eval is the export's own (the attention's
     output starts at zero), training moves it, and the export decodes with the grown memory losslessly."""
-    from specdraft.eval.decode import ar_generate, speculative_generate
     from specdraft.eval.proposers import make_proposer
 
     run_train(
@@ -153,16 +157,12 @@ def test_prefix_attention_warm_starts_exactly_trains_and_decodes_losslessly(refe
     assert drafter.config.context_heads == 2 and float(drafter.ctx.out.weight.detach().abs().sum()) > 0
     proposer = make_proposer(drafter)
     assert proposer.uses_context
-    prompt = torch.arange(5, 17)
-    ref_out, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
-    out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
-    assert out == ref_out
+    assert_lossless(target, proposer, torch.arange(5, 17))
 
 
-def test_copy_gate_warm_starts_exactly_trains_and_decodes_losslessly(reference, assets):
+def test_copy_gate_warm_starts_trains_and_decodes_losslessly(reference, assets):
     """drafter.copy_ngram on top of an export without it: the run starts, training moves the gate, and the export
     decodes with the grown n-gram index losslessly."""
-    from specdraft.eval.decode import ar_generate, speculative_generate
     from specdraft.eval.proposers import make_proposer
 
     run_train(
@@ -178,7 +178,4 @@ def test_copy_gate_warm_starts_exactly_trains_and_decodes_losslessly(reference, 
     assert drafter.config.copy_ngram == 3 and float(drafter.copy_gate.length_bias.detach().abs().sum()) > 0
     proposer = make_proposer(drafter)
     assert proposer.copy_ngram == 3
-    prompt = torch.tensor([5, 6, 7, 5, 6, 7, 5, 6])
-    ref_out, _ = ar_generate(target, None, prompt, 20, stop_ids=set())
-    out, _ = speculative_generate(target, None, prompt, proposer, 20, stop_ids=set())
-    assert out == ref_out
+    assert_lossless(target, proposer, torch.tensor([5, 6, 7, 5, 6, 7, 5, 6]))

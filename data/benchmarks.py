@@ -13,6 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from specdraft.utils import hub_errors, local_or_hub
+
 BUILTIN = {"mt_bench": "mt_bench_question.jsonl", "alpaca_eval": "alpaca_eval.jsonl"}
 
 
@@ -70,27 +72,30 @@ def load_benchmark(name_or_path: str, limit: int | None = None, split: str = "tr
     """Load benchmark items.
 
     Args:
-        name_or_path: `mt_bench`, `alpaca_eval`, a .jsonl/.json file, or a Hub dataset id.
+        name_or_path: `mt_bench`, `alpaca_eval`, a .jsonl/.json file, or a Hub dataset id (an `eval.benches`
+            entry).
         limit: keep `limit` items, taken round-robin over categories so a small subset still covers
             every category (None: all).
         split: split of a Hub dataset.
+
+    Raises:
+        FileNotFoundError: a missing local file, or a Hub dataset that cannot be fetched.
+        ValueError: a malformed file or row.
     """
     if name_or_path in BUILTIN:
-        path: Path | None = builtin_path(name_or_path)
+        path = builtin_path(name_or_path)
     else:
-        path = Path(name_or_path) if Path(name_or_path).exists() else None
-    if path is not None:
+        expect = f".jsonl/.json file, one of {list(BUILTIN)},"
+        path = Path(local_or_hub(name_or_path, "eval.benches", expect))
+    if path.exists():
         rows = _read_rows(path)
         source = str(path)
-    elif "/" in name_or_path:
+    else:
         import datasets
 
-        rows = list(datasets.load_dataset(name_or_path, split=split))
+        with hub_errors("eval.benches", name_or_path):
+            rows = list(datasets.load_dataset(name_or_path, split=split))
         source = name_or_path
-    else:
-        raise FileNotFoundError(
-            f"benchmark {name_or_path!r}: not one of {list(BUILTIN)}, not a file, not a Hub id"
-        )
     items = [_item(r, i, source) for i, r in enumerate(rows)]
     if limit is None or limit >= len(items):
         return items

@@ -232,8 +232,6 @@ def raw_rows(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict], str]:
             "distilled dataset are only read when training on a distilled dataset)"
         )
     convs, report = load_conversations(cfg.data.source, split=cfg.data.split, limit=cfg.data.num_samples)
-    if not convs:
-        raise ValueError(f"data.source={cfg.data.source!r}: no usable conversation ({report.summary()})")
     train, val = split_conversations(convs, cfg.data.val_fraction, cfg.data.seed)
 
     def tok(cs: list) -> list[dict]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdraft.utils import sha256_text
+from specdraft.utils import hub_errors, local_or_hub, sha256_text
 
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
@@ -168,37 +168,56 @@ def normalise_row(row: Any, index: int) -> tuple[Conversation | None, str | None
 def _rows(source: str, split: str, report: SkipReport) -> Iterable[Any]:
     if source == SHAREGPT_ALIAS:
         return _iter_json_array(sharegpt_path(), report)
-    path = Path(source)
+    path = Path(local_or_hub(source, "data.source", f".json/.jsonl file, `{SHAREGPT_ALIAS}`"))
     if path.exists():
         if path.suffix == ".jsonl":
             return _iter_jsonl(path, report)
         if path.suffix == ".json":
             return _iter_json_array(path, report)
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r} (expected .json or .jsonl)")
-    if "/" not in source:
-        raise FileNotFoundError(
-            f"data.source={source!r} is not a file, not `{SHAREGPT_ALIAS}`, and not a Hub dataset id (owner/name)"
+        raise ValueError(
+            f"data.source={source!r}: unsupported file type {path.suffix!r} (expected .json or .jsonl)"
         )
     import datasets
 
-    return datasets.load_dataset(source, split=split)
+    with hub_errors("data.source", source):
+        return datasets.load_dataset(source, split=split)
+
+
+def check_num_samples(value: int | None, field: str = "data.num_samples") -> None:
+    """Refuse a sample limit that is not positive (`None` means every conversation).
+
+    Raises:
+        ValueError: naming `field` and its value.
+    """
+    if value is not None and int(value) <= 0:
+        raise ValueError(f"{field}={value} must be > 0, or null for every conversation")
 
 
 def load_conversations(
-    source: str, split: str = "train", limit: int | None = None, probe: int = 50
+    source: str,
+    split: str = "train",
+    limit: int | None = None,
+    probe: int = 50,
+    limit_field: str = "data.num_samples",
 ) -> tuple[list[Conversation], SkipReport]:
     """Load and normalise conversations.
 
     Args:
         source: `sharegpt` (embedded ShareGPT V3), a .json/.jsonl file, or a Hub dataset id.
         split: Hub dataset split.
-        limit: stop after this many good conversations (None: all).
+        limit: stop after this many good conversations (None: all; must be > 0).
         probe: if none of the first `probe` rows has `conversations`/`messages`, the source has the wrong
             shape altogether and a ValueError names it (instead of skipping every row).
+        limit_field: the config field `limit` came from, for the error message.
 
     Returns:
         (conversations, report) - `report.summary()` gives kept/skipped counts by reason.
+
+    Raises:
+        FileNotFoundError: `source` is a missing local path, or a Hub dataset that cannot be fetched.
+        ValueError: `limit` <= 0, an unsupported or wrongly shaped file, or no usable conversation at all.
     """
+    check_num_samples(limit, limit_field)
     report = SkipReport(source=source)
     out: list[Conversation] = []
     for i, row in enumerate(_rows(source, split, report)):
@@ -227,6 +246,13 @@ def load_conversations(
         == report.total
     ):
         raise ValueError(f"{source}: no row has `conversations` (ShareGPT) or `messages` (OpenAI)")
+    if not out:
+        why = ", ".join(f"{k}={v}" for k, v in sorted(report.reasons.items()))
+        read = f"read {report.total} records, skipped all ({why})" if report.total else "it holds no records"
+        raise ValueError(
+            f"data.source={source!r}: no usable conversation: {read}; give a file with ShareGPT `conversations` "
+            "or OpenAI `messages` rows, each with a user and an assistant turn"
+        )
     report.kept = len(out)
     return out, report
 

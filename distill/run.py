@@ -35,6 +35,7 @@ from specdraft.distill.shards import (
     write_shard,
 )
 from specdraft.distill.turns import build_rows
+from specdraft.hardware import log_environment, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.utils import clean_stale_tmp
 
@@ -112,13 +113,18 @@ def distill(cfg: DictConfig) -> Path:
     rank, world, barrier = _dist_state()
     say = print if rank == 0 else (lambda *a, **k: None)
 
+    # conversations first: a bad data.source or num_samples fails before the (slow) target load and any write
+    limit = d.num_samples if d.num_samples is not None else cfg.data.num_samples
+    limit_field = "distill.num_samples" if d.num_samples is not None else "data.num_samples"
+    convs, report = load_conversations(
+        cfg.data.source, split=cfg.data.split, limit=limit, limit_field=limit_field
+    )
+    say(f"[distill] {report.summary()}", flush=True)
     model, tokenizer = load_target(cfg.base_model)
+    log_environment("distill", resolve_placement(cfg.base_model.device, cfg.base_model.dtype))
     fingerprint = target_fingerprint(model, tokenizer)
     settings = generation_settings(d, tokenizer, model)
     spec = make_spec(d, model)
-    limit = d.num_samples if d.num_samples is not None else cfg.data.num_samples
-    convs, report = load_conversations(cfg.data.source, split=cfg.data.split, limit=limit)
-    say(f"[distill] {report.summary()}", flush=True)
     header = make_header(cfg, fingerprint, settings, spec, limit)
     S = int(d.shard_size)
     plan = [[c.id for c in convs[i : i + S]] for i in range(0, len(convs), S)]
@@ -205,4 +211,10 @@ def distill(cfg: DictConfig) -> Path:
             f"tokens, {t['generated_tokens_per_s']} tok/s | skipped: {skipped_text} | wall {t['run_wall_seconds']:.1f}s",
             flush=True,
         )
+        if final["complete"] and final["num_rows"] == 0:
+            raise ValueError(
+                f"distill made 0 rows from the {len(convs)} conversations of data.source={cfg.data.source!r} "
+                f"(skipped: {skipped_text}), so {out_dir} holds nothing to train on; fix the data or the settings "
+                f"(e.g. a larger data.max_length), delete {out_dir} and rerun"
+            )
     return out_dir

@@ -7,17 +7,31 @@ Shard i always holds conversations [i*shard_size, (i+1)*shard_size) of the plann
 wrote it, so a shard folder that exists is complete and final: resuming skips it (no duplicates), and a
 half-written shard is only ever a `.tmp-*` folder that is cleaned up. Each shard's stats.json carries the
 settings hash and the digest of its conversation ids, so the manifest can always be rebuilt from the shards.
+
+Each stats.json also records the shard's row count and the size and CRC-32 of each of its Arrow data files.
+`verify_shard` checks them when a run resumes (a damaged shard, e.g. truncated by a full disk or an
+interrupted copy, is reported, deleted and redone) and when training loads the dataset (it refuses, naming
+the shard). Sizes are compared first, so a truncated file fails without being read; the checksum then reads
+every data file once (zlib's CRC-32, about 2 GB/s: seconds for a multi-GB dataset, next to minutes of
+training). Shards written before checksums were recorded are checked on their row count only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow as pa
 
 from specdraft.utils import atomic_dir, atomic_write_json, sha256_text
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -27,8 +41,12 @@ STATS = "stats.json"
 COMPAT_KEYS = ("format_version", "target", "generation", "T", "data", "features", "shard_size")
 
 
-class DistillMismatchError(RuntimeError):
+class DistillMismatchError(ValueError):
     """An existing dataset folder was made with a different target, tokenizer or settings."""
+
+
+class ShardDamagedError(ValueError):
+    """A shard folder whose data does not match what its stats.json records (truncated, damaged, missing)."""
 
 
 def shard_name(index: int) -> str:
@@ -89,7 +107,8 @@ def write_shard(
         with atomic_dir(path) as tmp:
             ds = datasets.Dataset.from_list(rows, features=features) if rows else features_empty(features)
             ds.save_to_disk(str(tmp))
-            atomic_write_json(tmp / STATS, {**stats, "index": index, "rows": len(rows)})
+            record = {**stats, "index": index, "rows": len(rows), "files": data_checksums(tmp)}
+            atomic_write_json(tmp / STATS, record)
     finally:
         if bars:
             datasets.enable_progress_bars()
@@ -99,6 +118,81 @@ def write_shard(
 def features_empty(features: datasets.Features) -> datasets.Dataset:
     """A zero-row dataset with the given schema."""
     return datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def data_checksums(folder: Path) -> dict[str, dict[str, Any]]:
+    """{file name: {"bytes": size, "crc32": hex}} of the Arrow data files of a shard folder."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(Path(folder).glob("*.arrow"))
+    }
+
+
+def verify_shard(folder: Path, stats: dict[str, Any]) -> datasets.Dataset:
+    """Open a shard, checking it against what its stats record (see the module docstring for the cost).
+
+    Args:
+        folder: the shard folder.
+        stats: its stats.json (`files`: size and CRC-32 per data file; `rows`); what is not recorded is not
+            checked, so shards written before checksums existed still load.
+
+    Returns:
+        the shard's rows as a (memory-mapped) Dataset.
+
+    Raises:
+        ShardDamagedError: naming the folder and what differs.
+    """
+    folder = Path(folder)
+    files: dict[str, dict[str, Any]] = stats.get("files") or {}
+    for name, want in files.items():  # sizes first: a truncated file fails without being read
+        size = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if size is None:
+            raise ShardDamagedError(f"{folder}: data file {name} is missing")
+        if size != want["bytes"]:
+            raise ShardDamagedError(
+                f"{folder}: {name} has {size} bytes, {want['bytes']} recorded (truncated?)"
+            )
+    for name, want in files.items():
+        if (crc := _crc32(folder / name)) != want["crc32"]:
+            raise ShardDamagedError(
+                f"{folder}: {name} has checksum {crc}, {want['crc32']} recorded (damaged)"
+            )
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except (OSError, ValueError, pa.ArrowException) as e:
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ShardDamagedError(f"{folder}: cannot be read ({type(e).__name__}: {why})") from e
+    if "rows" in stats and len(ds) != int(stats["rows"]):
+        raise ShardDamagedError(f"{folder}: holds {len(ds)} rows, {stats['rows']} recorded")
+    return ds
+
+
+def _read_stats(folder: Path) -> dict[str, Any]:
+    """A shard's stats.json ({} when it has none); ShardDamagedError when it is not valid JSON."""
+    path = folder / STATS
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardDamagedError(f"{folder}: {STATS} is not valid JSON ({e})") from e
+
+
+def _discard(folder: Path) -> None:
+    """Delete a damaged shard: moved aside in one step first, so other ranks see all of it or none."""
+    aside = folder.with_name(f".old-{folder.name}-{os.getpid()}")
+    try:
+        os.replace(folder, aside)
+    except FileNotFoundError:  # another rank got there first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
@@ -113,14 +207,21 @@ def read_manifest(out_dir: Path) -> dict[str, Any] | None:
 
 
 def completed_shards(out_dir: Path) -> dict[int, dict[str, Any]]:
-    """index -> stats of every complete shard folder (read-only; in-progress `.tmp-*` folders are not shards)."""
+    """index -> stats of every complete shard folder (read-only; in-progress `.tmp-*` folders are not shards).
+
+    The stats are trusted as they are (`check_compatible` verifies the data); a stats.json that is not valid
+    JSON gives `{"index": i, "damaged": why}`.
+    """
     out_dir = Path(out_dir)
     done: dict[int, dict[str, Any]] = {}
     for p in sorted(out_dir.glob("shard-*")):
-        stats = p / STATS
-        if p.is_dir() and stats.is_file():
-            s = json.loads(stats.read_text())
-            done[int(s["index"])] = s
+        if not (p.is_dir() and (p / STATS).is_file()):
+            continue
+        try:
+            s = _read_stats(p)
+        except ShardDamagedError as e:
+            s = {"index": int(p.name.removeprefix("shard-")), "damaged": str(e)}
+        done[int(s["index"])] = s
     return done
 
 
@@ -137,6 +238,9 @@ def check_compatible(
     out_dir: Path, header: dict[str, Any], plan: list[list[str]]
 ) -> dict[int, dict[str, Any]]:
     """Refuse to mix data: compare the existing manifest and shards with this run; return the done shards.
+
+    Every done shard is then verified (`verify_shard`); a damaged one is reported by name, deleted (it is
+    distill's own output) and left out of the result, so this run redoes it.
 
     Raises:
         DistillMismatchError: a different target/tokenizer/settings, or shards holding other conversations.
@@ -159,6 +263,8 @@ def check_compatible(
         legacy = {**header, "data": {**(header.get("data") or {}), **(old.get("data") or {})}}
         want.add(settings_hash(legacy, with_limit=True))
     for i, s in sorted(done.items()):
+        if "damaged" in s:
+            continue  # unreadable stats: nothing to compare, deleted below
         if s.get("settings_hash") not in want:
             raise DistillMismatchError(
                 f"{out_dir / shard_name(i)} was made with different settings ({s.get('settings_hash')} not in "
@@ -171,7 +277,17 @@ def check_compatible(
             raise DistillMismatchError(
                 f"{out_dir / shard_name(i)} holds other conversations than this run plans for it (data changed?). {fix}"
             )
-    return done
+    good: dict[int, dict[str, Any]] = {}
+    for i, s in sorted(done.items()):
+        try:
+            if "damaged" in s:
+                raise ShardDamagedError(s["damaged"])
+            verify_shard(out_dir / shard_name(i), s)
+            good[i] = s
+        except ShardDamagedError as e:
+            log.warning("damaged shard %s; deleting it to redo it", e)
+            _discard(out_dir / shard_name(i))
+    return good
 
 
 def build_manifest(
@@ -219,7 +335,7 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
 def load_distilled(
     path: str | Path, allow_incomplete: bool = False
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """Load a distilled dataset folder for training.
+    """Load a distilled dataset folder for training, verifying every shard (`verify_shard`).
 
     Args:
         path: the folder `distill` wrote (holds manifest.json and shard-* folders).
@@ -227,12 +343,17 @@ def load_distilled(
 
     Returns:
         (dataset with one row per conversation, in shard order; the manifest dict).
+
+    Raises:
+        FileNotFoundError: no manifest.json in `path`.
+        ShardDamagedError: a shard is missing, truncated or damaged (the message names it and how to redo it).
+        ValueError: another format version, or an incomplete dataset without `allow_incomplete`.
     """
     path = Path(path)
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(
-            f"{path / MANIFEST} not found: run `python distill.py` first (or fix data.distilled path)"
+            f"{path / MANIFEST} not found: run `python distill.py` first (or fix train.data_dir)"
         )
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
@@ -241,9 +362,21 @@ def load_distilled(
     if not manifest.get("complete") and not allow_incomplete:
         raise ValueError(
             f"{path} is incomplete ({len(manifest['shards'])}/{manifest.get('num_shards_planned')} shards); re-run distill "
-            "to finish it, or pass allow_incomplete=True"
+            "to finish it, or set train.allow_incomplete_data=true"
         )
-    parts = [datasets.load_from_disk(str(path / s["name"])) for s in manifest["shards"] if s["rows"] > 0]
+    parts = []
+    for s in manifest["shards"]:
+        if s["rows"] > 0:
+            folder = path / s["name"]
+            try:
+                if not folder.is_dir():
+                    raise ShardDamagedError(f"{folder}: shard folder is missing")
+                parts.append(verify_shard(folder, {**_read_stats(folder), "rows": s["rows"]}))
+            except ShardDamagedError as e:
+                raise ShardDamagedError(
+                    f"damaged distilled shard {e}; rerun `python distill.py conf=<preset>` with the settings that "
+                    f"made {path} to redo it"
+                ) from e
     if not parts:
         return features_empty(
             row_features("continuations" in manifest.get("columns", []), manifest.get("features"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,8 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specdraft.conf.validate import validate_config
+from specdraft.hardware import log_environment, resolve_placement
 from specdraft.utils import atomic_write_json, seed_everything
 
 NEAR_TIE_GAP = {"float64": 1e-6, "float32": 1e-2, "bfloat16": 0.5, "float16": 0.25}  # default by dtype
@@ -42,9 +45,7 @@ def _drafter_paths(cfg: DictConfig) -> list[str]:
 def _spec(cfg: DictConfig, runner, name: str, model, tokenizer, proposer, stop_ids: set[int], sampling: dict):
     """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name)."""
     e = cfg.eval
-    if e.acceptance != "exact":  # Medusa typical acceptance: LOSSY, labelled in every table
-        if e.acceptance != "typical":
-            raise ValueError(f"eval.acceptance={e.acceptance!r}: choose exact (lossless) or typical (lossy)")
+    if e.acceptance == "typical":  # Medusa typical acceptance: LOSSY, labelled in every table
         from specdraft.eval.medusa_tree import typical_rule
 
         rule = typical_rule(
@@ -58,7 +59,8 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     """The AR reference, one method per drafter, then the transformers baselines (and why any was skipped)."""
     from specdraft.eval import runner
     from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
-    from specdraft.models.base_llm import resolve_dtype, target_fingerprint
+    from specdraft.hardware import resolve_dtype
+    from specdraft.models.base_llm import target_fingerprint
     from specdraft.models.hub import load_drafter
 
     e = cfg.eval
@@ -66,9 +68,9 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling)]
     fingerprint = target_fingerprint(model, tokenizer)
     for path in _drafter_paths(cfg):
-        drafter = load_drafter(path, model, fingerprint)
-        if e.draft_dtype:  # e.g. bf16: small matmuls of a few beams run ~2x faster than fp32 on CPU
-            dtype = resolve_dtype(e.draft_dtype, "eval.draft_dtype")
+        drafter = load_drafter(path, model, fingerprint, field="eval.drafters")
+        if e.draft_dtype:  # bf16 where native: small matmuls of a few beams run ~2x faster than fp32 on CPU
+            dtype = resolve_dtype(e.draft_dtype, model.device, "eval.draft_dtype")
             torch.nn.Module.to(drafter, dtype)  # (PreTrainedModel.to is typed as a wrapper)
         base_name = f"{drafter_family(drafter)}:{Path(path).name or path}"
         variants = [(base_name, 0)]
@@ -88,12 +90,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
                 name += "'"
             methods.append(_spec(cfg, runner, name, model, tokenizer, proposer, stop_ids, sampling))
     skipped: dict[str, str] = {}
-    baselines = list(e.baselines)
-    unknown = set(baselines) - {"prompt_lookup", "assisted", "tree_lookup"}
-    if unknown:
-        raise ValueError(
-            f"eval.baselines: unknown {sorted(unknown)} (choose from prompt_lookup, assisted, tree_lookup)"
-        )
+    baselines = list(e.baselines)  # names checked by conf/validate.py
     if "tree_lookup" in baselines:  # prompt lookup through our decoder: compares the two implementations
         lookup = PromptLookupProposer(int(e.prompt_lookup_num_tokens))
         methods.append(
@@ -155,26 +152,69 @@ def machine_info(model) -> dict[str, Any]:
     return info
 
 
-def evaluate(cfg: DictConfig) -> Path:
-    """Run the benchmark described by `cfg.eval` and write the results; returns `<out_dir>/results.json`."""
+def load_benches(cfg: DictConfig) -> dict[str, list]:
+    """`eval.benches` loaded (`eval.limit` prompts each), by label.
+
+    Raises:
+        ValueError: a benchmark with no prompts (an empty file), naming it.
+    """
     from specdraft.data.benchmarks import load_benchmark
+
+    benches = {}
+    for b in cfg.eval.benches:
+        items = load_benchmark(str(b), cfg.eval.limit)
+        if not items:
+            raise ValueError(f"eval.benches: {b} holds no prompts: fill it or drop it from eval.benches")
+        benches[_bench_label(str(b))] = items
+    return benches
+
+
+def publish(out_dir: Path, results: dict[str, Any], plots: bool) -> tuple[Path, list[Path]]:
+    """Write results.json (+ the PNG plots) into `out_dir` once everything is rendered.
+
+    Everything is written into a temporary folder inside `out_dir` first, then moved into place, plots first
+    and results.json last, each with an atomic rename: a failure leaves the previous results untouched.
+
+    Returns:
+        (the results.json path, the plot paths).
+    """
+    from specdraft.eval.speedup import write_plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".tmp-eval-", dir=out_dir) as tmp:
+        staged = write_plots(results["records"], results["categories"], Path(tmp)) if plots else []
+        atomic_write_json(Path(tmp) / "results.json", results)
+        for p in staged:
+            os.replace(p, out_dir / p.name)
+        os.replace(Path(tmp) / "results.json", out_dir / "results.json")
+    return out_dir / "results.json", [out_dir / p.name for p in staged]
+
+
+def evaluate(cfg: DictConfig) -> Path:
+    """Run the benchmark described by `cfg.eval` and write the results; returns `<out_dir>/results.json`.
+
+    Bad settings and empty benchmarks are refused before the target loads; results.json and the plots are
+    written only at the end of a successful run (`publish`), so a failed run never replaces earlier results.
+    """
     from specdraft.eval.decode import default_stop_ids
     from specdraft.eval.runner import run_benchmark, warm_up
-    from specdraft.eval.speedup import print_tables, summarize, write_plots
+    from specdraft.eval.speedup import print_tables, summarize
     from specdraft.models.base_llm import load_target
 
+    validate_config(cfg)
     e = cfg.eval
+    benches = load_benches(cfg)
     if e.num_threads:
         torch.set_num_threads(int(e.num_threads))
     seed_everything(int(e.seed))
     base = cast(dict[str, Any], OmegaConf.to_container(cfg.base_model, resolve=True))  # a DictConfig
     base.update({k: v for k, v in (("dtype", e.dtype), ("device", e.device)) if v})
     model, tokenizer = load_target(SimpleNamespace(**base))
+    log_environment("evaluate", resolve_placement(base["device"], base["dtype"]))
     stop_ids = default_stop_ids(tokenizer, model)
     methods, skipped = _methods(cfg, model, tokenizer, stop_ids)
     dtype = str(model.dtype).replace("torch.", "")
     gap = float(e.near_tie_gap) if e.near_tie_gap is not None else NEAR_TIE_GAP.get(dtype, 0.5)
-    benches = {_bench_label(str(b)): load_benchmark(str(b), e.limit) for b in e.benches}
     warm = [i for items in benches.values() for i in items][: int(e.warmup)]
     if warm:
         from specdraft.data.chat import prompt_ids
@@ -226,9 +266,7 @@ def evaluate(cfg: DictConfig) -> Path:
         "categories": categories,
         "records": records,
     }
-    path = out_dir / "results.json"
-    atomic_write_json(path, results)
-    plots = write_plots(records, categories, out_dir) if e.plots else []
+    path, plots = publish(out_dir, results, bool(e.plots))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     print(f"results: {path}" + (f" (plots: {', '.join(p.name for p in plots)})" if plots else ""))

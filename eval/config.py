@@ -19,7 +19,7 @@ class EvalConfig:
     beam_width: int | None = None  # ReDrafter beam width (None: the drafter's default)
     beam_length: int | None = None  # ReDrafter beam length incl. root (None: draft_len + 1)
     int8_draft_head: bool = True  # ReDrafter on CPU: draft with an int8 vocab head (output unchanged)
-    draft_dtype: str | None = None  # drafters cast to fp32 | bf16 | fp16 (None: as exported); same output
+    draft_dtype: str | None = None  # drafters cast to auto|fp32|bf16|fp16 (None: as exported); same output
     draft_min_prob: float = 0.0  # ReDrafter: prune beam positions whose drafter probability is below this
     lookup_tokens: int = 0  # > 0: also run each ReDrafter with a prompt-lookup beam of this length added
     tree_nodes: int | None = None  # Medusa/EAGLE node budget (None: the drafter's default)
@@ -29,7 +29,7 @@ class EvalConfig:
     baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # or assisted, tree_lookup
     prompt_lookup_num_tokens: int = 10  # prompt lookup (transformers' and tree_lookup): candidate length
     assistant_model: str | None = None  # `assisted`: same-tokenizer model, or layers:N (target cut)
-    dtype: str | None = None  # override base_model.dtype (fp32 | bf16 | fp16)
+    dtype: str | None = None  # override base_model.dtype (auto | fp32 | bf16 | fp16)
     device: str | None = None  # override base_model.device (cpu | cuda | cuda:N | auto)
     num_threads: int | None = None  # torch CPU threads (None: torch's default)
     check_lossless: bool = False  # compare every method's tokens with AR's, explain divergences by near-ties

@@ -123,7 +123,7 @@ def hf_method(name: str, model, tokenizer, stop_ids: set[int], sampling: dict, *
         device = model_device(model)
         x = torch.tensor([ids], device=device)
         if gen is not None:  # generate() has no generator argument: seed the global RNG instead
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=gen.device)))
         handle = model.register_forward_hook(hook)
         counter["n"] = 0
         try:

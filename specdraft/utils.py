@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -116,3 +117,94 @@ def quiet_hydra_on_nonzero_rank() -> None:
     """
     if env_rank() > 0:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+# Hub ids are `owner/name`: one slash, ASCII letters, digits, `_`, `-`, `.` (not first or last), at most 96
+# characters each side (huggingface_hub's own rule, minus its unicode and owner-less forms).
+_HUB_ID_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"{_HUB_ID_PART}/{_HUB_ID_PART}")
+# Names ending like this are files, never Hub repos.
+LOCAL_FILE_SUFFIXES = (".json", ".jsonl", ".gguf", ".safetensors", ".bin", ".parquet", ".arrow", ".csv")
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def is_hub_id(value: str) -> bool:
+    """True when `value` is a syntactically valid Hugging Face Hub repo id `owner/name` that does not look
+    like a local path: exactly one `/`, Hub characters only, no leading `/`, `./`, `../` or `~`, no `--`/`..`,
+    and no file extension such as `.json`, `.jsonl`, `.gguf` or `.safetensors`."""
+    return (
+        _HUB_ID.fullmatch(value) is not None
+        and ".." not in value
+        and "--" not in value
+        and not value.lower().endswith((*LOCAL_FILE_SUFFIXES, ".git"))
+    )
+
+
+def local_or_hub(value: str, field: str, expect: str = "folder or file") -> str:
+    """`value` unchanged when it exists on disk or is a Hub id (`is_hub_id`); a missing local path is refused.
+
+    Args:
+        value: what the user gave (a path or a Hub id).
+        field: the config field it came from, for the message (e.g. `data.source`).
+        expect: what a local `value` should be, for the message (e.g. `.jsonl file`).
+
+    Raises:
+        FileNotFoundError: `value` does not exist and cannot be a Hub id; the message names `field`.
+    """
+    if Path(value).exists() or is_hub_id(value):
+        return value
+    tilde = " (`~` is not expanded: give the full path)" if value.startswith("~") else ""
+    raise FileNotFoundError(
+        f"{field}={value!r} does not exist{tilde}; give an existing {expect} or a Hub id owner/name"
+    )
+
+
+@contextmanager
+def hub_errors(field: str, value: str) -> Iterator[None]:
+    """Around loading `value`: when it is a Hub id rather than a local path, a Hub client's error (repo or file
+    not found, not in the local cache while offline, no connection; all `OSError`s) becomes one
+    FileNotFoundError naming `field` and what to do. Errors while loading a local path pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if Path(value).exists() or not is_hub_id(value):
+            raise
+        lines = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+        offline = [
+            v for v in _OFFLINE_VARS if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+        ]
+        if offline:
+            raise FileNotFoundError(
+                f"{field}={value!r} is not a local path, and the Hub repo {value} is not in the local Hugging Face "
+                f"cache while {offline[0]}=1: give a local path, or unset {offline[0]} to download it"
+            ) from e
+        raise FileNotFoundError(
+            f"{field}={value!r} is not a local path, and the Hub repo {value} cannot be loaded ({why}); check the "
+            "id, your connection and HF_TOKEN (gated repos), or give a local path"
+        ) from e
+
+
+def check_safetensors(folder: str | os.PathLike[str], what: str, fix: str) -> None:
+    """Refuse a truncated or corrupt `*.safetensors` file in `folder` before a loader trips over it.
+
+    Opening a file reads only its header, which must cover the file exactly, so a cut-off file fails here in
+    milliseconds (a same-size corruption of the tensor bytes is not detected).
+
+    Args:
+        folder: the folder holding the weights.
+        what: what the folder is, for the message (e.g. `drafter export`).
+        fix: what the user should do (e.g. `re-export it`).
+
+    Raises:
+        ValueError: one line naming the bad file, the reason and `fix`.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{what}: {path} is truncated or corrupt ({reason}); {fix}") from e

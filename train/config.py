@@ -62,10 +62,10 @@ class TrainConfig:
     eval_at_start: bool = False  # also evaluate before step 1 (logged as step 0: a warm start's baseline)
     eval_batches: int = 8  # batches per evaluation
     ckpt_every: int = 100  # training-state checkpoint every M steps
-    keep_last: int = 2  # checkpoints kept
-    resume: bool = False  # continue from the newest checkpoint in the run dir
+    keep_last: int = 2  # checkpoints kept (0: all)
+    resume: bool = False  # continue from the newest checkpoint (false: move an earlier run's records to *.N)
     seed: int = 0  # global seed
-    mixed_precision: str = "no"  # accelerate mixed precision: no | bf16 | fp16
+    mixed_precision: str = "auto"  # accelerate AMP: auto (bf16/fp16 where native, else no) | no | bf16 | fp16
     data_dir: str | None = None  # distilled dataset dir (None: raw conversations from `data`)
     val_data_dir: str | None = None  # held-out rows: this distilled dataset's val split (None: data_dir's)
     allow_incomplete_data: bool = False  # train on the finished shards of a distill run still in progress

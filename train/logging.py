@@ -1,5 +1,8 @@
 """Metric sinks: metrics.jsonl always, tensorboard and wandb (offline-capable) when enabled.
 
+metrics.jsonl is appended to: a resumed run first drops the records after its checkpoint (`truncate_metrics`),
+a fresh run starts a new file after moving an earlier run's aside (`train.checkpoint.archive_previous_run`).
+
 Only the main process logs; other ranks get a `NullLogger` (the dummy logger), so call sites never branch.
 """
 

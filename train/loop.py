@@ -20,6 +20,7 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
+from specdraft.conf.validate import validate_config
 from specdraft.data.collate import (
     Collator,
     EpochSampler,
@@ -29,6 +30,7 @@ from specdraft.data.collate import (
     label_counts,
     raw_rows,
 )
+from specdraft.hardware import log_environment, mixed_precision_for, resolve_device, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.hub import export_drafter, push_to_hub, warm_start
 from specdraft.models.registry import get_family
@@ -42,17 +44,19 @@ log = logging.getLogger(__name__)
 
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:
-    """CPU (gloo) when there is no CUDA, else the launcher's choice (DDP/DeepSpeed from the accelerate config)."""
+    """The accelerator on the target's device: CPU (gloo) when there is no CUDA or `base_model.device` is cpu,
+    else the launcher's choice (DDP/DeepSpeed from the accelerate config). `train.mixed_precision: auto` is
+    bf16 where the device does bf16 natively, fp16 on CUDA without bf16, else no (specdraft.hardware)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    cpu = not torch.cuda.is_available() and not deepspeed  # cpu=True would bypass DeepSpeed entirely
+    on_cpu = resolve_device(cfg.base_model.device).type == "cpu"  # the drafter trains where the target runs
+    cpu = on_cpu and not deepspeed  # cpu=True would bypass DeepSpeed entirely
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     # Under a launcher on CPU, force gloo (DeepSpeed on CPU would otherwise pick ccl); never when single-process.
-    handlers = (
-        [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() and distributed else []
-    )
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu and distributed else []
+    device = torch.device("cpu") if on_cpu else resolve_device("auto")
     return Accelerator(
         cpu=cpu,
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=mixed_precision_for(str(cfg.train.mixed_precision), device),
         gradient_accumulation_steps=cfg.train.grad_accum,
         kwargs_handlers=handlers,
     )
@@ -96,7 +100,12 @@ def train(cfg: DictConfig) -> Path:
         the export folder (`train.export_dir`, default `<run_dir>/export`).
     """
     t0 = time.time()
+    validate_config(cfg)
     run_dir = Path(cfg.run_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    ckpt_root = ckpt.checkpoint_dir(run_dir)
+    latest = ckpt.latest_checkpoint(ckpt_root) if cfg.train.resume else None
+    changed = ckpt.check_resume(latest, resolved) if latest is not None else []  # refuses before any load
     acc = make_accelerator(cfg)
     seed_everything(cfg.train.seed)
     main = acc.is_main_process
@@ -108,11 +117,20 @@ def train(cfg: DictConfig) -> Path:
             acc.device,
             acc.distributed_type,
         )
+        if changed:
+            log.warning(
+                "train.resume: settings changed since %s: %s (the restored optimiser keeps the checkpoint's lr, "
+                "betas and weight_decay; the other values apply from here)",
+                latest,
+                "; ".join(changed),
+            )
 
     # ---- 1. frozen target (never prepared, never optimised) ------------------------------------------------
     target, tokenizer = load_target(cfg.base_model)
-    if cfg.base_model.device == "auto":
-        target.to(acc.device)
+    target.to(acc.device)  # the same device (make_accelerator follows base_model.device)
+    if main:
+        placement = resolve_placement(str(acc.device), cfg.base_model.dtype)
+        log_environment("train", placement, f"mixed precision {acc.mixed_precision}")
     fingerprint = target_fingerprint(target, tokenizer)
     family = get_family(cfg.drafter.family)
 
@@ -184,23 +202,27 @@ def train(cfg: DictConfig) -> Path:
         _autocast_only(acc, model)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    # ---- 4. resume ----------------------------------------------------------------------------------------------
-    ckpt_root = ckpt.checkpoint_dir(run_dir)
+    # ---- 4. resume, or move an earlier run's records aside (nothing before this point wrote to the run dir) ----
     step, epoch, batch_in_epoch = 0, 0, 0
     if main:
         ckpt.clean_partial(ckpt_root)
-    latest = ckpt.latest_checkpoint(ckpt_root) if cfg.train.resume else None
     if latest is not None:
         meta = ckpt.load_checkpoint(acc, latest)
         step, epoch, batch_in_epoch = meta["step"], meta["data"]["epoch"], meta["data"]["batch_in_epoch"]
         if main:
-            truncate_metrics(run_dir, step)
+            truncate_metrics(run_dir, step)  # records after the checkpoint (left by a killed run) are redone
             log.info("resumed from %s (step %d, epoch %d, batch %d)", latest, step, epoch, batch_in_epoch)
-    elif cfg.train.resume and main:
-        log.info("train.resume=true but no checkpoint in %s: starting fresh", ckpt_root)
-    if latest is None and main:
-        truncate_metrics(run_dir, -1)  # from step 0: no records of an earlier run in this run dir
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    elif main:
+        if cfg.train.resume:
+            log.info("train.resume=true but no checkpoint in %s: starting fresh", ckpt_root)
+        moved = ckpt.archive_previous_run(run_dir)
+        if moved:
+            log.warning(
+                "%s held an earlier run: moved %s (delete them to free space; train.resume=true continues a run)",
+                run_dir,
+                ", ".join(moved),
+            )
+    acc.wait_for_everyone()  # no rank saves a checkpoint before the earlier run's are moved aside
     logger = make_logger(run_dir, cfg.logger, str(cfg.name), resolved, main)  # type: ignore[arg-type]
     if main:
         log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.family, n_params / 1e6)

@@ -153,5 +153,66 @@ def test_draft_dtype_casts_the_drafter_and_stays_lossless(assets, tmp_path, monk
     assert seen == [torch.bfloat16]  # the drafter the proposer drafts with
     spec = next(s for s in res["summary"] if s["method"] == "redrafter:drafter")
     assert spec["identical"] == spec["total"] == 2  # both turns token for token
-    with pytest.raises(ValueError, match="eval.draft_dtype='fp8'"):
+    with pytest.raises(ValueError, match="eval.draft_dtype=fp8: expected null or one of auto, fp32"):
         evaluate(bad)
+
+
+def _previous_results(out: Path) -> dict[str, bytes]:
+    """A results folder as an earlier run left it (results.json + a plot)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text('{"previous": true}\n')
+    (out / "accept_hist_mini_mt.png").write_bytes(b"old plot")
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+@pytest.mark.parametrize("bad", ["eval.limit=0", "eval.max_new_tokens=0", "eval.max_new_tokens=-3", "empty"])
+def test_bad_input_exits_2_and_keeps_the_previous_results(assets, tmp_path, bad):
+    """eval.limit=0, eval.max_new_tokens<=0 and an empty benchmark file are refused before the target loads,
+    in one line, and the earlier results.json and plots stay as they were."""
+    before = _previous_results(tmp_path / "out")
+    if bad == "empty":
+        (tmp_path / "empty.jsonl").write_text("\n")
+        bad = f"eval.benches=[{assets / 'mini_mt.jsonl'},{tmp_path / 'empty.jsonl'}]"
+    args = [sys.executable, "evaluate.py", *_overrides(assets, tmp_path / "out", bad)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert ("empty.jsonl holds no prompts" if "empty" in bad else bad) in lines[0]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+
+def test_a_failure_while_writing_keeps_the_previous_results(assets, tmp_path, monkeypatch):
+    """results.json and the plots are staged and moved in only once all of them are written."""
+    from specdraft.eval import speedup
+
+    GlobalHydra.instance().clear()
+    register_configs()
+    extra = [
+        "eval.limit=1",
+        f"eval.benches=[{assets / 'mini_mt.jsonl'}]",
+        "eval.baselines=[]",
+        "eval.warmup=0",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path / "out", *extra))
+    before = _previous_results(tmp_path / "out")
+    write_plots = speedup.write_plots
+
+    def fail_after_the_first_plot(records, categories, out_dir):
+        write_plots(records, categories, out_dir)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(speedup, "write_plots", fail_after_the_first_plot)
+    with pytest.raises(RuntimeError, match="disk full"):
+        evaluate(cfg)
+    assert {
+        p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()
+    } == before  # no temp folder left either
+    monkeypatch.setattr(speedup, "write_plots", write_plots)
+    path = evaluate(cfg)
+    assert (
+        json.loads(path.read_text())["summary"]
+        and (tmp_path / "out" / "accept_hist_mini_mt.png").read_bytes() != b"old plot"
+    )
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]

@@ -90,12 +90,50 @@ def test_resume_after_kill_continues_the_same_curve(reference, assets):
 
 
 def test_a_run_from_step_0_starts_a_fresh_metrics_file(assets):
-    """Re-running a run name without `train.resume` does not mix the earlier run's records into its metrics."""
+    """Re-running a run name without `train.resume` does not mix the earlier run's records into its metrics: they
+    (and its checkpoints) are moved aside to metrics.1.jsonl / checkpoints.1, and only once the new run has
+    loaded everything; a run that fails before that leaves them where they are."""
     short = ("train.max_steps=4", "train.eval_every=2", "train.ckpt_every=4", "train.export=false")
+    run_dir = assets / "runs" / "again"
     run_train(assets, "again", *short)
+    first = (run_dir / "metrics.jsonl").read_bytes()
+    failed = run_train(assets, "again", *short, f"train.data_dir={assets / 'no_such_dataset'}", check=False)
+    assert failed.returncode == 2 and "no_such_dataset" in failed.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == first and not (run_dir / "metrics.1.jsonl").exists()
     run_train(assets, "again", *short)
-    evals = [r["step"] for r in read_metrics(assets / "runs" / "again") if "eval/acc1_s0" in r]
+    evals = [r["step"] for r in read_metrics(run_dir) if "eval/acc1_s0" in r]
     assert evals == [2, 4]
+    assert (run_dir / "metrics.1.jsonl").read_bytes() == first
+    assert [p.name for p in (run_dir / "checkpoints.1").iterdir()] == ["step-00000004"]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000004"]
+
+
+def test_resume_refuses_another_drafter_and_warns_about_new_optimiser_settings(assets):
+    """train.resume=true compares the checkpoint's saved config: a different architecture is refused in one line
+    before anything loads (metrics untouched); a new lr / max_steps is listed old -> new, and metrics are appended."""
+    base = ("drafter.init_from_lm_head=false", "optim.warmup_steps=2", "train.eval_every=2", "train.eval_batches=1",
+            "train.ckpt_every=2", "train.log_every=1", "train.export=false")  # fmt: skip
+    run_dir = assets / "runs" / "cfg"
+    first = run_tiny_train(REPO, assets, assets / "runs", "cfg", *base, "optim.lr=1e-2", "train.max_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run_dir / "metrics.jsonl").read_text()
+    refused = run_tiny_train(
+        REPO, assets, assets / "runs", "cfg", *base, "optim.lr=1e-2", "train.max_steps=4", "train.resume=true",
+        "drafter.num_layers=1",
+    )  # fmt: skip
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "drafter.num_layers: 2 -> 1" in lines[0] and "step-00000004" in lines[0]
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    resumed = run_tiny_train(
+        REPO, assets, assets / "runs", "cfg", *base, "optim.lr=5e-3", "train.max_steps=6", "train.resume=true"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    assert "optim.lr: 0.01 -> 0.005" in log and "train.max_steps: 4 -> 6" in log
+    after = (run_dir / "metrics.jsonl").read_text()
+    assert after.startswith(before)  # appended
+    assert [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def test_warm_start_with_a_reduced_draft_vocabulary(reference, assets):

@@ -46,7 +46,7 @@ def test_load_local_folder_frozen(tiny_dir: Path) -> None:
 def test_clear_errors(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="dtype='fp8'"):
         load_target(BaseModelConfig(name_or_path=str(tiny_dir), dtype="fp8"))
-    with pytest.raises(FileNotFoundError, match="neither a local folder"):
+    with pytest.raises(FileNotFoundError, match=r"base_model.name_or_path=.*does not exist"):
         load_target(BaseModelConfig(name_or_path="definitely-not-a-model"))
     (tiny_dir / "chat_template.jinja").unlink(missing_ok=True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)

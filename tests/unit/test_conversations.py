@@ -91,7 +91,7 @@ def test_wrong_shape_file_fails_at_once_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "obj.json").write_text(json.dumps({"conversations": []}))
     with pytest.raises(ValueError, match=r"obj\.json: expected a JSON list"):
         load_conversations(str(tmp_path / "obj.json"))
-    with pytest.raises(FileNotFoundError, match="not a file"):
+    with pytest.raises(FileNotFoundError, match=r"data.source=.*does not exist"):
         load_conversations("no_such_file_or_dataset")
 
 

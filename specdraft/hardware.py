@@ -1,0 +1,189 @@
+"""Hardware-aware defaults: which device and dtype a stage runs in when the config says `auto`.
+
+bf16 is only worth it where the hardware does it natively: a CUDA GPU with bf16 (Ampere and newer), or an
+x86 CPU with AVX512-BF16 or AMX. Elsewhere torch emulates it: on a 2-core Xeon without AVX512-BF16 a bf16
+GEMM runs ~3x slower than fp32 and a SmolLM2 decode step 2.3x slower. So `auto` picks
+
+    CUDA with bf16 -> bf16 | CUDA without -> fp16 | CPU with AVX512-BF16/AMX -> bf16 | other CPUs, MPS -> fp32
+
+and training's `train.mixed_precision: auto` follows the same rule (bf16 / fp16 / no). Explicit values
+always win. Each stage prints its choice and the reason once (`log_environment`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp64": torch.float64,
+}
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matmuls on x86
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of this machine (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_native_bf16() -> tuple[bool, str]:
+    """Whether this CPU multiplies bf16 natively, and the evidence (a flag name, or why not).
+
+    Returns:
+        (native, reason). On Apple silicon / Arm, bf16 matmuls are not assumed native (fp32 is the safe pick).
+    """
+    flags = cpu_flags()
+    found = [f for f in BF16_CPU_FLAGS if f in flags]
+    if found:
+        return True, f"CPU has {'+'.join(found)}"
+    if not flags:
+        return False, f"no CPU bf16 flags readable on {platform.machine() or 'this CPU'}"
+    return False, "CPU lacks AVX512-BF16/AMX (bf16 would be emulated, ~2-3x slower than fp32)"
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """`auto`/None -> this rank's CUDA device when available, else CPU; anything else is passed to torch.
+
+    Raises:
+        ValueError: an explicit CUDA device on a machine without CUDA.
+    """
+    if name in (None, "auto"):
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    device = torch.device(str(name))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"base_model.device={name!r} but torch sees no CUDA device: use `auto` or `cpu`")
+    return device
+
+
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """The fastest dtype that is native on `device`, with the reason.
+
+    Args:
+        device: where the model runs.
+
+    Returns:
+        (dtype, reason): bf16 on CUDA with bf16 or on a CPU with AVX512-BF16/AMX, fp16 on older CUDA GPUs,
+        fp32 otherwise.
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"{torch.cuda.get_device_name(device)} supports bf16"
+        return torch.float16, f"{torch.cuda.get_device_name(device)} has no bf16: fp16"
+    if device.type == "cpu":
+        native, why = cpu_native_bf16()
+        return (torch.bfloat16, why) if native else (torch.float32, why)
+    return torch.float32, f"{device.type}: fp32 is the safe default"
+
+
+def resolve_dtype(
+    name: str | torch.dtype | None, device: torch.device | None = None, field: str = "base_model.dtype"
+) -> torch.dtype:
+    """Map `auto`/"fp32"/"bf16"/"fp16"/"fp64" (or a torch.dtype) to a torch.dtype.
+
+    Args:
+        name: the configured value; `auto` (or None) picks `auto_dtype(device)`.
+        device: where the model runs (needed for `auto`; default: `resolve_device("auto")`).
+        field: the config key named in the error.
+
+    Raises:
+        ValueError: an unknown name, naming `field` and the choices.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "auto"):
+        return auto_dtype(device if device is not None else resolve_device("auto"))[0]
+    if name not in DTYPES:
+        raise ValueError(f"{field}={name!r} is not one of {['auto', *sorted(set(DTYPES))]}")
+    return DTYPES[name]
+
+
+def mixed_precision_for(setting: str, device: torch.device) -> str:
+    """accelerate's `mixed_precision` for `train.mixed_precision` (`auto` follows the dtype rule).
+
+    Args:
+        setting: `auto` | `no` | `bf16` | `fp16`.
+        device: the device the drafter trains on.
+
+    Returns:
+        `bf16` where bf16 is native on `device`, `fp16` on CUDA without bf16, else `no`; explicit values as given.
+    """
+    if setting != "auto":
+        return setting
+    dtype = auto_dtype(device)[0]
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in what precision a stage runs, and why (printed once per stage)."""
+
+    device: torch.device  # resolved device
+    dtype: torch.dtype  # resolved model dtype
+    reason: str  # `explicit` or the auto rule's evidence
+
+
+def resolve_placement(
+    device: str | None, dtype: str | torch.dtype | None, field: str = "base_model"
+) -> Placement:
+    """Resolve a (device, dtype) pair from the config, `auto` allowed in both.
+
+    Args:
+        device: `auto` | `cpu` | `cuda` | `cuda:N` | `mps`.
+        dtype: `auto` | `fp32` | `bf16` | `fp16` | `fp64` | a torch.dtype.
+        field: the config group named in errors (`base_model`, `eval`).
+    """
+    dev = resolve_device(device)
+    if dtype in (None, "auto"):
+        dt, reason = auto_dtype(dev)
+        reason = f"auto: {reason}"
+    else:
+        dt, reason = resolve_dtype(dtype, dev, f"{field}.dtype"), "explicit"
+    return Placement(dev, dt, reason)
+
+
+def log_environment(stage: str, placement: Placement | None = None, extra: str = "") -> str:
+    """Log (once per call) where `stage` runs: device, dtype and why, CPU threads, library versions.
+
+    Returns:
+        the logged line (for tests).
+    """
+    import transformers
+
+    parts: list[str] = []
+    if placement is not None:
+        parts.append(
+            f"device {placement.device} | dtype {SHORT_NAMES.get(placement.dtype, placement.dtype)} "
+            f"({placement.reason})"
+        )
+    parts.append(
+        f"threads {torch.get_num_threads()} | torch {torch.__version__} | transformers {transformers.__version__}"
+    )
+    if extra:
+        parts.append(extra)
+    line = f"[{stage}] " + " | ".join(parts)
+    log.info(line)
+    return line

@@ -1,0 +1,123 @@
+"""Hardware-aware dtype/device resolution (specdraft.hardware), with the machine's capabilities mocked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdraft import hardware
+from specdraft.hardware import (
+    auto_dtype,
+    cpu_native_bf16,
+    log_environment,
+    mixed_precision_for,
+    resolve_dtype,
+    resolve_placement,
+)
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def cpu_with(monkeypatch):
+    """Pretend this CPU has exactly the given /proc/cpuinfo flags."""
+
+    def set_flags(*flags: str) -> None:
+        monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+
+    return set_flags
+
+
+@pytest.fixture
+def cuda_gpu(monkeypatch):
+    """Pretend a CUDA GPU is present, with or without bf16."""
+
+    def set_gpu(bf16: bool) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "FakeGPU")
+
+    return set_gpu
+
+
+@pytest.mark.parametrize(
+    "flags,native",
+    [
+        (("avx512f", "avx512_bf16"), True),
+        (("avx512f", "amx_bf16", "amx_tile"), True),
+        (("avx512f", "avx512_vnni", "avx2"), False),  # the 2-core Xeon that emulates bf16
+        (("avx2", "fma"), False),
+    ],
+)
+def test_cpu_bf16_follows_the_flags(cpu_with, flags, native):
+    cpu_with(*flags)
+    assert cpu_native_bf16()[0] is native
+    dtype, reason = auto_dtype(CPU)
+    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert ("lacks" in reason) is not native
+    assert mixed_precision_for("auto", CPU) == ("bf16" if native else "no")
+
+
+def test_unreadable_flags_mean_fp32(cpu_with):
+    cpu_with()  # e.g. macOS: no /proc/cpuinfo
+    assert auto_dtype(CPU)[0] == torch.float32
+
+
+@pytest.mark.parametrize("bf16,dtype,mp", [(True, torch.bfloat16, "bf16"), (False, torch.float16, "fp16")])
+def test_cuda_picks_bf16_or_fp16(cuda_gpu, bf16, dtype, mp):
+    cuda_gpu(bf16)
+    assert auto_dtype(CUDA)[0] == dtype
+    assert mixed_precision_for("auto", CUDA) == mp
+    placement = resolve_placement("auto", "auto")
+    assert (
+        placement.device.type == "cuda" and placement.dtype == dtype and placement.reason.startswith("auto")
+    )
+
+
+def test_explicit_values_win(cpu_with, cuda_gpu):
+    cpu_with("avx2")
+    assert resolve_placement("cpu", "bf16") == hardware.Placement(CPU, torch.bfloat16, "explicit")
+    assert resolve_dtype("fp16", CPU) == torch.float16
+    assert mixed_precision_for("no", CPU) == "no" and mixed_precision_for("bf16", CPU) == "bf16"
+    cuda_gpu(True)
+    assert resolve_placement("cpu", "auto").device == CPU  # an explicit cpu on a CUDA host stays on CPU
+    assert resolve_placement("cpu", "auto").dtype == torch.float32
+
+
+def test_auto_device_is_this_ranks_gpu(cuda_gpu, monkeypatch):
+    cuda_gpu(True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert hardware.resolve_device("auto") == torch.device("cuda", 3)
+
+
+def test_bad_values_name_the_field(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"eval\.draft_dtype='int3'"):
+        resolve_dtype("int3", CPU, "eval.draft_dtype")
+    with pytest.raises(ValueError, match=r"base_model\.device='cuda'.*no CUDA"):
+        hardware.resolve_device("cuda")
+
+
+def test_environment_line_says_what_and_why(cpu_with):
+    cpu_with("avx512f")
+    line = log_environment("distill", resolve_placement("cpu", "auto"))
+    assert "[distill]" in line and "dtype fp32" in line and "AVX512-BF16" in line and "threads" in line
+
+
+def test_load_target_resolves_auto(cpu_with, tmp_path, monkeypatch):
+    """base_model.dtype=auto loads fp32 on a CPU without native bf16, bf16 on one with it."""
+    from specdraft.models.base_llm import load_target
+    from specdraft.testing import tiny_llama, tiny_tokenizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    cfg = SimpleNamespace(name_or_path=str(tmp_path), dtype="auto", device="auto")
+    cpu_with("avx512f", "avx512_vnni")
+    assert load_target(cfg)[0].dtype == torch.float32
+    cpu_with("avx512f", "avx512_bf16")
+    model = load_target(cfg)[0]
+    assert model.dtype == torch.bfloat16 and model.device == CPU

@@ -301,6 +301,7 @@ EVAL: Table = {
     "near_tie_gap": optional(at_least(0)),
     "warmup": COUNT,
     "warmup_tokens": POSITIVE,
+    "fallback": ANY,
     "profile": ANY,
     "plots": ANY,
     "out_dir": ANY,
@@ -399,20 +400,20 @@ def validate_config(cfg: DictConfig) -> None:
     drafter = cfg.get("drafter")
     if drafter is not None:
         family = drafter.get("family")
-        schema = DRAFTER_SCHEMAS.get(str(family))
+        family_schema = DRAFTER_SCHEMAS.get(str(family))
         group = OmegaConf.get_type(drafter)
-        if schema is None:
+        if family_schema is None:
             problems.append(
                 f"drafter.family={_show(family)}: expected one of {', '.join(DRAFTER_SCHEMAS)}; "
                 f"pick the family with drafter=<family>"
             )
-        elif group in TABLES and group is not schema:
+        elif group in TABLES and group is not family_schema:
             named = next(f for f, s in DRAFTER_SCHEMAS.items() if s is group)
             problems.append(
                 f"drafter.family={family} does not match the drafter group ({named}); "
                 f"pick the family with drafter={family}, not drafter.family"
             )
         else:
-            problems += check_section(plain(drafter), schema, "drafter.")
+            problems += check_section(plain(drafter), family_schema, "drafter.")
     if problems:
         raise ValueError("; ".join(problems))

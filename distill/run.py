@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from specdraft.conf.validate import validate_config
 from specdraft.data.conversations import load_conversations
 from specdraft.distill.features import check_disk_budget, compute_features, make_spec
 from specdraft.distill.generate import GenerationSettings, stop_token_ids
@@ -104,11 +105,8 @@ def make_header(
 def distill(cfg: DictConfig) -> Path:
     """Run the distillation stage; returns the dataset folder (`distill.out_dir` or `<run_dir>/distilled`)."""
     t_start = time.time()
+    validate_config(cfg)  # ranges (also checked by the entry point, before the run dir exists)
     d = cfg.distill
-    if d.shard_size <= 0 or d.T <= 0 or d.max_turns <= 0:
-        raise ValueError(
-            f"distill.shard_size={d.shard_size}, distill.T={d.T}, distill.max_turns={d.max_turns} must all be > 0"
-        )
     out_dir = Path(d.out_dir) if d.out_dir else Path(cfg.run_dir) / "distilled"
     rank, world, barrier = _dist_state()
     say = print if rank == 0 else (lambda *a, **k: None)

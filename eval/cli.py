@@ -43,7 +43,8 @@ def _drafter_paths(cfg: DictConfig) -> list[str]:
 
 
 def _spec(cfg: DictConfig, runner, name: str, model, tokenizer, proposer, stop_ids: set[int], sampling: dict):
-    """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name)."""
+    """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name),
+    `eval.fallback` adds the self-adaptive fallback (labelled `+fallback`; output unchanged)."""
     e = cfg.eval
     if e.acceptance == "typical":  # Medusa typical acceptance: LOSSY, labelled in every table
         from specdraft.eval.medusa_tree import typical_rule
@@ -52,7 +53,11 @@ def _spec(cfg: DictConfig, runner, name: str, model, tokenizer, proposer, stop_i
             float(e.temperature), float(e.typical_epsilon), float(e.typical_delta), int(e.seed)
         )
         sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
-    return runner.spec_method(name, model, tokenizer, proposer, stop_ids, sampling, bool(e.profile))
+    if e.fallback:
+        name += "+fallback"
+    return runner.spec_method(
+        name, model, tokenizer, proposer, stop_ids, sampling, bool(e.profile), bool(e.fallback)
+    )
 
 
 def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[list, dict[str, str]]:

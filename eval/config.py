@@ -36,6 +36,7 @@ class EvalConfig:
     near_tie_gap: float | None = None  # top-2 logit gap counted as a numeric near-tie (None: by dtype)
     warmup: int = 1  # warm-up prompts per method before timing (not recorded)
     warmup_tokens: int = 32  # new tokens per warm-up prompt
+    fallback: bool = False  # draft only while it pays, else plain target steps (LLMCad); output unchanged
     profile: bool = False  # per-phase time breakdown of the speculative loop (adds device syncs)
     plots: bool = True  # write PNG plots (accepted-length histogram, per-category speedup)
     out_dir: str | None = None  # results folder (default <run_dir>/eval)

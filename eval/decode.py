@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.data.chat import stop_token_ids
+from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import cache_len, check_supported, keep_accepted, new_cache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify, sample_token, sample_verify
@@ -60,6 +61,7 @@ class DecodeStats:
     draft_s: float = 0.0  # proposer time
     verify_s: float = 0.0  # target forward over the tree
     accept_s: float = 0.0  # acceptance + cache compaction + bookkeeping
+    target_steps: int = 0  # steps the fallback controller ran without drafting (included in `steps`)
 
     @property
     def tokens_per_step(self) -> float:
@@ -213,6 +215,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     profile: bool = False,
     verify_fn: Callable[[DraftTree, Tensor], tuple[Tensor, int]] | None = None,
+    fallback: FallbackController | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Tree-attention speculative decoding with `proposer`; lossless w.r.t. `ar_generate`.
 
@@ -229,6 +232,8 @@ def speculative_generate(
         profile: synchronise the device around each phase for an exact time breakdown.
         verify_fn: replaces the exact acceptance rules: (tree, logits (N, V)) -> (path, bonus), e.g. the
             LOSSY `medusa_tree.typical_verify` (None: greedy / recursive rejection, both lossless).
+        fallback: a `FallbackController` that replaces drafting by plain target steps (a root-only tree) while
+            drafting does not pay on this machine (None: always draft). Output is unchanged either way.
 
     Returns:
         tokens: the new tokens; stats (accepted drafts per step, tree sizes, timings).
@@ -258,10 +263,18 @@ def speculative_generate(
     done = max_new_tokens <= 0 or _emit(out, [root], stop_ids, max_new_tokens)
     new_hidden = hidden  # (n, H) states of the newly committed positions
     new_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=device)])  # (n,) what each predicts
+    if fallback is not None:
+        fallback.reset()
     while not done:
-        tree = proposer.propose(new_hidden, new_tokens).to(device)
-        if int(tree.tokens[0]) != root:
-            raise RuntimeError(f"proposer returned a tree rooted at {int(tree.tokens[0])}, expected {root}")
+        drafted = fallback is None or fallback.should_draft()
+        if drafted:
+            tree = proposer.propose(new_hidden, new_tokens).to(device)
+            if int(tree.tokens[0]) != root:
+                raise RuntimeError(
+                    f"proposer returned a tree rooted at {int(tree.tokens[0])}, expected {root}"
+                )
+        else:  # a plain target step; the proposer sees these positions with the next drafted step's
+            tree = DraftTree(torch.tensor([root], device=device), torch.tensor([-1], device=device))
         t2 = clock()
         prefix_len = cache_len(cache)
         mask = tree_attention_mask(tree, prefix_len, dtype)  # (1, 1, N, P+N)
@@ -283,17 +296,23 @@ def speculative_generate(
             path, bonus = sample_verify(tree, logits, temperature, top_k, top_p, generator)
         keep_accepted(cache, prefix_len, path)
         drafts = tree.tokens[path[1:]]  # (a-1,)
-        done = _emit(out, [*drafts.tolist(), bonus], stop_ids, max_new_tokens)
-        new_hidden = hidden[path]  # (a, H)
-        new_tokens = torch.cat([drafts, torch.tensor([bonus], device=device)])  # (a,)
+        done = _emit(out, [*drafts.tolist(), bonus], stop_ids, max_new_tokens)  # the step's one host sync
+        if drafted:  # (a, H) states and (a,) next tokens of the newly committed positions
+            new_hidden, new_tokens = hidden[path], torch.cat([drafts, torch.tensor([bonus], device=device)])
+        else:  # not drafted: keep them for the proposer's next call
+            new_hidden = torch.cat([new_hidden, hidden[path]])
+            new_tokens = torch.cat([new_tokens, torch.tensor([bonus], device=device)])
         root = bonus
         stats.steps += 1
         stats.accepted.append(path.shape[0] - 1)
         stats.tree_sizes.append(tree.num_nodes)
-        ratio = getattr(proposer, "last_compression", None)
+        ratio = getattr(proposer, "last_compression", None) if drafted else None
         if ratio is not None:
             stats.compression.append(float(ratio))
         t4 = clock()
+        if fallback is not None:
+            fallback.observe(drafted, path.shape[0], t4 - t1)
+            stats.target_steps += not drafted
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.accept_s += t4 - t3

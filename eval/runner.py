@@ -22,6 +22,7 @@ import torch
 from specdraft.data.benchmarks import BenchmarkItem
 from specdraft.data.chat import prompt_ids as chat_prompt_ids
 from specdraft.eval.decode import ar_generate, model_device, speculative_generate, sync_device, target_forward
+from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import new_cache
 
 RunFn = Callable[[list[int], int, "torch.Generator | None"], tuple[list[int], dict[str, Any]]]
@@ -39,9 +40,17 @@ class Method:
 
 
 def spec_method(
-    name: str, model, tokenizer, proposer, stop_ids: set[int], sampling: dict, profile: bool
+    name: str,
+    model,
+    tokenizer,
+    proposer,
+    stop_ids: set[int],
+    sampling: dict,
+    profile: bool,
+    fallback: bool = False,
 ) -> Method:
-    """Our tree speculative decoder with `proposer`."""
+    """Our tree speculative decoder with `proposer` (and a `FallbackController` when `fallback`)."""
+    controller = FallbackController() if fallback else None
 
     def run(ids, max_new, gen):
         toks, st = speculative_generate(
@@ -53,6 +62,7 @@ def spec_method(
             stop_ids=stop_ids,
             generator=gen,
             profile=profile,
+            fallback=controller,
             **sampling,
         )
         prof = {
@@ -69,6 +79,7 @@ def spec_method(
             "mean_tree_size": sum(st.tree_sizes) / max(len(st.tree_sizes), 1),
             "mean_compression": comp,
             "finish_reason": st.finish_reason,
+            "target_steps": st.target_steps,
             "profile": prof,
         }
 

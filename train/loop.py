@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
@@ -102,7 +102,7 @@ def train(cfg: DictConfig) -> Path:
     t0 = time.time()
     validate_config(cfg)
     run_dir = Path(cfg.run_dir)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     ckpt_root = ckpt.checkpoint_dir(run_dir)
     latest = ckpt.latest_checkpoint(ckpt_root) if cfg.train.resume else None
     changed = ckpt.check_resume(latest, resolved) if latest is not None else []  # refuses before any load

@@ -53,10 +53,10 @@ def test_missing_source_and_non_positive_num_samples(assets, tmp_path) -> None:
         distill(make_cfg(assets, tmp_path / "d", tmp_path / "nope" / "convs.jsonl"))
     cfg = make_cfg(assets, tmp_path / "d")
     cfg.distill.num_samples = -1
-    with pytest.raises(ValueError, match=r"distill\.num_samples=-1 must be > 0"):
+    with pytest.raises(ValueError, match=r"distill\.num_samples=-1\b"):
         distill(cfg)
     cfg.distill.num_samples, cfg.data.num_samples = None, 0
-    with pytest.raises(ValueError, match=r"data\.num_samples=0 must be > 0"):
+    with pytest.raises(ValueError, match=r"data\.num_samples=0\b"):
         distill(cfg)
     assert not (tmp_path / "d").exists()
 

@@ -4,6 +4,10 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # The stamp is keyed to the interpreter (its prefix and executable): a new venv, or another Python, reinstalls.
 STAMP := .install/$(shell $(PYTHON) -c "import hashlib, os, sys; print(hashlib.sha1((sys.prefix + os.path.realpath(sys.executable)).encode()).hexdigest()[:12])").stamp
+# ... and to this checkout: when `specdraft` imports from another clone (its editable install), reinstall.
+ifneq ($(shell cd / && $(PYTHON) -c "import os, specdraft; print(os.path.realpath(specdraft.__file__))" 2>/dev/null),$(realpath specdraft/__init__.py))
+$(shell rm -f $(STAMP))
+endif
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 

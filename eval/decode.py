@@ -277,15 +277,15 @@ def speculative_generate(
             tree = DraftTree(torch.tensor([root], device=device), torch.tensor([-1], device=device))
         t2 = clock()
         prefix_len = cache_len(cache)
-        mask = tree_attention_mask(tree, prefix_len, dtype)  # (1, 1, N, P+N)
+        if drafted:  # (1, 1, N, P+N) ancestor mask, positions P + depth
+            mask, positions = (
+                tree_attention_mask(tree, prefix_len, dtype),
+                tree_position_ids(tree, prefix_len),
+            )
+        else:  # one node: exactly AR's causal step
+            mask, positions = None, None
         logits, hidden = target_forward(
-            model,
-            tree.tokens[None],
-            cache,
-            tree_position_ids(tree, prefix_len),
-            mask,
-            layers=layers,
-            keep_last=keep_last,
+            model, tree.tokens[None], cache, positions, mask, layers=layers, keep_last=keep_last
         )  # (N, V), (N, H) or (N, m*H)
         t3 = clock()
         if verify_fn is not None:  # a custom rule, e.g. Medusa's LOSSY typical acceptance

@@ -233,7 +233,8 @@ def speculative_generate(
         verify_fn: replaces the exact acceptance rules: (tree, logits (N, V)) -> (path, bonus), e.g. the
             LOSSY `medusa_tree.typical_verify` (None: greedy / recursive rejection, both lossless).
         fallback: a `FallbackController` that replaces drafting by plain target steps (a root-only tree) while
-            drafting does not pay on this machine (None: always draft). Output is unchanged either way.
+            drafting does not pay on this machine (None: always draft). Output is unchanged either way. Its
+            running means carry over from call to call (same machine, same drafter).
 
     Returns:
         tokens: the new tokens; stats (accepted drafts per step, tree sizes, timings).
@@ -263,8 +264,6 @@ def speculative_generate(
     done = max_new_tokens <= 0 or _emit(out, [root], stop_ids, max_new_tokens)
     new_hidden = hidden  # (n, H) states of the newly committed positions
     new_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=device)])  # (n,) what each predicts
-    if fallback is not None:
-        fallback.reset()
     while not done:
         drafted = fallback is None or fallback.should_draft()
         if drafted:

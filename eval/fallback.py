@@ -14,7 +14,8 @@ picks the better one each step:
 The target step is a one-node tree through the same verify path, so the output is the target's own token:
 whatever the controller decides, greedy output equals AR output and sampling keeps the target's
 distribution (the decision never looks at the tokens, only at counts and clocks). What changes from run to
-run with the clock is only which steps drafted, so tokens/step is reported as measured.
+run with the clock is only which steps drafted, so tokens/step is reported as measured. One controller serves
+one method for a whole benchmark: its running means carry over from prompt to prompt.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class FallbackController:
 
     ema: float = 0.3  # weight of the newest observation in the running means
     min_probe: int = 2  # target steps before the first probe after a fallback
-    max_probe: int = 32  # longest gap between probes while drafting keeps losing
+    max_probe: int = 64  # longest gap between probes while drafting keeps losing
     margin: float = 1.0  # draft while rate_d >= margin * rate_t
 
     def __post_init__(self) -> None:

@@ -47,7 +47,8 @@ def forward_costs(model, sizes=(1, 4, 8, 16, 32, 64), prefix=300, reps=5) -> dic
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--drafter", default=None, help="exported drafter folder / Hub id")
     p.add_argument("--fresh-redrafter", action="store_true", help="use an untrained ReDrafter (timing only)")
     p.add_argument("--beam-width", type=int, default=None)
@@ -69,7 +70,7 @@ def main() -> None:
     from specdraft.eval.proposers import make_proposer
     from specdraft.models.base_llm import load_target, target_fingerprint
 
-    model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device="cpu"))
+    model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
     print(f"threads={torch.get_num_threads()} dtype={model.dtype}")
     if not a.skip_forward_costs:
         costs = forward_costs(model)

@@ -60,8 +60,8 @@ def main() -> None:
     """Parse arguments, time both paths, print the ratio."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--source", default="sharegpt", help="conversations for the prompts")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-prompt-len", type=int, default=256)

@@ -1,6 +1,6 @@
 """Load a target (default: the embedded SmolLM2-135M), print its config and answer one chat prompt.
 
-python scripts/chat.py "What is the capital of France?" [--model smollm2-135m] [--dtype bf16]
+python scripts/chat.py "What is the capital of France?" [--model smollm2-135m] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", default="What is the capital of France?")
     p.add_argument("--model", default="smollm2-135m", help="embedded alias, Hub id, HF folder or .gguf file")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-new-tokens", type=int, default=64)
     a = p.parse_args()
     t0 = time.perf_counter()

@@ -29,13 +29,18 @@ from transformers import PreTrainedModel
 from specdraft.data.chat import stop_token_ids
 from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import cache_len, check_supported, keep_accepted, new_cache
-from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
+from specdraft.eval.tree import DraftTree, ProposerSpec, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify, sample_token, sample_verify
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 
 class Proposer(Protocol):
     """Turns the newest committed state into a candidate tree (see design.md)."""
+
+    spec: ProposerSpec  # the features it reads, its depth and node budget
+    last_compression: (
+        float | None
+    )  # beam tokens / tree nodes of the latest tree (None: not packed from beams)
 
     def reset(self) -> None: ...
 
@@ -251,8 +256,8 @@ def speculative_generate(
     t0 = time.perf_counter()
     cache = new_cache(model, ids.shape[1] + max_new_tokens)
     proposer.reset()
-    layers = tuple(getattr(proposer, "target_layers", ()) or ())  # EAGLE-3 reads intermediate layers
-    keep_last = bool(getattr(proposer, "keep_last_hidden", False))  # ReDrafter: [h; layers]
+    layers = proposer.spec.feature_layers  # EAGLE-3 reads intermediate layers
+    keep_last = proposer.spec.keep_last_hidden  # ReDrafter: [h; layers]
     logits, hidden = target_forward(
         model, ids, cache, logits_rows=slice(-1, None), layers=layers, keep_last=keep_last
     )
@@ -305,7 +310,7 @@ def speculative_generate(
         stats.steps += 1
         stats.accepted.append(path.shape[0] - 1)
         stats.tree_sizes.append(tree.num_nodes)
-        ratio = getattr(proposer, "last_compression", None) if drafted else None
+        ratio = proposer.last_compression if drafted else None
         if ratio is not None:
             stats.compression.append(float(ratio))
         t4 = clock()

@@ -27,7 +27,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdraft.eval.kv import rollback
-from specdraft.eval.tree import DraftTree
+from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.eagle_common import causal_tree_mask
 
 if TYPE_CHECKING:
@@ -63,6 +63,10 @@ class EagleTreeProposer:
         self.target_layers: tuple[int, ...] = tuple(
             int(i) for i in getattr(drafter.config, "target_layers", ()) or ()
         )
+        self.spec = ProposerSpec(
+            feature_layers=self.target_layers, max_depth=self.depth, node_budget=1 + self.total_tokens
+        )
+        self.last_compression: float | None = None  # trees are built node by node, not packed from beams
         self.cache = DynamicCache()
         self.committed = 0
         self.last_pool: dict[str, Tensor] | None = None  # candidates of the latest call (tests, analysis)

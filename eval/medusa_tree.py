@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
-from specdraft.eval.tree import DraftTree, ancestor_matrix
+from specdraft.eval.tree import DraftTree, ProposerSpec, ancestor_matrix
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -249,6 +249,7 @@ class MedusaProposer:
         self.topk = int(self.rank.max()) + 1
         self.depth_used = int(self.depth.max())  # heads the tree reaches (deeper heads are never run)
         self.last_compression: float | None = None
+        self.spec = ProposerSpec(max_depth=self.depth_used, node_budget=int(self.parents.shape[0]))
 
     def reset(self) -> None:
         """No state across prompts."""

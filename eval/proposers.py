@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
-from specdraft.eval.tree import PAD, DraftTree, pack_beams, pad_beams
+from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams, pad_beams
 from specdraft.models.copy_lookup import NgramIndex
 
 if TYPE_CHECKING:
@@ -87,8 +87,11 @@ class PromptLookupProposer:
         max_ngram: longest suffix n-gram matched against the context.
     """
 
+    last_compression: float | None = None  # a chain: nothing to pack
+
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3) -> None:
         self.draft_len, self.max_ngram = int(num_tokens), int(max_ngram)
+        self.spec = ProposerSpec(max_depth=self.draft_len, node_budget=1 + self.draft_len)
         self.context: Tensor | None = None
 
     def reset(self) -> None:
@@ -120,8 +123,6 @@ class ReDrafterProposer:
             (dynamic tree size; 0: keep all).
     """
 
-    keep_last_hidden = True  # the decoder passes h first, then the drafter's `target_layers` (if any)
-
     def __init__(
         self,
         drafter: torch.nn.Module,
@@ -147,9 +148,15 @@ class ReDrafterProposer:
         self.max_depth = max(self.draft_len, lookup_tokens)  # deepest possible draft (acceptance-rate unit)
         self.min_logp = math.log(min_prob) if min_prob > 0 else None
         # extra target layers the drafter reads after h (`ReDrafterConfig.target_layers`): the decoder returns
-        # [h; layers] for every verified position (`keep_last_hidden`)
+        # [h; layers] for every verified position (`spec.keep_last_hidden`)
         cfg = getattr(drafter, "config", None)
         self.target_layers = tuple(int(i) for i in (getattr(cfg, "target_layers", None) or ()))
+        self.spec = ProposerSpec(  # the decoder passes h first, then the drafter's `target_layers` (if any)
+            feature_layers=self.target_layers,
+            keep_last_hidden=True,
+            max_depth=self.max_depth,
+            node_budget=1 + beam_width * self.draft_len + lookup_tokens,
+        )
         # prefix attention (`context_heads` > 0): keys/values of every committed position, grown each step
         self.uses_context = bool(getattr(cfg, "context_heads", 0))
         self.hidden_size = int(getattr(cfg, "base_hidden_size", 0) or 0)

@@ -87,14 +87,8 @@ def spec_method(
 
 
 def _draft_len(proposer) -> int | None:
-    """Maximum draft depth of a proposer (`draft_len`, or `depth` as an int or per-node tensor)."""
-    for attr in ("max_depth", "draft_len", "depth"):
-        v = getattr(proposer, attr, None)
-        if isinstance(v, torch.Tensor) and v.numel():
-            return int(v.max())
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+    """Maximum draft depth a proposer declares (`spec.max_depth`; None when it declares none)."""
+    return proposer.spec.max_depth or None
 
 
 def ar_method(model, tokenizer, stop_ids: set[int], sampling: dict) -> Method:

@@ -27,6 +27,16 @@ from torch import Tensor
 PAD = -1  # right padding of shorter beams in `pack_beams`
 
 
+@dataclass(frozen=True)
+class ProposerSpec:
+    """What a proposer declares to the decoder (read, never probed; design.md "Decoder contract")."""
+
+    feature_layers: tuple[int, ...] = ()  # target hidden_states indices read per position (): last layer
+    keep_last_hidden: bool = False  # with feature_layers: pass the last layer first, then those (ReDrafter)
+    max_depth: int = 0  # deepest draft node, the acceptance-rate unit (0: not declared)
+    node_budget: int = 0  # most nodes one tree can hold, root included (0: not declared)
+
+
 @dataclass
 class DraftTree:
     """Candidate tree for one verification forward (batch size 1).

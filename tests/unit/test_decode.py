@@ -15,7 +15,7 @@ from transformers import (
 
 import specdraft.eval.decode as decode
 from specdraft.eval.decode import ar_generate, speculative_generate
-from specdraft.eval.tree import DraftTree, pack_beams
+from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import sample_verify
 
 VOCAB = 96
@@ -48,6 +48,9 @@ def llama64():
 class RandomTreeProposer:
     """Random trees of random size over the whole vocabulary (mostly rejected drafts)."""
 
+    spec = ProposerSpec()  # reads the last layer; declares no depth or budget
+    last_compression = None
+
     def __init__(self, vocab: int, max_nodes: int = 12, seed: int = 0) -> None:
         self.vocab, self.max_nodes, self.g = vocab, max_nodes, torch.Generator().manual_seed(seed)
 
@@ -65,6 +68,9 @@ class RandomTreeProposer:
 class OracleBeamProposer:
     """Beams that contain the true AR continuation (cut at a random depth) among random beams, packed by
     dedup - exercises long accepted paths, branch choice and scattered KV compaction."""
+
+    spec = ProposerSpec()  # reads the last layer; declares no depth or budget
+    last_compression = None
 
     def __init__(self, reference: list[int], prompt_len: int, width: int = 4, length: int = 5, seed: int = 0):
         self.ref, self.prompt_len, self.width, self.length = reference, prompt_len, width, length
@@ -149,6 +155,9 @@ def test_stop_tokens_and_budget_match_ar(llama64):
 
 def test_root_only_trees_and_bf16_run(llama64):
     class RootOnly:
+        spec = ProposerSpec()  # reads the last layer; declares no depth or budget
+        last_compression = None
+
         def reset(self):
             pass
 
@@ -179,6 +188,9 @@ SV = 6  # small vocabulary: the full tree of depth 2 has 1 + 6 + 36 nodes; we us
 
 class FixedTreeProposer:
     """Root + children {3,1,2,3(dup)} + grandchildren {4,2} under '3' and {2} under '1' (deterministic)."""
+
+    spec = ProposerSpec()  # reads the last layer; declares no depth or budget
+    last_compression = None
 
     def reset(self):
         pass

@@ -138,7 +138,7 @@ def test_redrafter_with_target_layers_reads_h_and_the_layers_and_is_lossless():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     proposer = ReDrafterProposer(drafter, beam_width=4, beam_length=4)
-    assert proposer.target_layers == (1,) and proposer.keep_last_hidden
+    assert proposer.spec.feature_layers == (1,) and proposer.spec.keep_last_hidden
     seen: list[torch.Tensor] = []
     search = drafter.beam_search
     drafter.beam_search = lambda h, *a: seen.append(h) or search(h, *a)  # type: ignore[method-assign]

@@ -137,7 +137,7 @@ def test_greedy_lossless_through_the_shared_decoder(family, int8, tiny_tokenizer
     head = _head(family, target)
     prop = make_proposer(head, tree_nodes=12, int8_head=int8)  # depth 4, top-k 3 from the head config
     assert (prop.int8 is not None) == int8 or not int8
-    assert prop.target_layers == tuple(getattr(head.config, "target_layers", ()))
+    assert prop.spec.feature_layers == tuple(getattr(head.config, "target_layers", ()))
     for seed in range(3):
         torch.manual_seed(seed)
         prompt = torch.randint(5, 128, (6 + 3 * seed,)).tolist()

@@ -21,7 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.schema import DRAFTER_SCHEMAS, BaseModelConfig, DataConfig, RootConfig
 from specdraft.distill.config import DistillConfig
+from specdraft.distill.features import FEATURE_DTYPES
 from specdraft.eval.config import EvalConfig
+from specdraft.hardware import DTYPES
 from specdraft.train.config import (
     Eagle3Schema,
     EagleSchema,
@@ -85,7 +87,7 @@ def each(rule: Rule) -> Rule:
 ANY = Rule(lambda v: True, "any value")  # every value of the field's type is meaningful
 NON_EMPTY = Rule(lambda v: bool(v) and (not isinstance(v, str) or bool(v.strip())), "a non-empty value")
 SEED = within(0, 2**32 - 1, hi_open=False)  # numpy's seed range
-DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16", "fp64", "float32", "bfloat16", "float16")  # specdraft.hardware
+DTYPE_NAMES = ("auto", *DTYPES)  # what specdraft.hardware.resolve_dtype accepts
 DTYPE = one_of(*DTYPE_NAMES)
 DEVICE = Rule(
     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
@@ -269,7 +271,7 @@ DISTILL: Table = {
     "save_hidden": ANY,
     "hidden_layers": ANY,  # indices into the target's hidden states (checked against the target)
     "topk": COUNT,
-    "feature_dtype": one_of("bf16", "fp16"),  # distill/features.py FEATURE_DTYPES
+    "feature_dtype": one_of(*FEATURE_DTYPES),
     "max_disk_gb": above(0),
     "seed": SEED,
 }

@@ -22,14 +22,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {  # short names first: the order config errors list them in
     "fp32": torch.float32,
-    "float32": torch.float32,
     "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
-    "float16": torch.float16,
     "fp64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matmuls on x86

@@ -42,9 +42,23 @@ def _drafter_paths(cfg: DictConfig) -> list[str]:
     return []
 
 
-def _spec(cfg: DictConfig, runner, name: str, model, tokenizer, proposer, stop_ids: set[int], sampling: dict):
+def _spec(
+    cfg: DictConfig,
+    runner,
+    name: str,
+    model,
+    tokenizer,
+    proposer,
+    stop_ids: set[int],
+    sampling: dict,
+    decoder,
+    cost=None,
+):
     """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name),
-    `eval.fallback` adds the self-adaptive fallback (labelled `+fallback`; output unchanged)."""
+    `eval.fallback` adds the self-adaptive fallback (labelled `+fallback`; output unchanged), a cost curve
+    `cost` a fitted node budget (`eval.node_budget=auto`, labelled `+budget`; output unchanged)."""
+    from specdraft.eval.budget import NodeBudget
+
     e = cfg.eval
     if e.acceptance == "typical":  # Medusa typical acceptance: LOSSY, labelled in every table
         from specdraft.eval.medusa_tree import typical_rule
@@ -55,22 +69,45 @@ def _spec(cfg: DictConfig, runner, name: str, model, tokenizer, proposer, stop_i
         sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
     if e.fallback:
         name += "+fallback"
+    if cost is not None:
+        name += "+budget"
     return runner.spec_method(
-        name, model, tokenizer, proposer, stop_ids, sampling, bool(e.profile), bool(e.fallback)
+        name,
+        model,
+        tokenizer,
+        proposer,
+        stop_ids,
+        sampling,
+        bool(e.profile),
+        bool(e.fallback),
+        decoder,
+        NodeBudget(cost) if cost is not None else None,
     )
 
 
 def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[list, dict[str, str]]:
     """The AR reference, one method per drafter, then the transformers baselines (and why any was skipped)."""
     from specdraft.eval import runner
+    from specdraft.eval.budget import CostCurve, machine_key
     from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.static_decode import make_decoder
     from specdraft.hardware import resolve_dtype
     from specdraft.models.base_llm import target_fingerprint
     from specdraft.models.hub import load_drafter
 
     e = cfg.eval
     sampling = {"temperature": float(e.temperature), "top_k": int(e.top_k), "top_p": float(e.top_p)}
-    methods = [runner.ar_method(model, tokenizer, stop_ids, sampling)]
+    decoder = make_decoder(
+        model, str(e.decode_path), str(e.cuda_graphs)
+    )  # shared: one cache, one set of graphs
+    methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
+    cost = None
+    if e.node_budget == "auto":  # the target's verify cost per node count on this machine (cached)
+        if decoder is None:
+            raise ValueError(
+                "eval.node_budget=auto needs eval.decode_path=static (the dynamic path has no budget)"
+            )
+        cost = CostCurve.load_or_measure(machine_key(model, decoder.path_name()), decoder.measure_costs)
     fingerprint = target_fingerprint(model, tokenizer)
     for path in _drafter_paths(cfg):
         drafter = load_drafter(path, model, fingerprint, field="eval.drafters")
@@ -93,13 +130,17 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             )
             while any(m.name == name for m in methods):
                 name += "'"
-            methods.append(_spec(cfg, runner, name, model, tokenizer, proposer, stop_ids, sampling))
+            methods.append(
+                _spec(cfg, runner, name, model, tokenizer, proposer, stop_ids, sampling, decoder, cost)
+            )
     skipped: dict[str, str] = {}
     baselines = list(e.baselines)  # names checked by conf/validate.py
     if "tree_lookup" in baselines:  # prompt lookup through our decoder: compares the two implementations
         lookup = PromptLookupProposer(int(e.prompt_lookup_num_tokens))
         methods.append(
-            runner.spec_method("tree_lookup", model, tokenizer, lookup, stop_ids, sampling, bool(e.profile))
+            runner.spec_method(
+                "tree_lookup", model, tokenizer, lookup, stop_ids, sampling, bool(e.profile), decoder=decoder
+            )
         )
         baselines.remove("tree_lookup")
     if baselines:

@@ -37,6 +37,11 @@ class EvalConfig:
     warmup: int = 1  # warm-up prompts per method before timing (not recorded)
     warmup_tokens: int = 32  # new tokens per warm-up prompt
     fallback: bool = False  # draft only while it pays, else plain target steps (LLMCad); output unchanged
+    decode_path: str = "static"  # static (preallocated cache, one host sync/step) | dynamic (pre-0.2 path)
+    cuda_graphs: str = (
+        "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify as CUDA graphs
+    )
+    node_budget: str = "off"  # off | auto: cap each tree at the budget that pays on this machine (cost curve)
     profile: bool = False  # per-phase time breakdown of the speculative loop (adds device syncs)
     plots: bool = True  # write PNG plots (accepted-length histogram, per-category speedup)
     out_dir: str | None = None  # results folder (default <run_dir>/eval)

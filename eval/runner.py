@@ -15,15 +15,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from specdraft.data.benchmarks import BenchmarkItem
 from specdraft.data.chat import prompt_ids as chat_prompt_ids
+from specdraft.eval.budget import NodeBudget
 from specdraft.eval.decode import ar_generate, model_device, speculative_generate, sync_device, target_forward
 from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import new_cache
+from specdraft.eval.static_decode import StaticDecoder
 
 RunFn = Callable[[list[int], int, "torch.Generator | None"], tuple[list[int], dict[str, Any]]]
 
@@ -48,13 +51,22 @@ def spec_method(
     sampling: dict,
     profile: bool,
     fallback: bool = False,
+    decoder: StaticDecoder | None = None,
+    budget: NodeBudget | None = None,
 ) -> Method:
-    """Our tree speculative decoder with `proposer` (and a `FallbackController` when `fallback`)."""
+    """Our tree speculative decoder with `proposer` (and a `FallbackController` when `fallback`), on the
+    static path of `decoder` or, without one, the dynamic path of `decode.py`; `budget` (static path only)
+    fits the node cap to this machine."""
     controller = FallbackController() if fallback else None
+    if decoder is not None:
+        generate = partial(decoder.speculative_generate, budget=budget)
+    elif budget is not None:
+        raise ValueError("eval.node_budget=auto needs eval.decode_path=static")
+    else:
+        generate = partial(speculative_generate, model)
 
     def run(ids, max_new, gen):
-        toks, st = speculative_generate(
-            model,
+        toks, st = generate(
             tokenizer,
             ids,
             proposer,
@@ -80,6 +92,7 @@ def spec_method(
             "mean_compression": comp,
             "finish_reason": st.finish_reason,
             "target_steps": st.target_steps,
+            "node_cap": budget.cap if budget is not None else None,
             "profile": prof,
         }
 
@@ -91,11 +104,14 @@ def _draft_len(proposer) -> int | None:
     return proposer.spec.max_depth or None
 
 
-def ar_method(model, tokenizer, stop_ids: set[int], sampling: dict) -> Method:
-    """Our autoregressive baseline (same forward/cache/prefill as the speculative loop)."""
+def ar_method(
+    model, tokenizer, stop_ids: set[int], sampling: dict, decoder: StaticDecoder | None = None
+) -> Method:
+    """Our autoregressive baseline (same forward/cache/prefill/path as the speculative loop)."""
+    generate = decoder.ar_generate if decoder is not None else partial(ar_generate, model)
 
     def run(ids, max_new, gen):
-        toks, st = ar_generate(model, tokenizer, ids, max_new, stop_ids=stop_ids, generator=gen, **sampling)
+        toks, st = generate(tokenizer, ids, max_new, stop_ids=stop_ids, generator=gen, **sampling)
         return toks, {"time_s": st.time_s, "steps": st.steps, "finish_reason": st.finish_reason}
 
     return Method("ar", "ar", run, "ar")

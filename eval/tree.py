@@ -70,6 +70,14 @@ class DraftTree:
         """N, the number of tree nodes (root included)."""
         return self.tokens.shape[0]
 
+    def truncated(self, b: int) -> DraftTree:
+        """The subtree of the first b nodes (a valid tree: `parents[i] < i`); proposers order nodes best
+        first (beam rank, EAGLE-2 score, Medusa accuracy), so this is the tree a smaller budget would draft."""
+        if b >= self.num_nodes:
+            return self
+        assert self.ancestors is not None and self.depth is not None
+        return DraftTree(self.tokens[:b], self.parents[:b], self.depth[:b], self.ancestors[:b, :b])
+
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree with every tensor on `device`."""
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731

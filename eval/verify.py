@@ -140,3 +140,51 @@ def sample_token(
     if temperature <= 0.0:
         return int(logits.float().argmax(-1))
     return int(torch.multinomial(warp_probs(logits, temperature, top_k, top_p), 1, generator=generator))
+
+
+def greedy_verify_packed(
+    tokens: Tensor,
+    parents: Tensor,
+    ancestors: Tensor,
+    depth: Tensor,
+    logits: Tensor,
+    valid: Tensor | None = None,
+    prefix_accept: bool = False,
+) -> Tensor:
+    """`greedy_verify` with fixed shapes and no host sync: everything the decoder needs in one tensor.
+
+    Same rule as `greedy_verify` (deepest fully matched node, ties to the lowest index). Padding nodes
+    (`valid` False) are never accepted. The path comes back padded to b entries with the identity (slot k
+    holds k for k >= a), the form `StaticKVCache.commit` takes.
+
+    Args:
+        tokens: (b,) long node tokens, node 0 the root.
+        parents: (b,) long, `parents[0] == -1`.
+        ancestors: (b, b) bool ancestor-or-self matrix.
+        depth: (b,) long.
+        logits: (b, V) target logits at every node.
+        valid: (b,) bool real nodes (None: all).
+        prefix_accept: also return, for every k, the nodes the first k nodes alone would have accepted
+            (the gain curve of `eval.budget`).
+
+    Returns:
+        (2 + 2b,) long: [a, bonus, path (b,), tokens[path] (b,)], `a` nodes accepted (root included),
+        followed by (b,) accepted-with-the-first-k-nodes counts when `prefix_accept`.
+    """
+    b = tokens.shape[0]
+    top = logits.float().argmax(-1)  # (b,)
+    ok = tokens == top[parents.clamp(min=0)]  # (b,) node matches its parent's argmax
+    if valid is not None:
+        ok = ok & valid
+    ok[0] = True
+    accepted = ~(ancestors & ~ok[None, :]).any(1)  # (b,) every ancestor ok
+    best = torch.where(accepted, depth, torch.full_like(depth, -1)).argmax()  # () first deepest
+    row = ancestors[best]  # (b,) nodes on the root->best path
+    idx = torch.arange(b, device=tokens.device)
+    slot = torch.where(row, row.long().cumsum(0) - 1, b)  # (b,) path position; others -> trash slot b
+    path = torch.arange(b + 1, device=tokens.device).scatter(0, slot, idx)[:b]  # (b,) identity past a
+    a = (depth[best] + 1).view(1)
+    parts = [a, top[best].view(1), path, tokens[path]]
+    if prefix_accept:  # (b,) deepest accepted node among the first k, + 1
+        parts.append(torch.cummax(torch.where(accepted, depth, torch.full_like(depth, -1)), 0).values + 1)
+    return torch.cat(parts)

@@ -1,47 +1,25 @@
-"""Where the time of one speculative step goes, on the real target (no Hydra; a profiling aid).
+"""Where the time of a decode step goes, old (dynamic) path against new (static) path, in one run.
 
-    # forward cost vs. tree size, then AR vs. speculative on 3 MT-Bench prompts with a phase breakdown
-    python scripts/bench_decode.py --drafter outputs/redrafter_smollm2/export --prompts 3 --threads 2
-    # no trained drafter yet: a freshly initialised ReDrafter (timing only; acceptance is meaningless)
-    python scripts/bench_decode.py --fresh-redrafter --beam-width 4 --beam-length 4
+    # forward cost per node count, then AR and each drafter on both paths over 3 MT-Bench prompts
+    python scripts/bench_decode.py --drafter outputs/redrafter_smollm2/export --prompts 3
+    # no trained drafter: prompt lookup through the tree decoder (timing of the decoder itself)
+    python scripts/bench_decode.py --lookup 10 --prompts 3
+    # on a GPU: the static path captures CUDA graphs (--graphs auto is on exactly when the target is on CUDA)
+    python scripts/bench_decode.py --device cuda --dtype bf16 --drafter <export> --prompts 8
 
-Prints: forward latency for N = 1, 4, 8, 16, 32, 64 tree nodes after a 300-token prefix; for each prompt
-AR and speculative tokens/s; the speculative loop's time split into prefill / draft / verify forward /
-accept+KV compaction (device-synchronised), and tokens per step.
+Prints the verify cost curve (ms for 1..128 nodes after a 256-token prefix, on the static path) and one table:
+per method and path, tok/s, tokens/step, speedup over AR on the same path and over the dynamic AR, and ms
+per step in draft / verify / accept (device-synchronised), with the overhead outside the verify forward as
+a fraction of it. `--budget` adds each drafter with the node budget fitted to this machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import json
 from types import SimpleNamespace
 
 import torch
-
-
-def forward_costs(model, sizes=(1, 4, 8, 16, 32, 64), prefix=300, reps=5) -> dict[int, float]:
-    """Median latency (ms) of one tree forward of N nodes (a chain) after a `prefix`-token cache."""
-    from specdraft.eval.decode import target_forward
-    from specdraft.eval.kv import new_cache, rollback
-    from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
-
-    dev, dtype = model.device, model.dtype
-    ids = torch.randint(0, model.config.vocab_size, (1, prefix), device=dev)
-    cache = new_cache(model)
-    out = {}
-    with torch.inference_mode():
-        target_forward(model, ids, cache, logits_rows=slice(-1, None))
-        for n in sizes:
-            tree = DraftTree(torch.randint(0, 100, (n,), device=dev), torch.arange(n, device=dev) - 1)
-            ts = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                mask = tree_attention_mask(tree, prefix, dtype)
-                target_forward(model, tree.tokens[None], cache, tree_position_ids(tree, prefix), mask)
-                ts.append(time.perf_counter() - t)
-                rollback(cache, prefix)
-            out[n] = sorted(ts)[len(ts) // 2] * 1e3
-    return out
 
 
 def main() -> None:
@@ -49,70 +27,166 @@ def main() -> None:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--drafter", default=None, help="exported drafter folder / Hub id")
-    p.add_argument("--fresh-redrafter", action="store_true", help="use an untrained ReDrafter (timing only)")
-    p.add_argument("--beam-width", type=int, default=None)
-    p.add_argument("--beam-length", type=int, default=None)
+    p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders / Hub ids")
+    p.add_argument("--lookup", type=int, default=0, help="> 0: also prompt lookup with this many tokens")
+    p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
+    p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument(
-        "--int8-head", action="store_true", help="draft with an int8 copy of the drafter's vocab head"
-    )
-    p.add_argument("--skip-forward-costs", action="store_true")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
 
+    from rich.console import Console
+    from rich.table import Table
+
     from specdraft.data.benchmarks import load_benchmark
     from specdraft.data.chat import prompt_ids
+    from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
     from specdraft.eval.decode import ar_generate, default_stop_ids, speculative_generate
-    from specdraft.eval.proposers import make_proposer
+    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.static_decode import make_decoder
     from specdraft.models.base_llm import load_target, target_fingerprint
+    from specdraft.models.hub import load_drafter
 
     model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
-    print(f"threads={torch.get_num_threads()} dtype={model.dtype}")
-    if not a.skip_forward_costs:
-        costs = forward_costs(model)
-        print(
-            "tree forward after 300 tokens (ms): "
-            + ", ".join(f"N={n}: {c:.1f} ({c / costs[1]:.2f}x)" for n, c in costs.items())
-        )
-    if a.drafter:
-        from specdraft.models.hub import load_drafter
-
-        drafter = load_drafter(a.drafter, model, target_fingerprint(model, tok))
-    elif a.fresh_redrafter:
-        from specdraft.models import redrafter
-        from specdraft.train.config import ReDrafterSchema
-
-        drafter = redrafter.build(ReDrafterSchema(exit_dim=576), model, target_fingerprint(model, tok)).to(
-            model.dtype
-        )
-    else:
-        return
-    proposer = make_proposer(drafter, a.beam_width, a.beam_length, int8_head=a.int8_head)
+    dec = make_decoder(model, "static", a.graphs)
+    assert dec is not None
+    print(
+        f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()} path={dec.path_name()}"
+    )
+    cost = CostCurve.load_or_measure(machine_key(model, dec.path_name()), dec.measure_costs, refresh=True)
+    proposers = [
+        (f"{drafter_family(d)}:{path}", make_proposer(d))
+        for path in a.drafter
+        for d in [load_drafter(path, model, target_fingerprint(model, tok))]
+    ]
+    if a.lookup:
+        proposers.append((f"lookup:{a.lookup}", PromptLookupProposer(a.lookup)))
     stop = default_stop_ids(tok, model)
-    tot = {"ar_t": 0.0, "ar_n": 0, "sp_t": 0.0, "sp_n": 0}
-    for item in load_benchmark("mt_bench", a.prompts):
-        ids = prompt_ids(tok, [{"role": "user", "content": item.turns[0]}])
-        ar, st_ar = ar_generate(model, tok, ids, a.max_new_tokens, stop_ids=stop)
-        sp, st = speculative_generate(
-            model, tok, ids, proposer, a.max_new_tokens, stop_ids=stop, profile=True
+    # (name, path, fn(ids) -> (tokens, stats))
+    methods = [
+        ("ar", "dynamic", lambda ids: ar_generate(model, tok, ids, a.max_new_tokens, stop_ids=stop)),
+        ("ar", "static", lambda ids: dec.ar_generate(tok, ids, a.max_new_tokens, stop_ids=stop)),
+    ]
+    for name, prop in proposers:
+        methods.append(
+            (
+                name,
+                "dynamic",
+                lambda ids, q=prop: speculative_generate(
+                    model, tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True
+                ),
+            )
         )
-        tot["ar_t"] += st_ar.time_s
-        tot["ar_n"] += len(ar)
-        tot["sp_t"] += st.time_s
-        tot["sp_n"] += len(sp)
-        per = 1e3 / max(st.steps, 1)
-        print(
-            f"[{item.category}] AR {len(ar) / st_ar.time_s:.1f} tok/s ({st_ar.time_s / max(len(ar), 1) * 1e3:.1f} ms/tok) | "
-            f"spec {len(sp) / st.time_s:.1f} tok/s, {st.tokens_per_step:.2f} tok/step, same={ar == sp} | per step: "
-            f"draft {st.draft_s * per:.1f} ms, verify {st.verify_s * per:.1f} ms (N={sum(st.tree_sizes) / max(st.steps, 1):.1f}), "
-            f"accept {st.accept_s * per:.1f} ms; prefill {st.prefill_s * 1e3:.0f} ms"
+        methods.append(
+            (
+                name,
+                "static",
+                lambda ids, q=prop: dec.speculative_generate(
+                    tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True
+                ),
+            )
         )
-    ar_rate, sp_rate = tot["ar_n"] / tot["ar_t"], tot["sp_n"] / tot["sp_t"]
-    print(f"total: AR {ar_rate:.1f} tok/s, spec {sp_rate:.1f} tok/s, speedup {sp_rate / ar_rate:.2f}x")
+        if a.budget:
+            b = NodeBudget(cost)
+            methods.append(
+                (
+                    name + "+budget",
+                    "static",
+                    lambda ids, q=prop, b=b: dec.speculative_generate(
+                        tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True, budget=b
+                    ),
+                )
+            )
+    prompts = [
+        prompt_ids(tok, [{"role": "user", "content": i.turns[0]}])
+        for i in load_benchmark("mt_bench", a.prompts + 1)
+    ]
+    for (
+        _,
+        _,
+        fn,
+    ) in methods:  # warm-up on the extra prompt (allocator, kernels, graphs, budgets start fitting)
+        fn(prompts[0])
+    tot: dict[tuple[str, str], dict] = {}
+    ref: dict[int, list[int]] = {}
+    for k, ids in enumerate(prompts[1:]):
+        for name, path, fn in methods:
+            out, st = fn(ids)
+            ref.setdefault(k, out)
+            t = tot.setdefault(
+                (name, path), dict(n=0, time=0.0, steps=0, acc=0, draft=0.0, verify=0.0, accept=0.0, same=0)
+            )
+            t["n"] += len(out)
+            t["time"] += st.time_s
+            t["steps"] += st.steps
+            t["acc"] += sum(st.accepted) + len(st.accepted) if st.accepted else st.steps
+            t["draft"] += st.draft_s
+            t["verify"] += st.verify_s
+            t["accept"] += st.accept_s
+            t["same"] += out == ref[k]
+    rate = {key: t["n"] / t["time"] for key, t in tot.items()}
+    table = Table(
+        title=f"decode paths on {model.device} ({str(model.dtype).replace('torch.', '')}), {a.prompts} MT-Bench prompts"
+    )
+    for col in (
+        "method",
+        "path",
+        "tok/s",
+        "tok/step",
+        "vs AR same path",
+        "vs dynamic AR",
+        "draft ms",
+        "verify ms",
+        "accept ms",
+        "overhead/verify",
+        "same as AR",
+    ):
+        table.add_column(col)
+    rows = []
+    for (name, path), t in tot.items():
+        per = 1e3 / max(t["steps"], 1)
+        spec = name != "ar"
+        over = (t["draft"] + t["accept"]) / t["verify"] if spec and t["verify"] > 0 else None
+        ar_same = rate[("ar", "static" if path == "static" else "dynamic")]
+        row = dict(
+            method=name, path=path, tok_s=rate[(name, path)], tok_step=t["acc"] / max(t["steps"], 1),
+            vs_ar_same=rate[(name, path)] / ar_same, vs_dynamic_ar=rate[(name, path)] / rate[("ar", "dynamic")],
+            draft_ms=t["draft"] * per if spec else None, verify_ms=t["verify"] * per if spec else None,
+            accept_ms=t["accept"] * per if spec else None, overhead=over, same=f"{t['same']}/{a.prompts}",
+        )  # fmt: skip
+        rows.append(row)
+        f = lambda x, s=".2f": "-" if x is None else format(x, s)  # noqa: E731
+        table.add_row(
+            name,
+            path,
+            f(row["tok_s"], ".1f"),
+            f(row["tok_step"]),
+            f(row["vs_ar_same"]) + "x",
+            f(row["vs_dynamic_ar"]) + "x",
+            f(row["draft_ms"], ".1f"),
+            f(row["verify_ms"], ".1f"),
+            f(row["accept_ms"], ".1f"),
+            f(over),
+            row["same"],
+        )
+    Console(width=200).print(table)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(
+                {
+                    "device": str(model.device),
+                    "dtype": str(model.dtype),
+                    "threads": torch.get_num_threads(),
+                    "cost_ms": cost.ms,
+                    "rows": rows,
+                },
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

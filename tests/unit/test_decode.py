@@ -17,6 +17,7 @@ import specdraft.eval.decode as decode
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import sample_verify
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer
 
 VOCAB = 96
 SMALL = dict(
@@ -43,55 +44,6 @@ def _tiny(
 @pytest.fixture(scope="module")
 def llama64():
     return _tiny("llama")
-
-
-class RandomTreeProposer:
-    """Random trees of random size over the whole vocabulary (mostly rejected drafts)."""
-
-    spec = ProposerSpec()  # reads the last layer; declares no depth or budget
-    last_compression = None
-
-    def __init__(self, vocab: int, max_nodes: int = 12, seed: int = 0) -> None:
-        self.vocab, self.max_nodes, self.g = vocab, max_nodes, torch.Generator().manual_seed(seed)
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, hidden, tokens):
-        n = int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.g))
-        parents = [-1] + [int(torch.randint(0, i, (1,), generator=self.g)) for i in range(1, n)]
-        toks = torch.randint(0, self.vocab, (n,), generator=self.g)
-        toks[0] = tokens[-1]
-        return DraftTree(toks, torch.tensor(parents))
-
-
-class OracleBeamProposer:
-    """Beams that contain the true AR continuation (cut at a random depth) among random beams, packed by
-    dedup - exercises long accepted paths, branch choice and scattered KV compaction."""
-
-    spec = ProposerSpec()  # reads the last layer; declares no depth or budget
-    last_compression = None
-
-    def __init__(self, reference: list[int], prompt_len: int, width: int = 4, length: int = 5, seed: int = 0):
-        self.ref, self.prompt_len, self.width, self.length = reference, prompt_len, width, length
-        self.g = torch.Generator().manual_seed(seed)
-
-    def reset(self) -> None:
-        self.seen = 0
-
-    def propose(self, hidden, tokens):
-        assert hidden.shape[0] == tokens.shape[0]
-        self.seen += tokens.shape[0]
-        done = self.seen - (self.prompt_len - 1)  # generated tokens committed so far (root included)
-        beams = torch.randint(0, VOCAB, (self.width, self.length), generator=self.g)
-        truth = torch.tensor((self.ref[done : done + self.length - 1] + [0] * self.length)[: self.length - 1])
-        cut = int(torch.randint(0, self.length, (1,), generator=self.g))
-        w = int(torch.randint(0, self.width, (1,), generator=self.g))
-        beams[w, 1 : 1 + cut] = truth[:cut]
-        beams[(w + 1) % self.width, 1:3] = beams[w, 1:3]  # a shared prefix with another beam
-        beams[:, 0] = tokens[-1]
-        tree, self.last_compression = pack_beams(beams)
-        return tree
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -1,0 +1,435 @@
+"""The static decode path: a preallocated KV cache, one host sync per step, CUDA graphs where they pay.
+
+Same loops, acceptance rules and outputs as `decode.py` (the dynamic path, kept as the reference and for
+old-vs-new benchmarks), but shaped the way gpt-fast shapes decoding:
+
+  * the decoder owns a `StaticKVCache` (allocated once, reused across calls); accepted-path compaction is an
+    in-place index copy and `length` a counter;
+  * greedy verification runs on the device and returns one packed tensor `[a, bonus, path, path tokens]`;
+    reading it is the step's single host sync;
+  * with `static=True` every verify has a fixed shape: the tree is padded to a node budget (the next power of
+    two, so a few shapes at most) with masked dummy nodes, the (1, 1, b, max_len) mask and the positions are
+    computed on the device from the length counter, and with `graphs=True` (CUDA) each budget's target
+    forward is captured once as a CUDA graph and replayed.
+
+On a CPU the defaults (`static=False`) run the same code eagerly on exact-size trees: attention reads the
+views `[:length + n]`, so no padding is paid for where launches cost nothing.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from specdraft.eval.budget import SIZES, NodeBudget
+from specdraft.eval.decode import (
+    DecodeStats,
+    Proposer,
+    _emit,
+    _finish,
+    _setup,
+    sync_device,
+    target_forward,
+)
+from specdraft.eval.fallback import FallbackController
+from specdraft.eval.static_kv import StaticKVCache
+from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
+from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
+
+VerifyFn = Callable[[DraftTree, Tensor], tuple[Tensor, int]]
+
+
+def budget_for(n: int) -> int:
+    """The padded node budget of an n-node tree: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _TreeInputs:
+    """Static input buffers of one padded verify forward of b nodes (graph inputs keep their addresses)."""
+
+    def __init__(self, b: int, device: torch.device) -> None:
+        self.b = b
+        self.tokens = torch.zeros(1, b, dtype=torch.long, device=device)  # (1, b)
+        self.parents = torch.zeros(b, dtype=torch.long, device=device)  # (b,)
+        self.ancestors = torch.zeros(b, b, dtype=torch.bool, device=device)  # (b, b)
+        self.depth = torch.zeros(b, dtype=torch.long, device=device)  # (b,)
+        self.valid = torch.zeros(b, dtype=torch.bool, device=device)  # (b,)
+
+    def fill(self, tree: DraftTree) -> None:
+        """Copy an n <= b node tree in; nodes n..b-1 become dummies: children of the root that see only the
+        root and themselves, never accepted."""
+        n, b = tree.num_nodes, self.b
+        assert tree.ancestors is not None and tree.depth is not None
+        self.tokens[0, :n] = tree.tokens
+        self.tokens[0, n:] = tree.tokens[0]
+        self.parents[:n] = tree.parents
+        self.parents[n:] = 0
+        self.ancestors.zero_()
+        self.ancestors[:n, :n] = tree.ancestors
+        pad = torch.arange(n, b, device=self.tokens.device)
+        self.ancestors[pad, pad] = True
+        self.ancestors[n:, 0] = True
+        self.depth[:n] = tree.depth
+        self.depth[n:] = 1
+        self.valid[:n] = True
+        self.valid[n:] = False
+
+
+class _CudaGraph:
+    """`fn` captured once as a CUDA graph (after two warm-up runs on a side stream); calls replay it."""
+
+    def __init__(self, fn: Callable[[], tuple[Tensor, Tensor]], device: torch.device) -> None:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn()
+
+    def __call__(self) -> tuple[Tensor, Tensor]:
+        self.graph.replay()
+        return self.out
+
+
+class StaticDecoder:
+    """AR and tree-speculative decoding over a preallocated cache (see module docstring).
+
+    Args:
+        model: HF causal LM, frozen, batch size 1.
+        max_len: cache capacity (prompt + new tokens + one tree); grown (reallocated) when a call needs more.
+        static: fixed-shape verify (padded trees, whole-buffer attention, device-side positions and mask).
+        graphs: capture each budget's verify forward as a CUDA graph (needs `static` and a CUDA model).
+    """
+
+    def __init__(
+        self, model: nn.Module, max_len: int = 1024, static: bool = False, graphs: bool = False
+    ) -> None:
+        emb = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
+        self.model, self.device, self.dtype = model, emb.device, emb.dtype
+        if graphs and (not static or self.device.type != "cuda"):
+            raise ValueError("graphs=True needs static=True and a model on a CUDA device")
+        self.static, self.graphs = static, graphs
+        self.cache = StaticKVCache(model, max_len, static)
+        self._inputs: dict[int, _TreeInputs] = {}
+        self._graphs: dict[tuple, _CudaGraph | None] = {}
+
+    # -- cache ------------------------------------------------------------------------------------------
+    def _reserve(self, needed: int) -> None:
+        """A fresh call: empty the cache, reallocating it (and dropping graphs) when it is too small."""
+        if needed > self.cache.max_len:
+            self.cache = StaticKVCache(self.model, max(needed, 2 * self.cache.max_len), self.static)
+            self._graphs.clear()
+        self.cache.set_length(0)
+
+    def _mask(self, inp: _TreeInputs) -> Tensor:
+        """(1, 1, b, max_len) additive mask from the device length counter: the committed prefix, then each
+        node's ancestors among the b positions written after it; everything else (stale) masked."""
+        c, b = self.cache, inp.b
+        rel = torch.arange(c.max_len, device=self.device) - c.length_t  # (max_len,) offset from the tree
+        in_tree = (rel >= 0) & (rel < b)
+        sees = inp.ancestors[:, rel.clamp(0, b - 1)] & in_tree  # (b, max_len)
+        visible = sees | (rel < 0)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(visible, zero, torch.finfo(self.dtype).min)[None, None]
+
+    def _static_forward(
+        self, inp: _TreeInputs, layers: tuple[int, ...], keep_last: bool
+    ) -> tuple[Tensor, Tensor]:
+        """One fixed-shape verify forward over `inp` (the function CUDA graphs capture)."""
+        self.cache.prepare_write(inp.b)
+        positions = (inp.depth + self.cache.length_t)[None]  # (1, b)
+        return target_forward(
+            self.model, inp.tokens, self.cache, positions, self._mask(inp), layers=layers, keep_last=keep_last
+        )
+
+    def _forward_tree(
+        self, tree: DraftTree, layers: tuple[int, ...], keep_last: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, _TreeInputs | None]:
+        """Verify forward over `tree` at the committed length; returns (logits (b, V), hidden (b, H'), valid
+        (b,) | None, the padded inputs | None). b = n on the eager path, the padded budget when static."""
+        n = tree.num_nodes
+        self.cache.check_room(budget_for(n) if self.static else n)
+        if not self.static:
+            if n == 1:  # exactly AR's causal step
+                mask, positions = None, None
+            else:
+                mask = tree_attention_mask(tree, self.cache.length, self.dtype)
+                positions = tree_position_ids(tree, self.cache.length)
+            logits, hidden = target_forward(
+                self.model, tree.tokens[None], self.cache, positions, mask, layers=layers, keep_last=keep_last
+            )
+            return logits, hidden, None, None
+        b = budget_for(n)
+        inp = self._inputs.get(b)
+        if inp is None:
+            inp = self._inputs[b] = _TreeInputs(b, self.device)
+        inp.fill(tree)
+        if not self.graphs:
+            logits, hidden = self._static_forward(inp, layers, keep_last)
+            return logits, hidden, inp.valid, inp
+        key = (b, layers, keep_last)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = _CudaGraph(
+                    lambda: self._static_forward(inp, layers, keep_last), self.device
+                )
+            except Exception as e:  # capture is best effort: the static eager path gives the same output
+                warnings.warn(
+                    f"CUDA graph capture failed for {b} nodes ({e}); running that shape eagerly", stacklevel=2
+                )
+                self._graphs[key] = None
+        graph = self._graphs[key]
+        logits, hidden = graph() if graph is not None else self._static_forward(inp, layers, keep_last)
+        return logits, hidden, inp.valid, inp
+
+    def _prefill(self, ids: Tensor, layers: tuple[int, ...], keep_last: bool) -> tuple[Tensor, Tensor]:
+        """Prompt forward (eager; a causal chain). Returns (last-row logits (1, V), hidden (P, H'))."""
+        p = ids.shape[1]
+        self.cache.check_room(p)
+        if self.static:  # whole-buffer attention: an explicit causal mask over max_len
+            self.cache.prepare_write(p)
+            inp = _TreeInputs(p, self.device)
+            inp.ancestors = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
+            mask = self._mask(inp)
+            positions = torch.arange(p, device=self.device)[None]
+        else:
+            mask, positions = None, None
+        logits, hidden = target_forward(
+            self.model,
+            ids,
+            self.cache,
+            positions,
+            mask,
+            logits_rows=slice(-1, None),
+            layers=layers,
+            keep_last=keep_last,
+        )
+        self.cache.advance(p)
+        return logits, hidden
+
+    @torch.inference_mode()
+    def measure_costs(
+        self, sizes: tuple[int, ...] = SIZES, prefix: int = 256, reps: int = 5
+    ) -> dict[int, float]:
+        """Median ms of one verify forward of b nodes (a chain) after a `prefix`-token cache, for each size,
+        on this decoder's path (eager / fixed / graph); nothing is committed. For `eval.budget.CostCurve`."""
+        g = torch.Generator(device="cpu").manual_seed(0)
+        vocab = int(cast(PreTrainedModel, self.model).config.get_text_config(decoder=True).vocab_size)
+        ids = torch.randint(0, vocab, (1, prefix), generator=g).to(self.device)
+        self._reserve(prefix + 2 * max(sizes))
+        self._prefill(ids, (), False)
+        out: dict[int, float] = {}
+        for b in sizes:
+            toks = torch.randint(0, vocab, (b,), generator=g).to(self.device)
+            tree = DraftTree(toks, torch.arange(b, device=self.device) - 1)
+            times = []
+            for _ in range(reps + 1):  # the first run warms up (and captures a graph)
+                sync_device(self.device)
+                t = time.perf_counter()
+                self._forward_tree(tree, (), False)
+                sync_device(self.device)
+                times.append(time.perf_counter() - t)
+            out[b] = sorted(times[1:])[reps // 2] * 1e3
+        return out
+
+    def path_name(self) -> str:
+        """ "eager" | "fixed" | "graph": the shape of this decoder's verify (a cost-curve cache key)."""
+        return "graph" if self.graphs else "fixed" if self.static else "eager"
+
+    # -- loops ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def ar_generate(
+        self,
+        tokenizer,
+        prompt_ids: Tensor | list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        stop_ids: set[int] | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[list[int], DecodeStats]:
+        """Autoregressive decoding on this path (each step a one-node tree); same contract as
+        `decode.ar_generate`. Returns (new tokens, stats)."""
+        device, stop_ids, ids, stats = _setup(self.model, tokenizer, prompt_ids, stop_ids)
+        sync_device(device)
+        t0 = time.perf_counter()
+        self._reserve(ids.shape[1] + max_new_tokens + 1)
+        logits, _ = self._prefill(ids, (), False)
+        out: list[int] = []
+        done = max_new_tokens <= 0
+        root = torch.zeros(1, dtype=torch.long, device=device)
+        chain = DraftTree(
+            root,
+            torch.tensor([-1], device=device),
+            torch.zeros(1, dtype=torch.long, device=device),
+            torch.ones(1, 1, dtype=torch.bool, device=device),
+        )
+        while not done:
+            tok = sample_token(logits[-1], temperature, top_k, top_p, generator)  # the step's one sync
+            done = _emit(out, [tok], stop_ids, max_new_tokens)
+            if not done:
+                root.fill_(tok)
+                logits, _, _, _ = self._forward_tree(chain, (), False)
+                self.cache.advance(1)
+                stats.steps += 1
+        _finish(stats, out, stop_ids, device, t0)
+        return out, stats
+
+    @torch.inference_mode()
+    def speculative_generate(
+        self,
+        tokenizer,
+        prompt_ids: Tensor | list[int],
+        proposer: Proposer,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        stop_ids: set[int] | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        profile: bool = False,
+        verify_fn: VerifyFn | None = None,
+        fallback: FallbackController | None = None,
+        budget: NodeBudget | None = None,
+    ) -> tuple[list[int], DecodeStats]:
+        """Tree speculative decoding on this path; same contract and output as `decode.speculative_generate`.
+
+        Args: as `decode.speculative_generate` (the model is the decoder's), plus
+            budget: a `NodeBudget` that, once fitted (greedy steps only), cuts every tree to its first `cap`
+                nodes, or stops drafting when `cap == 1`; its state carries over calls.
+
+        Returns:
+            tokens: the new tokens; stats (accepted drafts per step, tree sizes, phase timings).
+        """
+        device, stop_ids, ids, stats = _setup(self.model, tokenizer, prompt_ids, stop_ids)
+
+        def synced_clock() -> float:
+            sync_device(device)
+            return time.perf_counter()
+
+        clock = synced_clock if profile else time.perf_counter
+        sync_device(device)
+        t0 = time.perf_counter()
+        self._reserve(ids.shape[1] + max_new_tokens + max(proposer.spec.node_budget, 1) + 64)
+        proposer.reset()
+        layers, keep_last = proposer.spec.feature_layers, proposer.spec.keep_last_hidden
+        logits, hidden = self._prefill(ids, layers, keep_last)
+        root = sample_token(logits[-1], temperature, top_k, top_p, generator)
+        t1 = clock()
+        stats.prefill_s = t1 - t0
+        out: list[int] = []
+        done = max_new_tokens <= 0 or _emit(out, [root], stop_ids, max_new_tokens)
+        new_hidden = hidden  # (n, H') states of the newly committed positions
+        new_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=device)])  # (n,) what each predicts
+        single = DraftTree(torch.zeros(1, dtype=torch.long, device=device), torch.tensor([-1], device=device))
+        fitting = budget is not None and budget.cap is None and verify_fn is None and temperature <= 0.0
+        off = budget is not None and budget.cap == 1  # drafting does not pay here: plain target steps
+        while not done:
+            drafted = not off and (fallback is None or fallback.should_draft())
+            if drafted:
+                tree = proposer.propose(new_hidden, new_tokens).to(device)
+                if budget is not None and budget.cap is not None:
+                    tree = tree.truncated(budget.cap)
+            else:  # a plain target step; the proposer sees these positions with the next drafted step's
+                single.tokens.fill_(root)
+                tree = single
+            n = tree.num_nodes
+            t2 = clock()
+            logits, hidden, valid, inp = self._forward_tree(tree, layers, keep_last)  # (b, V), (b, H')
+            t3 = clock()
+            if verify_fn is None and temperature <= 0.0:
+                src = inp if inp is not None else tree
+                packed = greedy_verify_packed(
+                    src.tokens.reshape(-1),
+                    cast(Tensor, src.parents),
+                    cast(Tensor, src.ancestors),
+                    cast(Tensor, src.depth),
+                    logits,
+                    valid,
+                    prefix_accept=fitting and drafted,
+                )
+                vals = packed.tolist()  # the step's one host sync
+                b = logits.shape[0]
+                a, bonus = vals[0], vals[1]
+                if fitting and drafted:
+                    cast(NodeBudget, budget).observe(vals[2 + 2 * b : 2 + 2 * b + n], t2 - t1)
+                path_t = packed[2 : 2 + b]  # (b,) padded path, device
+                path_tokens = vals[2 + b : 2 + b + a]
+                if path_tokens[0] != root:
+                    raise RuntimeError(
+                        f"proposer returned a tree rooted at {path_tokens[0]}, expected {root}"
+                    )
+                drafts = path_tokens[1:]
+            else:  # sampling or a custom rule: the exact rules of decode.py on the real n nodes
+                if int(tree.tokens[0]) != root:
+                    raise RuntimeError(
+                        f"proposer returned a tree rooted at {int(tree.tokens[0])}, expected {root}"
+                    )
+                rule = verify_fn or (lambda t, lg: sample_verify(t, lg, temperature, top_k, top_p, generator))
+                path_t, bonus = rule(tree, logits[:n])
+                a = path_t.shape[0]
+                drafts = tree.tokens[path_t[1:]].tolist()
+                if self.static:  # the fixed-shape commit takes a padded path
+                    path_t = torch.cat(
+                        [path_t, torch.arange(a, inp.b if inp is not None else a, device=device)]
+                    )
+            self.cache.commit(path_t, a)
+            done = _emit(out, [*drafts, bonus], stop_ids, max_new_tokens)
+            bonus_t = torch.tensor([bonus], device=device)
+            if drafted:  # (a, H') states and (a,) next tokens of the newly committed positions
+                new_hidden = hidden[path_t[:a]]
+                new_tokens = torch.cat([tree.tokens[path_t[1:a]], bonus_t])
+            elif not off:  # not drafted: keep them for the proposer's next call
+                new_hidden = torch.cat([new_hidden, hidden[:1]])
+                new_tokens = torch.cat([new_tokens, bonus_t])
+            root = bonus
+            stats.steps += 1
+            stats.accepted.append(a - 1)
+            stats.tree_sizes.append(n)
+            ratio = proposer.last_compression if drafted else None
+            if ratio is not None:
+                stats.compression.append(float(ratio))
+            t4 = clock()
+            if fallback is not None:
+                fallback.observe(drafted, a, t4 - t1)
+                stats.target_steps += not drafted
+            stats.draft_s += t2 - t1
+            stats.verify_s += t3 - t2
+            stats.accept_s += t4 - t3
+            t1 = t4
+        _finish(stats, out, stop_ids, device, t0)
+        return out, stats
+
+
+def make_decoder(
+    model: nn.Module, decode_path: str, cuda_graphs: str, max_len: int = 1024
+) -> StaticDecoder | None:
+    """The decoder `eval.decode_path` / `eval.cuda_graphs` ask for (None: the dynamic path of `decode.py`).
+
+    Args:
+        model: the target.
+        decode_path: "static" | "dynamic".
+        cuda_graphs: "auto" (on exactly when the target is on CUDA) | "on" | "off".
+        max_len: initial cache capacity (grown when a call needs more).
+    """
+    if decode_path == "dynamic":
+        return None
+    on_cuda = (
+        cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.device.type == "cuda"
+    )
+    if cuda_graphs == "on" and not on_cuda:
+        raise ValueError(
+            "eval.cuda_graphs=on needs the target on a CUDA device (base_model.device=cuda); use auto or off"
+        )
+    graphs = cuda_graphs == "on" or (cuda_graphs == "auto" and on_cuda)
+    return StaticDecoder(model, max_len, static=graphs, graphs=graphs)

@@ -1,0 +1,253 @@
+"""The static decode path (eval/static_decode.py, eval/static_kv.py): equal to AR token for token for every
+family on tiny Llama / Qwen2 / Mistral targets (fp64), in its eager shape (exact-size trees over cache views),
+its fixed shape (padded trees, whole-buffer attention, device-side positions) and, on CUDA, as CUDA graphs;
+plus the KV compaction invariants and the packed one-sync verify against the reference rule."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specdraft.eval.decode import ar_generate, speculative_generate
+from specdraft.eval.fallback import FallbackController
+from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer, make_proposer
+from specdraft.eval.static_decode import StaticDecoder, budget_for
+from specdraft.eval.static_kv import StaticKVCache
+from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
+from specdraft.eval.verify import greedy_verify, greedy_verify_packed
+from specdraft.models import eagle, eagle3, medusa, redrafter
+from specdraft.models.base_llm import target_fingerprint
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer, tiny_llama, tiny_tokenizer
+from specdraft.train.config import ReDrafterSchema
+
+V, H = 128, 32
+CPU = torch.device("cpu")
+SHAPES = [
+    "eager",
+    "fixed",
+    pytest.param("graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+def _target(arch: str, device: torch.device = CPU) -> torch.nn.Module:
+    """A tiny fp64 target of the given architecture on `device` (sharpened LM head, as tiny_llama)."""
+    if arch == "llama":
+        return tiny_llama(num_layers=3, dtype=torch.float64).to(device)
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=3, pad_token_id=0,
+    )  # fmt: skip
+    model = (
+        Qwen2ForCausalLM(Qwen2Config(**kw))
+        if arch == "qwen2"
+        else MistralForCausalLM(MistralConfig(sliding_window=None, **kw))
+    )
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.double().eval().requires_grad_(False).to(device)
+
+
+def _decoder(model: torch.nn.Module, shape: str) -> StaticDecoder:
+    """The decoder in one of its three shapes (a small max_len, so growing the cache is exercised too)."""
+    return StaticDecoder(model, 48, static=shape != "eager", graphs=shape == "graph")
+
+
+def _jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
+    """Random non-identity weights (identity-initialised heads would all draft the same token)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return module
+
+
+def _proposer(family: str, target: torch.nn.Module):
+    """A randomly initialised drafter of `family` on `target` behind its real proposer."""
+    torch.manual_seed(1)
+    fp = target_fingerprint(target, tiny_tokenizer())
+    eagle_schema = SimpleNamespace(
+        draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
+        token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=None, ttt_decay=0.8,
+    )  # fmt: skip
+    if family == "redrafter":
+        d = redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), target, fp)
+        return ReDrafterProposer(_jitter(d.double().eval()), beam_width=4, beam_length=4)
+    if family == "redrafter_context":
+        schema = ReDrafterSchema(
+            draft_len=3, beam_width=4, num_layers=1, context_heads=2, context_dim=16, copy_ngram=3
+        )
+        d = redrafter.build(schema, target, fp)
+        return ReDrafterProposer(_jitter(d.double().eval()), beam_width=4, beam_length=4)
+    if family == "medusa":
+        schema = OmegaConf.create(
+            {
+                "draft_len": 3,
+                "num_layers": 1,
+                "loss_decay": 0.8,
+                "init_from_lm_head": True,
+                "topk": 4,
+                "tree_choices": None,
+            }
+        )
+        return make_proposer(_jitter(medusa.build(schema, target, fp).double().eval()), tree_nodes=12)
+    if family in ("eagle", "eagle3"):
+        module = eagle if family == "eagle" else eagle3
+        return make_proposer(
+            _jitter(module.build(eagle_schema, target, fp).double().eval(), 0.2), tree_nodes=10
+        )
+    return PromptLookupProposer(4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_test_trees_equal_ar(arch, shape):
+    """Random trees (mostly rejected) and oracle beams (long accepted paths, scattered compaction)."""
+    model = _target(arch, torch.device("cuda") if shape == "graph" else CPU)
+    dec = _decoder(model, shape)
+    for prompt_len in (1, 6, 23):
+        prompt = torch.randint(0, V, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        ref, ar_stats = ar_generate(model, None, prompt, 30, stop_ids=set())
+        ar_out, st = dec.ar_generate(None, prompt, 30, stop_ids=set())
+        assert ar_out == ref and st.steps == ar_stats.steps
+        out, _ = dec.speculative_generate(
+            None, prompt, RandomTreeProposer(V, seed=prompt_len), 30, stop_ids=set()
+        )
+        assert out == ref
+        out, stats = dec.speculative_generate(
+            None, prompt, OracleBeamProposer(ref, prompt_len, vocab=V), 30, stop_ids=set()
+        )
+        assert out == ref and stats.tokens_per_step > 1.8
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", ["redrafter", "redrafter_context", "medusa", "eagle", "eagle3", "lookup"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_every_family_equals_ar(arch, family, shape):
+    """Mixed prompt lengths, stop tokens hit mid-way, budgets hit; the dynamic path gives the same trees."""
+    device = torch.device("cuda") if shape == "graph" else CPU
+    model = _target(arch, device)
+    proposer = _proposer(family, model)
+    dec = _decoder(model, shape)
+    for prompt_len in (3, 17):
+        prompt = torch.randint(5, V, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        full, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
+        for stop in (set(), {full[9]}):
+            ref, _ = ar_generate(model, None, prompt, 24, stop_ids=stop)
+            out, stats = dec.speculative_generate(None, prompt, proposer, 24, stop_ids=stop)
+            old, old_stats = speculative_generate(model, None, prompt, proposer, 24, stop_ids=stop)
+            assert out == ref == old
+            assert stats.accepted == old_stats.accepted  # same trees, same acceptance on both paths
+            assert stats.finish_reason == ("stop" if stop else "length")
+
+
+@pytest.mark.parametrize("shape", ["eager", "fixed"])
+def test_fallback_and_sampling_on_the_static_path(shape):
+    """Root-only steps between drafted ones, and T > 0 (same draws as the dynamic path, same generator)."""
+    model = _target("llama")
+    dec = _decoder(model, shape)
+    prompt = torch.arange(5, 16)
+    ref, _ = ar_generate(model, None, prompt, 25, stop_ids=set())
+    out, stats = dec.speculative_generate(
+        None, prompt, PromptLookupProposer(4), 25, stop_ids=set(), fallback=FallbackController()
+    )
+    assert out == ref and stats.target_steps >= 1
+    proposer = _proposer("redrafter", model)
+    for seed in range(3):
+        kw = dict(temperature=0.8, top_k=20, stop_ids=set())
+        a, _ = speculative_generate(
+            model, None, prompt, proposer, 20, generator=torch.Generator().manual_seed(seed), **kw
+        )
+        b, _ = dec.speculative_generate(
+            None, prompt, proposer, 20, generator=torch.Generator().manual_seed(seed), **kw
+        )
+        assert a == b
+
+
+def test_packed_verify_matches_the_reference_rule():
+    """Same path and bonus as `greedy_verify` on random trees and logits; padding never accepted."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+        tokens = torch.randint(0, 4, (n,), generator=g)  # a tiny vocabulary: many matches
+        tree = DraftTree(tokens, parents)
+        logits = torch.randn(n, 4, generator=g)
+        path, bonus = greedy_verify(tree, logits)
+        packed = greedy_verify_packed(tree.tokens, tree.parents, tree.ancestors, tree.depth, logits)
+        a = int(packed[0])
+        assert a == path.shape[0] and int(packed[1]) == bonus
+        assert packed[2 : 2 + a].tolist() == path.tolist() and packed[2 + a : 2 + n].tolist() == list(
+            range(a, n)
+        )
+        assert packed[2 + n : 2 + n + a].tolist() == tokens[path].tolist()
+    # a padding node that matches the argmax is still never accepted
+    tree = DraftTree(torch.tensor([0, 1]), torch.tensor([-1, 0]))
+    logits = torch.tensor([[0.0, 5.0], [0.0, 0.0]])
+    valid = torch.tensor([True, False])
+    assert (
+        int(greedy_verify_packed(tree.tokens, tree.parents, tree.ancestors, tree.depth, logits, valid)[0])
+        == 1
+    )
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_kv_compaction_invariants(static):
+    """commit() keeps exactly prefix + accepted nodes in order, never reallocates, and leaves the rest stale."""
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    cache = StaticKVCache(model, 32, static)
+    bufs = [(layer.keys, layer.values) for layer in cache.layers]
+    ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in bufs]
+    for k, v in bufs:  # position p holds the value p everywhere
+        k.copy_(torch.arange(32, dtype=k.dtype)[None, None, :, None].expand_as(k))
+        v.copy_(-k)
+    cache.set_length(5)
+    path = torch.tensor([0, 2, 3, 6])  # accepted nodes of a 7-node tree written at 5..11
+    padded = torch.cat([path, torch.arange(4, 7)]) if static else path
+    cache.commit(padded, 4)
+    assert cache.length == 9 and int(cache.length_t) == 9
+    for (k, v), ptr in zip(bufs, ptrs):
+        assert (k.data_ptr(), v.data_ptr()) == ptr
+        assert k[0, 0, :9, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 11]
+        assert torch.equal(v[0, :, :9], -k[0, :, :9])
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.check_room(24)
+
+
+def test_budgets_and_shapes():
+    """Power-of-two budgets; the fixed shape pads, so only a few verify shapes ever occur."""
+    assert [budget_for(n) for n in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 32]
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    dec = StaticDecoder(model, 64, static=True)
+    prompt = torch.arange(4, 10)
+    ref, _ = ar_generate(model, None, prompt, 20, stop_ids=set())
+    dec.speculative_generate(None, prompt, RandomTreeProposer(V, max_nodes=12), 20, stop_ids=set())
+    assert set(dec._inputs) <= {1, 2, 4, 8, 16}
+    with pytest.raises(ValueError, match="graphs=True"):
+        StaticDecoder(model, 64, static=False, graphs=True)
+
+
+def test_pack_beams_trees_verify_in_every_shape():
+    """A dedup-packed tree (the ReDrafter shape) through both shapes gives the same path as the reference."""
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    prompt = torch.arange(3, 9)
+    ref, _ = ar_generate(model, None, prompt, 8, stop_ids=set())
+    beams = torch.tensor([[ref[0], ref[1], ref[2]], [ref[0], ref[1], 7], [ref[0], 9, ref[2]]])
+    tree, _ = pack_beams(beams)
+    for static in (False, True):
+        dec = StaticDecoder(model, 32, static=static)
+
+        class Once:
+            spec, last_compression = ProposerSpec(), None
+
+            def reset(self):
+                pass
+
+            def propose(self, hidden, tokens):
+                return tree if int(tokens[-1]) == ref[0] else DraftTree(tokens[-1:], torch.tensor([-1]))
+
+        out, stats = dec.speculative_generate(None, prompt, Once(), 8, stop_ids=set())
+        assert out == ref and stats.accepted[0] == 2

@@ -27,8 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
+from transformers import PreTrainedModel
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
 
@@ -41,7 +43,7 @@ def _cache_dir() -> Path:
 def machine_key(model: torch.nn.Module, path: str) -> str:
     """What a cost curve depends on: the model's config, device (CPU model / GPU name), dtype, threads,
     torch version and the decode path ("eager" | "fixed" | "graph")."""
-    emb = model.get_input_embeddings().weight  # type: ignore[operator]
+    emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
     dev = emb.device
     if dev.type == "cuda":
         where = torch.cuda.get_device_name(dev)
@@ -53,7 +55,7 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
                 for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")
             )
-    cfg = model.config.to_json_string(use_diff=False)  # type: ignore[union-attr]
+    cfg = cast(PreTrainedModel, model).config.to_json_string(use_diff=False)
     parts = [cfg, dev.type, where, str(emb.dtype), str(torch.get_num_threads()), torch.__version__, path]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 

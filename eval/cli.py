@@ -127,6 +127,9 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
                 bool(e.int8_draft_head),
                 lookup_tokens,
                 float(e.draft_min_prob),
+                static=decoder is not None
+                and decoder.static,  # fixed-shape draft steps where verify is fixed
+                graphs=decoder is not None and decoder.graphs,
             )
             while any(m.name == name for m in methods):
                 name += "'"

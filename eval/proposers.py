@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
+from specdraft.eval.graphs import CudaGraph, capture_or_none
 from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams, pad_beams
 from specdraft.models.copy_lookup import NgramIndex
+from specdraft.models.redrafter_beam import beam_search_fixed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -121,6 +123,11 @@ class ReDrafterProposer:
         lookup_tokens: also add one prompt-lookup beam of up to this many tokens (0: drafter beams only).
         min_prob: drop beam positions whose drafter probability (product along the beam) is below this
             (dynamic tree size; 0: keep all).
+        static: fixed shapes for the static decode path: all W beams from the first slot
+            (`beam_search_fixed`) laid out as a tree of constant topology, 1 + W * D nodes without prefix
+            dedup, so a draft step makes no host sync. Plain ReDrafter only: prefix attention, the copy gate,
+            a lookup beam and `min_prob` keep the dynamic step.
+        graphs: with `static`, capture the draft step as a CUDA graph (drafter on CUDA).
     """
 
     def __init__(
@@ -131,6 +138,8 @@ class ReDrafterProposer:
         int8_head: bool = False,
         lookup_tokens: int = 0,
         min_prob: float = 0.0,
+        static: bool = False,
+        graphs: bool = False,
     ) -> None:
         if beam_width < 1 or beam_length < 1:
             raise ValueError(
@@ -168,6 +177,21 @@ class ReDrafterProposer:
         self.copy_ngram = int(getattr(cfg, "copy_ngram", 0) or 0)
         self._copy: NgramIndex | None = None
         self._root: int | None = None  # the previous call's root: committed, indexed on the next call
+        plain = not (self.uses_context or self.copy_ngram or lookup_tokens or min_prob > 0)
+        self.static = static and plain and self.draft_len > 0
+        self.graphs = graphs and self.static
+        self._draft_graph: CudaGraph[tuple[Tensor, Tensor]] | None = None
+        if self.static:  # the constant topology: root, then W chains of D nodes (node 1 + w * D + d)
+            dev = drafter.head.weight.device
+            d = (
+                torch.arange(beam_width * self.draft_len, device=dev) % self.draft_len
+            )  # (W*D,) slot of each node
+            node = torch.arange(1, 1 + beam_width * self.draft_len, device=dev)
+            self._parents = torch.cat([torch.tensor([-1], device=dev), torch.where(d == 0, 0, node - 1)])
+            fixed = DraftTree(torch.zeros_like(self._parents), self._parents)
+            self._ancestors, self._depth = fixed.ancestors, fixed.depth
+            self._hidden_in = torch.zeros(0, device=dev)  # (F,) graph input, sized at the first call
+            self._root_in = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
 
     def reset(self) -> None:
         """Forget the previous prompt."""
@@ -235,6 +259,8 @@ class ReDrafterProposer:
         Returns:
             The packed tree (N <= W * (1 + D) nodes).
         """
+        if self.static:
+            return self._propose_fixed(hidden[-1], tokens[-1:])
         root = int(tokens[-1])
         if self.draft_len == 0:
             self.last_compression = 1.0
@@ -256,6 +282,27 @@ class ReDrafterProposer:
         tree, self.last_compression = pack_beams(beams)
         return tree
 
+    def _propose_fixed(self, hidden: Tensor, root: Tensor) -> DraftTree:
+        """The fixed-shape draft step (optionally a CUDA graph): W beams -> a (1 + W*D)-node tree whose
+        topology never changes. hidden (F,), root (1,) long."""
+        if self._hidden_in.shape != hidden.shape:  # first call (or new feature size): (re)size the inputs
+            self._hidden_in, self._draft_graph = hidden.new_zeros(hidden.shape), None
+        self._hidden_in.copy_(hidden)
+        self._root_in.copy_(root)
+
+        def step() -> tuple[Tensor, Tensor]:
+            return beam_search_fixed(
+                self.drafter, self._hidden_in, self._root_in, self.beam_width, self.draft_len, self.head
+            )
+
+        if self.graphs and self._draft_graph is None:
+            self._draft_graph = capture_or_none(step, self._root_in.device, "the ReDrafter draft step")
+            self.graphs = self._draft_graph is not None
+        beams, _ = self._draft_graph() if self._draft_graph is not None else step()  # (W, 1 + D)
+        tokens = torch.cat([self._root_in, beams[:, 1:].reshape(-1)])  # (1 + W*D,)
+        self.last_compression = 1.0
+        return DraftTree(tokens, self._parents, self._depth, self._ancestors)
+
 
 def drafter_family(drafter: torch.nn.Module) -> str:
     """Family name from the drafter config (`architecture`, else `model_type`)."""
@@ -276,6 +323,8 @@ def make_proposer(
     int8_head: bool = False,
     lookup_tokens: int = 0,
     min_prob: float = 0.0,
+    static: bool = False,
+    graphs: bool = False,
 ):
     """The proposer for `drafter`'s family, with decode settings (None: the drafter's defaults).
 
@@ -287,13 +336,16 @@ def make_proposer(
         int8_head: ReDrafter / EAGLE draft with an int8 vocabulary head on CPU (`Int8Linear`).
         lookup_tokens: ReDrafter adds a prompt-lookup beam of this length (0: off).
         min_prob: ReDrafter prunes beam positions below this drafter probability (0: off).
+        static, graphs: ReDrafter's fixed-shape draft step (and its CUDA graph) for the static decode path.
     """
     family = drafter_family(drafter)
     cfg = cast("PretrainedConfig", drafter.config)
     if family == "redrafter":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1
-        return ReDrafterProposer(drafter, int(w), int(length), int8_head, lookup_tokens, min_prob)
+        return ReDrafterProposer(
+            drafter, int(w), int(length), int8_head, lookup_tokens, min_prob, static, graphs
+        )
     if family == "medusa":
         from specdraft.eval.medusa_tree import MedusaProposer
 

@@ -19,7 +19,6 @@ views `[:length + n]`, so no padding is paid for where launches cost nothing.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import cast
 
@@ -38,6 +37,7 @@ from specdraft.eval.decode import (
     target_forward,
 )
 from specdraft.eval.fallback import FallbackController
+from specdraft.eval.graphs import CudaGraph, capture_or_none
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
@@ -81,25 +81,6 @@ class _TreeInputs:
         self.valid[n:] = False
 
 
-class _CudaGraph:
-    """`fn` captured once as a CUDA graph (after two warm-up runs on a side stream); calls replay it."""
-
-    def __init__(self, fn: Callable[[], tuple[Tensor, Tensor]], device: torch.device) -> None:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn()
-
-    def __call__(self) -> tuple[Tensor, Tensor]:
-        self.graph.replay()
-        return self.out
-
-
 class StaticDecoder:
     """AR and tree-speculative decoding over a preallocated cache (see module docstring).
 
@@ -120,7 +101,7 @@ class StaticDecoder:
         self.static, self.graphs = static, graphs
         self.cache = StaticKVCache(model, max_len, static)
         self._inputs: dict[int, _TreeInputs] = {}
-        self._graphs: dict[tuple, _CudaGraph | None] = {}
+        self._graphs: dict[tuple, CudaGraph[tuple[Tensor, Tensor]] | None] = {}
 
     # -- cache ------------------------------------------------------------------------------------------
     def _reserve(self, needed: int) -> None:
@@ -178,15 +159,9 @@ class StaticDecoder:
             return logits, hidden, inp.valid, inp
         key = (b, layers, keep_last)
         if key not in self._graphs:
-            try:
-                self._graphs[key] = _CudaGraph(
-                    lambda: self._static_forward(inp, layers, keep_last), self.device
-                )
-            except Exception as e:  # capture is best effort: the static eager path gives the same output
-                warnings.warn(
-                    f"CUDA graph capture failed for {b} nodes ({e}); running that shape eagerly", stacklevel=2
-                )
-                self._graphs[key] = None
+            self._graphs[key] = capture_or_none(
+                lambda: self._static_forward(inp, layers, keep_last), self.device, f"a {b}-node verify"
+            )
         graph = self._graphs[key]
         logits, hidden = graph() if graph is not None else self._static_forward(inp, layers, keep_last)
         return logits, hidden, inp.valid, inp

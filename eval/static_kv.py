@@ -18,7 +18,7 @@ Two shapes of the same buffers:
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -43,7 +43,9 @@ class StaticKVLayer(CacheLayerMixin):
 
     def __init__(self, owner: StaticKVCache, keys: Tensor, values: Tensor) -> None:
         super().__init__()
-        self.owner, self.keys, self.values = owner, keys, values  # (1, kv_heads, max_len, head_dim) each
+        self.owner = owner
+        self.keys: Tensor = keys  # (1, kv_heads, max_len, head_dim)
+        self.values: Tensor = values  # (1, kv_heads, max_len, head_dim)
         self.is_initialized = True
         self.is_compileable = owner.static
 
@@ -60,7 +62,7 @@ class StaticKVLayer(CacheLayerMixin):
             keys, values: (1, kv_heads, length + L, head_dim) views (eager) or the whole buffers (static).
         """
         n = key_states.shape[-2]
-        keys, values = cast(Tensor, self.keys), cast(Tensor, self.values)
+        keys, values = self.keys, self.values
         if self.owner.static:
             idx = self.owner.write_pos[:n]  # (L,) device positions length_t + arange(L)
             keys.index_copy_(2, idx, key_states.to(keys.dtype))
@@ -96,14 +98,14 @@ class StaticKVCache(Cache):
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int, static: bool = False) -> None:
-        emb = cast(PreTrainedModel, model).get_input_embeddings().weight  # type: ignore[union-attr]
+        emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
         device, dtype = emb.device, emb.dtype
         n_layers, kv_heads, head_dim = kv_geometry(model)
         self.static, self.max_len, self.length = static, max_len, 0
         self.length_t = torch.zeros((), dtype=torch.long, device=device)  # mirrors `length` on the device
         self.write_pos = torch.arange(max_len, device=device)  # (max_len,) static write positions
         shape = (1, kv_heads, max_len, head_dim)
-        layers = [
+        layers: list[StaticKVLayer] = [
             StaticKVLayer(
                 self,
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -111,7 +113,8 @@ class StaticKVCache(Cache):
             )
             for _ in range(n_layers)
         ]
-        super().__init__(layers=cast("list[CacheLayerMixin]", layers))
+        super().__init__(layers=list[Any](layers))
+        self.kv_layers = layers  # the same objects, typed
 
     def check_room(self, n: int) -> None:
         """Raise when `n` more positions do not fit."""
@@ -146,8 +149,8 @@ class StaticKVCache(Cache):
             keep = torch.arange(k, device=path.device) < accepted
             src = torch.where(keep, path, torch.arange(k, device=path.device)) + self.length_t  # (k,)
             dst = self.length_t + torch.arange(k, device=path.device)  # (k,)
-            for layer in self.layers:
-                for buf in (cast(Tensor, layer.keys), cast(Tensor, layer.values)):
+            for layer in self.kv_layers:
+                for buf in (layer.keys, layer.values):
                     buf.index_copy_(2, dst, buf.index_select(2, src))  # index_select copies first
             self.length_t += accepted
             self.length = start + accepted
@@ -155,7 +158,7 @@ class StaticKVCache(Cache):
         path = path[:accepted]
         if accepted and int(path[-1]) != accepted - 1:  # not already in place
             src = path + start  # (a,)
-            for layer in self.layers:
-                for buf in (cast(Tensor, layer.keys), cast(Tensor, layer.values)):
+            for layer in self.kv_layers:
+                for buf in (layer.keys, layer.values):
                     buf[:, :, start : start + accepted] = buf.index_select(2, src)
         self.set_length(start + accepted)

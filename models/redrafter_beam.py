@@ -69,3 +69,50 @@ def beam_search(
         cum = torch.cat([cum[parent], scores[:, None]], dim=1)  # (W, k + 2)
         state = state[parent]  # (W, E)
     return beams, cum
+
+
+@torch.no_grad()
+def beam_search_fixed(
+    drafter: ReDrafter,
+    hidden: Tensor,
+    root: Tensor,
+    beam_width: int,
+    draft_len: int,
+    head: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`beam_search` with fixed shapes and no host sync, the form a CUDA graph captures.
+
+    All W beams exist from the first slot: the W - 1 copies of the root beam start at log-prob -inf (dead,
+    as apple/ml-recurrent-drafter does), so step 1 still expands the root only and the beams equal
+    `beam_search`'s (when the draft vocabulary has >= W tokens). Every step has the shapes of the last.
+    Prefix attention and the copy gate read growing state and keep the dynamic `beam_search`.
+
+    Args:
+        drafter: the ReDrafter.
+        hidden: (F,) target features at the newest committed position.
+        root: (1,) long, the committed root token, on the drafter's device.
+        beam_width: W.
+        draft_len: D.
+        head: (W, X) -> (W, Vd) logits (None: the drafter's head).
+
+    Returns:
+        beams (W, 1 + D) long sorted by score; cum (W, 1 + D) float32 cumulative log-probs.
+    """
+    w = beam_width
+    h = drafter.features(hidden.reshape(1, -1)).expand(w, -1)  # (W, F)
+    state = drafter.init_state(root.expand(w))  # (W, E)
+    beams = root.expand(w)[:, None].repeat(1, 1 + draft_len)  # (W, 1 + D), column 0 = root
+    cum = torch.zeros(w, 1 + draft_len, dtype=torch.float32, device=root.device)  # (W, 1 + D)
+    scores = torch.full((w,), float("-inf"), device=root.device)
+    scores[0] = 0.0  # only the root beam is alive
+    for k in range(draft_len):
+        if k > 0:
+            state = drafter.next_state(state, beams[:, k])  # (W, E)
+        logp = torch.log_softmax(drafter.state_logits(state, h, head, None, None).float(), dim=-1)  # (W, Vd)
+        vocab = logp.shape[-1]
+        scores, idx = (scores[:, None] + logp).reshape(-1).topk(w)  # (W,)
+        parent = idx // vocab  # (W,)
+        beams, cum, state = beams[parent], cum[parent], state[parent]
+        beams[:, k + 1] = drafter.to_target_ids(idx % vocab)
+        cum[:, k + 1] = scores
+    return beams, cum

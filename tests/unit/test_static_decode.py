@@ -251,3 +251,44 @@ def test_pack_beams_trees_verify_in_every_shape():
 
         out, stats = dec.speculative_generate(None, prompt, Once(), 8, stop_ids=set())
         assert out == ref and stats.accepted[0] == 2
+
+
+@pytest.mark.parametrize("vocab_cut", [None, 64])
+def test_fixed_beam_search_equals_the_dynamic_one(vocab_cut):
+    """All W beams from slot 0 (dead ones at -inf) give the same beams and scores as widening from 1."""
+    from specdraft.models.redrafter_beam import beam_search, beam_search_fixed
+
+    target = tiny_llama(num_layers=2, dtype=torch.float64)
+    fp = target_fingerprint(target, tiny_tokenizer())
+    schema = ReDrafterSchema(draft_len=4, beam_width=4, num_layers=1, draft_vocab_size=vocab_cut)
+    counts = torch.arange(V, 0, -1).float() if vocab_cut else None  # a reduced draft vocabulary needs counts
+    d = _jitter(redrafter.build(schema, target, fp, token_counts=counts).double().eval(), 0.3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        hidden = torch.randn(H, generator=g, dtype=torch.float64)
+        root = int(torch.randint(0, V, (1,), generator=g))
+        beams, cum = beam_search(d, hidden, root, 4, 4)
+        fixed, fcum = beam_search_fixed(d, hidden, torch.tensor([root]), 4, 4)
+        assert torch.equal(beams, fixed) and torch.allclose(cum, fcum)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fixed_shape_redrafter_proposer_is_lossless(shape):
+    """The constant-topology tree (1 + W*D nodes, no dedup, optionally a CUDA-graph draft step)."""
+    device = torch.device("cuda") if shape == "graph" else CPU
+    model = _target("llama", device)
+    fp = target_fingerprint(model, tiny_tokenizer())
+    d = _jitter(
+        redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), model, fp).double().eval()
+    )
+    proposer = make_proposer(d, static=True, graphs=shape == "graph")
+    assert proposer.static and proposer.graphs == (shape == "graph")
+    dec = _decoder(model, shape)
+    for prompt_len in (2, 13):
+        prompt = torch.randint(5, V, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        ref, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
+        out, stats = dec.speculative_generate(None, prompt, proposer, 24, stop_ids=set())
+        assert out == ref and set(stats.tree_sizes) == {1 + 4 * 3}
+    # variants that read growing state keep the dynamic draft step
+    ctx = ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, context_heads=2, context_dim=16)
+    assert not make_proposer(redrafter.build(ctx, model, fp).double(), static=True).static

@@ -1,0 +1,51 @@
+"""CUDA graph capture of a fixed-shape step (the target's verify forward, a proposer's draft step).
+
+A captured step reads its inputs from tensors whose addresses never change (the caller copies new values
+in) and writes its outputs to tensors the graph owns; `replay()` relaunches every kernel with one call,
+which is what removes the ~40 ms of per-forward launch overhead measured on an H100 for a 135M target.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class CudaGraph(Generic[T]):
+    """`fn` captured once as a CUDA graph after two warm-up runs on a side stream; calling replays it.
+
+    Args:
+        fn: a step with fixed shapes and no host sync, reading and writing only persistent tensors.
+        device: the CUDA device.
+    """
+
+    def __init__(self, fn: Callable[[], T], device: torch.device) -> None:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out: T = fn()
+
+    def __call__(self) -> T:
+        """Replay; returns the graph's output tensors (overwritten by the next replay)."""
+        self.graph.replay()
+        return self.out
+
+
+def capture_or_none(fn: Callable[[], T], device: torch.device, what: str) -> CudaGraph[T] | None:
+    """`CudaGraph(fn)`, or None with a warning when capture fails (the caller then runs `fn` eagerly, with
+    the same output): capture is an optimisation, never a reason to stop a run."""
+    try:
+        return CudaGraph(fn, device)
+    except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+        warnings.warn(f"CUDA graph capture failed for {what} ({e}); running it eagerly", stacklevel=2)
+        return None

@@ -36,7 +36,9 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
 
 
 def _cache_dir() -> Path:
-    """`$SPECDRAFT_CACHE/cost_curves` (default ~/.cache/specdraft/cost_curves)."""
+    """`$SPECDRAFT_COST_CURVES`, else `$SPECDRAFT_CACHE/cost_curves` (default ~/.cache/specdraft/cost_curves)."""
+    if os.environ.get("SPECDRAFT_COST_CURVES"):
+        return Path(os.environ["SPECDRAFT_COST_CURVES"])
     return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "cost_curves"
 
 
@@ -114,11 +116,13 @@ class NodeBudget:
         cost: the target's verify cost curve on this decode path.
         fit_steps: drafted steps observed at full size before the cap is chosen.
         sizes: candidate caps (1 = do not draft).
+        label: the method's name, for the line printed when the cap is chosen ("" = silent).
     """
 
     cost: CostCurve
     fit_steps: int = 48
     sizes: tuple[int, ...] = SIZES
+    label: str = ""
     cap: int | None = None  # None while fitting; then the chosen budget
     gains: list[list[int]] = field(
         default_factory=list
@@ -133,6 +137,16 @@ class NodeBudget:
         self.draft_ms.append(draft_s * 1e3)
         if len(self.gains) >= self.fit_steps:
             self.cap = self.choose()
+            if self.label:
+                rates = self.rates()
+                what = (
+                    "no drafting (plain target steps)" if self.cap == 1 else f"trees cut to {self.cap} nodes"
+                )
+                print(
+                    f"[node budget] {self.label}: {what}; expected tokens/s "
+                    + ", ".join(f"{b}: {r * 1e3:.1f}" for b, r in rates.items()),
+                    flush=True,
+                )
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps)."""

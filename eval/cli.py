@@ -56,7 +56,7 @@ def _spec(
 ):
     """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name),
     `eval.fallback` adds the self-adaptive fallback (labelled `+fallback`; output unchanged), a cost curve
-    `cost` a fitted node budget (`eval.node_budget=auto`, labelled `+budget`; output unchanged)."""
+    `cost` a fitted node budget (`eval.node_budget=auto`, the default; records carry `node_cap`)."""
     from specdraft.eval.budget import NodeBudget
 
     e = cfg.eval
@@ -69,8 +69,6 @@ def _spec(
         sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
     if e.fallback:
         name += "+fallback"
-    if cost is not None:
-        name += "+budget"
     return runner.spec_method(
         name,
         model,
@@ -81,7 +79,7 @@ def _spec(
         bool(e.profile),
         bool(e.fallback),
         decoder,
-        NodeBudget(cost) if cost is not None else None,
+        NodeBudget(cost, label=name) if cost is not None else None,
     )
 
 
@@ -102,11 +100,11 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     )  # shared: one cache, one set of graphs
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
     cost = None
-    if e.node_budget == "auto":  # the target's verify cost per node count on this machine (cached)
-        if decoder is None:
-            raise ValueError(
-                "eval.node_budget=auto needs eval.decode_path=static (the dynamic path has no budget)"
-            )
+    if e.node_budget == "auto" and decoder is None:
+        print(
+            "eval.node_budget=auto: not applied on eval.decode_path=dynamic (the reference path has no budget)"
+        )
+    elif e.node_budget == "auto":  # the target's verify cost per node count on this machine (cached)
         cost = CostCurve.load_or_measure(machine_key(model, decoder.path_name()), decoder.measure_costs)
     fingerprint = target_fingerprint(model, tokenizer)
     for path in _drafter_paths(cfg):

@@ -41,7 +41,7 @@ class EvalConfig:
     cuda_graphs: str = (
         "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify as CUDA graphs
     )
-    node_budget: str = "off"  # off | auto: cap each tree at the budget that pays on this machine (cost curve)
+    node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
     profile: bool = False  # per-phase time breakdown of the speculative loop (adds device syncs)
     plots: bool = True  # write PNG plots (accepted-length histogram, per-category speedup)
     out_dir: str | None = None  # results folder (default <run_dir>/eval)

@@ -92,7 +92,8 @@ def spec_method(
             "mean_compression": comp,
             "finish_reason": st.finish_reason,
             "target_steps": st.target_steps,
-            "node_cap": budget.cap if budget is not None else None,
+            "node_cap": budget.cap if budget is not None else None,  # None while fitting or off
+            "budget_fit_steps": len(budget.gains) if budget is not None else None,
             "profile": prof,
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -12,6 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One thread per process: tiny models gain nothing from more, and launched subprocesses (DDP, DeepSpeed,
 # kill-and-resume) inherit it, so 2 cores are never oversubscribed.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Cost curves measured by eval.node_budget=auto go to a throwaway folder, not the user's cache.
+os.environ.setdefault("SPECDRAFT_COST_CURVES", tempfile.mkdtemp(prefix="specdraft_cost_curves_"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

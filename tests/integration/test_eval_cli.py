@@ -147,7 +147,7 @@ def test_draft_dtype_casts_the_drafter_and_stays_lossless(assets, tmp_path, monk
     seen: list[torch.dtype] = []
     make = proposers.make_proposer
     monkeypatch.setattr(
-        proposers, "make_proposer", lambda d, *a: seen.append(d.head.weight.dtype) or make(d, *a)
+        proposers, "make_proposer", lambda d, *a, **k: seen.append(d.head.weight.dtype) or make(d, *a, **k)
     )
     res = json.loads(evaluate(cfg).read_text())
     assert seen == [torch.bfloat16]  # the drafter the proposer drafts with
@@ -216,3 +216,27 @@ def test_a_failure_while_writing_keeps_the_previous_results(assets, tmp_path, mo
         and (tmp_path / "out" / "accept_hist_mini_mt.png").read_bytes() != b"old plot"
     )
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(
+    "extra, name",
+    [
+        (["eval.decode_path=dynamic"], "redrafter:drafter"),  # no budget on the reference path
+        (["eval.node_budget=off"], "redrafter:drafter"),
+        (["eval.fallback=true"], "redrafter:drafter+fallback"),
+    ],
+)
+def test_decode_path_and_fitted_budget(assets, tmp_path, monkeypatch, extra, name):
+    """The pre-static path stays selectable; the fitted budget measures (and caches) the cost curve once."""
+    monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path / "cache"))
+    GlobalHydra.instance().clear()
+    register_configs()
+    args = [f"eval.benches=[{assets / 'mini_mt.jsonl'}]", "eval.limit=1", "eval.check_lossless=true", *extra]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path / "out", *args))
+    res = json.loads(evaluate(cfg).read_text())
+    spec = next(s for s in res["summary"] if s["method"] == name)
+    assert spec["identical"] + spec["near_tie_divergences"] == spec["total"] == 2
+    budget = "eval.node_budget=off" not in extra and "eval.decode_path=dynamic" not in extra
+    assert len(list(tmp_path.glob("cache/*.json"))) == budget  # the cost curve: measured once, cached
+    assert all((r["budget_fit_steps"] is not None) == budget for r in res["records"] if r["kind"] == "spec")

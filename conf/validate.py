@@ -183,6 +183,7 @@ MEDUSA: Table = {
     "loss_decay": DECAY,
     "init_from_lm_head": ANY,
     "topk": POSITIVE,
+    "draft_vocab_size": optional(POSITIVE),  # <= the target's vocab_size: checked when the heads are built
     "tree_choices": ANY,  # checked by eval/medusa_tree.py when the tree is built
 }
 EAGLE_TREE: Table = {"tree_total_tokens": POSITIVE, "tree_depth": POSITIVE, "tree_top_k": POSITIVE}
@@ -195,10 +196,17 @@ EAGLE: Table = {
     "noise": at_least(0),
     **EAGLE_TREE,
 }
+TTT_DEPTH = (
+    Rule(  # EAGLE-3 training-time-test unroll steps (models/eagle3.py: memory and time grow with them)
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 7,
+        "an integer in [1, 7] (training-time-test unroll steps)",
+    )
+)
 EAGLE3: Table = {
     "family": ANY,
-    "draft_len": POSITIVE,
+    "draft_len": TTT_DEPTH,
     "ttt_decay": DECAY,
+    "norm_fused": ANY,
     "target_layers": ANY,
     "draft_vocab_size": optional(POSITIVE),
     **EAGLE_TREE,
@@ -293,7 +301,7 @@ EVAL: Table = {
     "acceptance": one_of("exact", "typical"),
     "typical_epsilon": FRACTION,
     "typical_delta": at_least(0),
-    "baselines": each(one_of("prompt_lookup", "assisted", "tree_lookup")),
+    "baselines": each(one_of("prompt_lookup", "assisted", "tree_lookup", "hf_static")),
     "prompt_lookup_num_tokens": POSITIVE,
     "assistant_model": ASSISTANT,
     "dtype": optional(DTYPE),

@@ -11,18 +11,17 @@ nodes on a 2-core CPU in fp32). Two measured curves decide the budget:
     tree, so one verify of the full tree yields gain(b) for every b at once: the deepest fully accepted node
     among the first b (a running max over the nodes, computed on the device with the verify).
 
-After `fit_steps` drafted steps at full size, `NodeBudget.cap` = argmax over b of
-gain(b) / (cost(b) + draft time), where b = 1 means "do not draft" (gain 1, no draft time): a drafter that
-cannot pay on this machine turns itself off. Output is unchanged whatever the budget.
+`NodeBudget.cap` = argmax over b of gain(b) / (cost(b) + draft time), where b = 1 means "do not draft" (gain
+1, no draft time): a drafter that cannot pay on this machine turns itself off. The draft time is re-measured
+at the chosen size before that last decision (a ReDrafter told to fill 2 nodes searches one beam of one token,
+several times cheaper than its full search). Output is unchanged whatever the budget.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,8 @@ from typing import cast
 
 import torch
 from transformers import PreTrainedModel
+
+from specdraft.hardware import cpu_model
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
 
@@ -47,16 +48,7 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
     torch version and the decode path ("eager" | "fixed" | "graph")."""
     emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
     dev = emb.device
-    if dev.type == "cuda":
-        where = torch.cuda.get_device_name(dev)
-    else:
-        where = platform.processor() or platform.machine()
-        with contextlib.suppress(OSError, StopIteration):
-            where = next(
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            )
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
     cfg = cast(PreTrainedModel, model).config.to_json_string(use_diff=False)
     parts = [cfg, dev.type, where, str(emb.dtype), str(torch.get_num_threads()), torch.__version__, path]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
@@ -112,53 +104,80 @@ class CostCurve:
 class NodeBudget:
     """Fits the node cap of one proposer on this machine (see module docstring); state carries over calls.
 
+    Two phases, so that "do not draft" is only decided with the draft time of the tree actually kept:
+    1. `fit_steps` drafted steps at full size record the gain curve and the draft time; the best cap b >= 2
+       becomes provisional (`cap`), and the proposer is told (`Proposer.fit_budget`), so it may draft less;
+    2. `check_steps` drafted steps at that cap re-measure the draft time; the final cap is the best of
+       b <= cap and 1 (no drafting) with that time (`settled`).
+
     Args:
         cost: the target's verify cost curve on this decode path.
-        fit_steps: drafted steps observed at full size before the cap is chosen.
+        fit_steps: drafted full-size steps of phase 1.
+        check_steps: drafted steps of phase 2 (0: settle after phase 1, with the full-size draft time).
         sizes: candidate caps (1 = do not draft).
-        label: the method's name, for the line printed when the cap is chosen ("" = silent).
+        label: the method's name, for the line printed when the cap is settled ("" = silent).
     """
 
     cost: CostCurve
     fit_steps: int = 48
+    check_steps: int = 16
     sizes: tuple[int, ...] = SIZES
     label: str = ""
-    cap: int | None = None  # None while fitting; then the chosen budget
+    cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
+    settled: bool = False
     gains: list[list[int]] = field(
         default_factory=list
-    )  # per step: accepted+1 with the first b nodes, b=1..n
-    draft_ms: list[float] = field(default_factory=list)  # per step: proposer time
+    )  # phase 1, per step: accepted+1 with the first b nodes
+    draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
+    checks: list[tuple[float, int, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens, nodes)
 
-    def observe(self, prefix_accept: list[int], draft_s: float) -> None:
-        """One drafted full-size step: `prefix_accept[b-1]` = tokens the first b nodes would have given."""
-        if self.cap is not None:
+    def observe(
+        self, draft_s: float, accepted: int, nodes: int, prefix_accept: list[int] | None = None
+    ) -> None:
+        """One drafted greedy step: the proposer's time, the tokens the step emitted (accepted + 1) and the
+        nodes verified; in phase 1 also `prefix_accept[b-1]` = tokens the first b nodes alone would have given."""
+        if self.settled:
             return
-        self.gains.append(prefix_accept)
-        self.draft_ms.append(draft_s * 1e3)
-        if len(self.gains) >= self.fit_steps:
-            self.cap = self.choose()
-            if self.label:
-                rates = self.rates()
-                what = (
-                    "no drafting (plain target steps)" if self.cap == 1 else f"trees cut to {self.cap} nodes"
-                )
-                print(
-                    f"[node budget] {self.label}: {what}; expected tokens/s "
-                    + ", ".join(f"{b}: {r * 1e3:.1f}" for b, r in rates.items()),
-                    flush=True,
-                )
+        if self.cap is None:
+            assert prefix_accept is not None, "phase 1 needs the gain curve of the step"
+            self.gains.append(prefix_accept)
+            self.draft_ms.append(draft_s * 1e3)
+            if len(self.gains) >= self.fit_steps:
+                rates = self.rates(self.draft_ms)
+                self.cap = max((b for b in sorted(rates) if b > 1), key=lambda b: (rates[b], -b))
+                if self.check_steps <= 0:
+                    self._settle({})
+            return
+        self.checks.append((draft_s * 1e3, accepted, nodes))
+        if len(self.checks) >= self.check_steps:
+            k = len(self.checks)
+            draft = sum(c[0] for c in self.checks) / k
+            ms = sum(self.cost(c[2]) for c in self.checks) / k + draft
+            measured = {self.cap: sum(c[1] for c in self.checks) / k / ms}
+            self._settle(measured, [draft])
 
-    def rates(self) -> dict[int, float]:
-        """Expected tokens per ms for each candidate cap (b = 1: plain target steps)."""
-        draft = sum(self.draft_ms) / len(self.draft_ms)
+    def _settle(self, measured: dict[int, float], draft_ms: list[float] | None = None) -> None:
+        """Final cap among 1 and b <= the provisional cap: measured rates where there are some (the cap, in
+        phase 2), else the phase-1 model with the draft time `draft_ms` (default: phase 1's)."""
+        assert self.cap is not None
+        rates = {b: r for b, r in self.rates(draft_ms or self.draft_ms).items() if b <= self.cap}
+        rates.update(measured)
+        self.cap, self.settled = max(sorted(rates), key=lambda b: (rates[b], -b)), True
+        if self.label:
+            what = "no drafting (plain target steps)" if self.cap == 1 else f"trees cut to {self.cap} nodes"
+            print(
+                f"[node budget] {self.label}: {what}; expected tokens/s "
+                + ", ".join(f"{b}: {r * 1e3:.1f}" for b, r in rates.items()),
+                flush=True,
+            )
+
+    def rates(self, draft_ms: list[float]) -> dict[int, float]:
+        """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
+        phase-1 gain curve and the mean of `draft_ms`."""
+        draft = sum(draft_ms) / len(draft_ms)
         out = {1: 1.0 / self.cost(1)}
         for b in self.sizes[1:]:
             gain = sum(g[min(b, len(g)) - 1] for g in self.gains) / len(self.gains)
             ms = sum(self.cost(min(b, len(g))) for g in self.gains) / len(self.gains) + draft
             out[b] = gain / ms
         return out
-
-    def choose(self) -> int:
-        """The cap with the best expected rate (ties: the smaller)."""
-        rates = self.rates()
-        return max(sorted(rates), key=lambda b: (rates[b], -b))

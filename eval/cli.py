@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.validate import validate_config
-from specdraft.hardware import log_environment, resolve_placement
+from specdraft.hardware import cpu_model, cpu_native_bf16, log_environment, resolve_placement
 from specdraft.utils import atomic_write_json, seed_everything
 
 NEAR_TIE_GAP = {"float64": 1e-6, "float32": 1e-2, "bfloat16": 0.5, "float16": 0.25}  # default by dtype
@@ -100,12 +100,12 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     )  # shared: one cache, one set of graphs
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
     cost = None
-    if e.node_budget == "auto" and decoder is None:
+    if e.node_budget == "auto" and decoder is not None:  # verify cost per node count here (cached)
+        cost = CostCurve.load_or_measure(machine_key(model, decoder.path_name()), decoder.measure_costs)
+    elif e.node_budget == "auto":
         print(
             "eval.node_budget=auto: not applied on eval.decode_path=dynamic (the reference path has no budget)"
         )
-    elif e.node_budget == "auto":  # the target's verify cost per node count on this machine (cached)
-        cost = CostCurve.load_or_measure(machine_key(model, decoder.path_name()), decoder.measure_costs)
     fingerprint = target_fingerprint(model, tokenizer)
     for path in _drafter_paths(cfg):
         drafter = load_drafter(path, model, fingerprint, field="eval.drafters")
@@ -146,6 +146,10 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
         baselines.remove("tree_lookup")
     if baselines:
         methods.append(runner.hf_method("hf_ar", model, tokenizer, stop_ids, sampling))
+    if "hf_static" in baselines:  # transformers' static KV cache (compiled by generate where it does so)
+        methods.append(
+            runner.hf_method("hf_static", model, tokenizer, stop_ids, sampling, cache_implementation="static")
+        )
     if "prompt_lookup" in baselines:
         n = int(e.prompt_lookup_num_tokens)
         methods.append(
@@ -186,6 +190,8 @@ def machine_info(model) -> dict[str, Any]:
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_native_bf16": cpu_native_bf16()[0],
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -26,7 +26,9 @@ class EvalConfig:
     acceptance: str = "exact"  # exact (lossless) | typical (Medusa typical acceptance: LOSSY, needs T > 0)
     typical_epsilon: float = 0.09  # typical acceptance: posterior threshold epsilon
     typical_delta: float = 0.3  # typical acceptance: entropy-dependent threshold scale (sqrt(eps) in Medusa)
-    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # or assisted, tree_lookup
+    baselines: list[str] = field(
+        default_factory=lambda: ["prompt_lookup"]
+    )  # or assisted, tree_lookup, hf_static
     prompt_lookup_num_tokens: int = 10  # prompt lookup (transformers' and tree_lookup): candidate length
     assistant_model: str | None = None  # `assisted`: same-tokenizer model, or layers:N (target cut)
     dtype: str | None = None  # override base_model.dtype (auto | fp32 | bf16 | fp16)

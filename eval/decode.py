@@ -44,6 +44,11 @@ class Proposer(Protocol):
 
     def reset(self) -> None: ...
 
+    def fit_budget(self, nodes: int) -> None:
+        """The decoder will cut every tree to its first `nodes` nodes from now on: draft no more than that
+        (e.g. fewer beams). A no-op is always correct; the output never depends on it."""
+        ...
+
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
         """hidden (n, H): target last-layer states of the n newly committed positions;
         tokens (n,): the token each of those positions predicts (tokens[-1] is the new root)."""

@@ -16,16 +16,23 @@ Each `propose` call:
 
 `depth` counts draft tokens below the root, so `depth` = 1 gives a one-level tree of `min(k, total_tokens)`
 nodes. Verification (greedy or sampling) is the shared core's, so decoding stays lossless.
+
+`static=True` runs the same expansion and reranking with fixed shapes and no host sync (`eval/eagle_static.py`:
+a preallocated head cache with a length counter, device-side masks and positions), so every tree has
+1 + min(total_tokens, k + (depth-1)*k*k) nodes and, with `graphs=True` on CUDA, the expansion is one CUDA
+graph replay. Only the commit of the n newly accepted positions stays eager (n varies per call).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.eagle_common import causal_tree_mask
@@ -33,6 +40,31 @@ from specdraft.models.eagle_common import causal_tree_mask
 if TYPE_CHECKING:
     from specdraft.models.eagle import EagleDrafter
     from specdraft.models.eagle3 import Eagle3Drafter
+
+# one expansion level: (level, rows (k, s) ancestors-or-self among draft entries, feats (k, H), toks (k,)) -> (k, H)
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def select_nodes(tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """EAGLE-2 reranking with fixed shapes: the `total` best candidates, laid out depth by depth.
+
+    Args:
+        tok, par, score, depth: (P,) the candidate pool (`grow`); par = pool index, -1 = root.
+        total: nodes kept (root excluded).
+
+    Returns:
+        tokens (N,) and parents (N,) of the kept nodes, N = min(total, P); parents are tree node indices
+        (0 = root, nodes numbered from 1), -1 where a parent was not kept (impossible for monotone scores).
+    """
+    p = tok.shape[0]
+    order = torch.sort(depth, stable=True).indices  # ties in score: shallower first, then pool order
+    order = order[torch.sort(score[order], descending=True, stable=True).indices]
+    keep = order[: min(total, p)]  # (N,)
+    keep = keep[torch.sort(depth[keep] * p + keep).indices]  # depth-major, parents before children
+    numbers = torch.arange(1, keep.shape[0] + 1, device=tok.device)  # (N,)
+    node = torch.full((p,), -1, dtype=torch.long, device=tok.device).scatter(0, keep, numbers)  # (P,)
+    kp = par[keep]
+    return tok[keep], torch.where(kp < 0, torch.zeros_like(kp), node[kp.clamp_min(0)])
 
 
 class EagleTreeProposer:
@@ -44,6 +76,9 @@ class EagleTreeProposer:
         depth: maximum draft depth below the root.
         top_k: children per expanded node and nodes expanded per depth.
         int8_head: on CPU, draft with a dynamic-int8 copy of the vocabulary head (`proposers.Int8Linear`).
+        static: fixed-shape, host-sync-free expansion and reranking over a preallocated head cache (see the
+            module docstring); trees of a constant 1 + min(total_tokens, pool) nodes.
+        graphs: with `static` and the head on CUDA, capture the expansion once as a CUDA graph.
 
     Attributes:
         target_layers: target `hidden_states` indices the decoder must pass instead of the last layer
@@ -51,7 +86,14 @@ class EagleTreeProposer:
     """
 
     def __init__(
-        self, drafter: torch.nn.Module, total_tokens: int, depth: int, top_k: int, int8_head: bool = False
+        self,
+        drafter: torch.nn.Module,
+        total_tokens: int,
+        depth: int,
+        top_k: int,
+        int8_head: bool = False,
+        static: bool = False,
+        graphs: bool = False,
     ) -> None:
         if min(total_tokens, depth, top_k) < 1:
             raise ValueError(
@@ -77,15 +119,27 @@ class EagleTreeProposer:
 
             pre, head = drafter.draft_head()
             self.int8 = (pre, Int8Linear(head)) if int8_supported() else None
+        slots = (self.depth - 1) * self.top_k  # draft entries one expansion writes to the head cache
+        self.fixed = StaticHeadState(drafter, slots, self.top_k, graphs) if static else None
+        self.static, self.graphs = static, self.fixed is not None and self.fixed.graphs
 
     def reset(self) -> None:
         """Forget the previous prompt's cache."""
         self.cache = DynamicCache()
         self.committed = 0
+        if self.fixed is not None:
+            self.fixed.reset()
+
+    def fit_budget(self, nodes: int) -> None:
+        """Keep at most `nodes - 1` draft nodes and a depth of `nodes - 1` (fewer head passes). The static
+        mode keeps its captured shapes; the decoder cuts its trees."""
+        if not self.static:
+            self.total_tokens = min(self.total_tokens, max(nodes - 1, 1))
+            self.depth = min(self.depth, max(nodes - 1, 1))
 
     @torch.inference_mode()
     def commit(self, hidden: Tensor, tokens: Tensor) -> Tensor:
-        """Append the newly committed pairs to the head's cache.
+        """Append the newly committed pairs to the head's cache (`DynamicCache`, or the static `HeadKVCache`).
 
         Args:
             hidden: (n, F) target features (last layer, or the concatenated `target_layers` for EAGLE-3).
@@ -94,6 +148,10 @@ class EagleTreeProposer:
         Returns:
             (n, H) the head's outputs at those positions.
         """
+        if self.fixed is not None:  # the preallocated head cache (eager: n varies per call)
+            out = self.fixed.commit(hidden, tokens)
+            self.committed = self.fixed.cache.length
+            return out
         d = self.drafter
         dev = next(d.parameters()).device
         rollback(self.cache, self.committed)  # drop the previous call's draft entries
@@ -108,7 +166,7 @@ class EagleTreeProposer:
 
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
-        """Commit the new positions, grow the dynamic tree, rerank, pack.
+        """Commit the new positions, grow the dynamic tree, rerank, pack (fixed shapes with `static`).
 
         Args:
             hidden: (n, F) target features of the newly committed positions.
@@ -117,9 +175,25 @@ class EagleTreeProposer:
         Returns:
             DraftTree of 1 + min(total_tokens, candidates) nodes, root = tokens[-1].
         """
-        out = self.commit(hidden, tokens)
+        out = self.commit(hidden, tokens)  # (n, H)
+        if self.fixed is not None:
+            res = self.fixed.run(self._expand_fixed, out[-1], tokens[-1:].to(out.device))
+            self.graphs = self.fixed.graph is not None
+            tree_tok, parents, depth, anc = (t.clone() for t in res)  # graph outputs are overwritten
+            return DraftTree(tree_tok, parents, depth, anc).to(tokens.device)
         tok, par, score, depth = self.grow(out[-1])
         return self.rerank(int(tokens[-1]), tok, par, score, depth, tokens.device)
+
+    def _expand_fixed(self, last: Tensor, root: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Fixed-shape expansion + reranking (what the CUDA graph captures): last (H,), root (1,) ->
+        tokens (N,), parents (N,), depth (N,), ancestors (N, N) with N = 1 + min(total_tokens, P)."""
+        assert self.fixed is not None
+        tok, par, score, depth = self.grow(last, self.fixed.attend)
+        kept, kept_par = select_nodes(tok, par, score, depth, self.total_tokens)  # (N - 1,) each
+        tokens = torch.cat([root, kept])  # (N,)
+        parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=last.device), kept_par])  # (N,)
+        anc, node_depth = fixed_ancestors(parents, self.depth)
+        return tokens, parents, node_depth, anc
 
     def _topk(self, out: Tensor) -> tuple[Tensor, Tensor]:
         """(m, H) head outputs -> top-k log-probs (m, k) float32 and target token ids (m, k)."""
@@ -131,63 +205,64 @@ class EagleTreeProposer:
         sc, ix = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
         return sc, self.drafter.to_target_ids(ix)
 
-    def grow(self, last: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Candidate pool from the newest committed output `last` (H,).
+    def grow(self, last: Tensor, attend: Attend | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Candidate pool from the newest committed output `last` (H,); fixed shapes, no host sync.
+
+        Args:
+            last: (H,) head output at the newest committed position.
+            attend: runs one frontier through the head (None: the dynamic `DynamicCache` step).
 
         Returns:
-            tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each (P,).
+            tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each
+            (P,) with P = k + (depth - 1) * k * k.
         """
-        dev, c = last.device, self.committed
+        dev, attend = last.device, attend or self._attend_dynamic
         sc, ids = self._topk(last[None])  # (1, k)
         k = sc.shape[1]
         toks, pars, scores = [ids[0]], [torch.full((k,), -1, device=dev)], [sc[0]]
         depths = [torch.ones(k, dtype=torch.long, device=dev)]
         front = torch.arange(k, device=dev)  # pool indices of the frontier
-        front_score, front_tok, front_in = sc[0], ids[0], last[None].expand(k, -1)  # (m,), (m,), (m, H)
-        front_slot = torch.full(
-            (k,), -1, device=dev
-        )  # cache slot (among draft entries) of each node's parent
-        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # ancestor-or-self among cached draft entries
+        front_score, front_tok, front_in = sc[0], ids[0], last[None].expand(k, -1)  # (k,), (k,), (k, H)
+        front_slot = torch.full((k,), -1, device=dev)  # draft-entry slot of each frontier node's parent
+        s = (self.depth - 1) * k  # draft entries: level l's frontier at slots (l-1)*k .. l*k - 1
+        anc = torch.zeros(s, s, dtype=torch.bool, device=dev)  # ancestor-or-self among draft entries
+        eye = torch.eye(k, dtype=torch.bool, device=dev)
         size = k
         for level in range(1, self.depth):
-            m, base = front.shape[0], anc.shape[0]
-            rows = torch.zeros(m, base + m, dtype=torch.bool, device=dev)  # (m, base + m)
-            has = front_slot >= 0
-            rows[has, :base] = anc[front_slot[has]]
-            rows[torch.arange(m, device=dev), base + torch.arange(m, device=dev)] = True
-            anc = torch.cat([torch.nn.functional.pad(anc, (0, m)), rows], dim=0)  # (base + m, base + m)
-            mask = torch.cat(
-                [torch.ones(m, c, dtype=torch.bool, device=dev), rows], dim=1
-            )  # (m, C + base + m)
-            pos = torch.full((1, m), c - 1 + level, device=dev)  # frontier nodes sit at depth `level`
-            out = self.drafter.step(front_in[None], front_tok[None], self.cache, pos, mask)[0]  # (m, H)
-            csc, cids = self._topk(out)  # (m, k)
-            cum = (front_score[:, None] + csc).reshape(-1)  # (m*k,)
+            base = (level - 1) * k
+            rows = anc[front_slot.clamp_min(0)] & (front_slot >= 0)[:, None]  # (k, s) the parents' rows
+            rows[:, base : base + k] |= eye  # each node sees itself
+            anc[base : base + k] = rows
+            out = attend(level, rows[:, : base + k], front_in, front_tok)  # (k, H)
+            csc, cids = self._topk(out)  # (k, k)
+            cum = (front_score[:, None] + csc).reshape(-1)  # (k*k,)
             toks.append(cids.reshape(-1))
-            pars.append(front.repeat_interleave(k))
+            pars.append(front[:, None].expand(k, k).reshape(-1))
             scores.append(cum)
-            depths.append(torch.full((m * k,), level + 1, dtype=torch.long, device=dev))
-            front_score, best = cum.topk(min(k, m * k))
+            depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=dev))
+            front_score, best = cum.topk(k)
             front, front_tok = size + best, cids.reshape(-1)[best]
             front_in, front_slot = out[best // k], base + best // k
-            size += m * k
+            size += k * k
         pool = [torch.cat(x) for x in (toks, pars, scores, depths)]
         self.last_pool = dict(zip(("tokens", "parents", "scores", "depths"), pool))
         return pool[0], pool[1], pool[2], pool[3]
 
+    def _attend_dynamic(self, level: int, rows: Tensor, feats: Tensor, toks: Tensor) -> Tensor:
+        """One frontier (k nodes at depth `level`) through the head, appended to the `DynamicCache`.
+
+        rows (k, s) ancestors-or-self among the s draft entries cached so far + this frontier; feats (k, H);
+        toks (k,) -> (k, H)."""
+        c, m = self.committed, rows.shape[0]
+        mask = torch.cat([torch.ones(m, c, dtype=torch.bool, device=rows.device), rows], dim=1)  # (k, C + s)
+        pos = torch.full((1, m), c - 1 + level, device=rows.device)  # frontier nodes sit at depth `level`
+        return self.drafter.step(feats[None], toks[None], self.cache, pos, mask)[0]
+
     def rerank(self, root: int, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device) -> DraftTree:
         """Keep the `total_tokens` best candidates and lay them out depth by depth under the root."""
-        p = tok.shape[0]
-        order = torch.sort(depth, stable=True).indices  # ties in score: shallower first, then pool order
-        order = order[torch.sort(score[order], descending=True, stable=True).indices]
-        keep = order[: min(self.total_tokens, p)]
-        keep = keep[torch.sort(depth[keep] * p + keep).indices]  # depth-major, parents before children
-        node = torch.full((p,), -1, dtype=torch.long, device=tok.device)
-        node[keep] = torch.arange(1, keep.shape[0] + 1, device=tok.device)
-        kp = par[keep]
-        parents = torch.where(kp < 0, torch.zeros_like(kp), node[kp.clamp_min(0)])
+        kept, parents = select_nodes(tok, par, score, depth, self.total_tokens)
         if bool((parents < 0).any()):
             raise RuntimeError("EAGLE-2 rerank kept a node without its parent (non-monotone scores)")
-        tokens = torch.cat([torch.tensor([root], device=tok.device), tok[keep]])
+        tokens = torch.cat([torch.tensor([root], device=tok.device), kept])
         parents = torch.cat([torch.tensor([-1], device=tok.device), parents])
         return DraftTree(tokens.to(device), parents.to(device))

@@ -178,7 +178,8 @@ def measure_rank_accuracies(
     """Per-head rank accuracies of a Medusa on held-out batches (the input of `build_tree`).
 
     Args:
-        drafter: Medusa heads (`head_logits(hidden (..., H)) -> (..., K, V)`).
+        drafter: Medusa heads (`head_logits(hidden (..., H)) -> (..., K, Vd)`, `to_draft_ids` with a reduced
+            draft vocabulary: a label outside it is a miss at every rank).
         target: the frozen target (one no-grad forward per batch for h_t).
         batches: collated batches (`data.collate.Collator` with draft_len = K): `input_ids`, `attention_mask`,
             `targets` (B, L, K), `pos_mask` (B, L).
@@ -204,8 +205,11 @@ def measure_rank_accuracies(
         sel = batch["pos_mask"].to(dev)  # (B, L)
         h, tg = hidden[sel], batch["targets"].to(dev)[sel]  # (N, H), (N, K)
         for s in range(0, h.shape[0], chunk):
-            logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1]).float()  # (n, K, V)
-            hh, vv = rank_hits(logits, tg[s : s + chunk].to(logits.device), topk)
+            logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1]).float()  # (n, K, Vd)
+            labels = tg[s : s + chunk].to(logits.device)  # (n, K) target ids, -100 = ignored
+            if getattr(drafter, "reduced_vocab", False):  # draft ids; -1 (never a hit) outside the vocabulary
+                labels = drafter.to_draft_ids(labels, missing=-1).masked_fill(labels == -100, -100)
+            hh, vv = rank_hits(logits, labels, topk)
             hits, valid = (hh, vv) if hits is None else (hits + hh, cast(Tensor, valid) + vv)  # set together
         positions += int(h.shape[0])
     if hits is None:
@@ -219,8 +223,8 @@ class MedusaProposer:
     """Static-tree proposer: fill one fixed tree with every head's top-k tokens (one drafter call per step).
 
     Args:
-        drafter: a `models.medusa.Medusa` (`topk_tokens(hidden (H,), k, num_heads) -> (num_heads, k)`,
-            `config.draft_len`, `config.topk`, `config.tree_choices`).
+        drafter: a `models.medusa.Medusa` (`topk_tokens(hidden (H,), k, num_heads) -> (num_heads, k)` target
+            ids, mapped from the draft vocabulary; `config.draft_len`, `config.topk`, `config.tree_choices`).
         choices: rank paths (None: the export's `tree_choices`, else `DEFAULT_TREE` pruned to the heads and
             `config.topk`).
         max_nodes: node budget N (root included) applied to the tree (None: the whole tree).
@@ -253,6 +257,9 @@ class MedusaProposer:
 
     def reset(self) -> None:
         """No state across prompts."""
+
+    def fit_budget(self, nodes: int) -> None:
+        """Nothing to shrink: the heads run once per step whatever the tree size (the decoder cuts the tree)."""
 
     @property
     def num_nodes(self) -> int:

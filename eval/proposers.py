@@ -100,6 +100,10 @@ class PromptLookupProposer:
         """Forget the previous prompt."""
         self.context = None
 
+    def fit_budget(self, nodes: int) -> None:
+        """Look up at most `nodes - 1` tokens (a chain of `nodes` nodes)."""
+        self.draft_len = min(self.draft_len, max(nodes - 1, 0))
+
     def continuation(self, tokens: Tensor) -> Tensor:
         """Append the newly committed `tokens` (n,) to the context; (k,) lookup continuation after its end."""
         self.context = tokens.clone() if self.context is None else torch.cat([self.context, tokens])
@@ -200,6 +204,16 @@ class ReDrafterProposer:
         self._copy, self._root = None, None
         if self.lookup is not None:
             self.lookup.reset()
+
+    def fit_budget(self, nodes: int) -> None:
+        """Search only the beams a `nodes`-node tree can use: trees are laid out beam by beam, so the first
+        `nodes` nodes hold ceil((nodes - 1) / D) beams (one beam: its first nodes - 1 tokens). The fixed-shape
+        step and a lookup beam keep their sizes (their topology is set up front)."""
+        if self.static or self.lookup is not None or nodes >= 1 + self.beam_width * self.draft_len:
+            return
+        self.beam_width = max(1, -(-(nodes - 1) // max(self.draft_len, 1)))
+        if self.beam_width == 1:
+            self.draft_len = min(self.draft_len, max(nodes - 1, 0))
 
     def _update_memory(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Append the newly committed positions to the prefix-attention memory; returns keys, values (1 + M, A),
@@ -336,7 +350,8 @@ def make_proposer(
         int8_head: ReDrafter / EAGLE draft with an int8 vocabulary head on CPU (`Int8Linear`).
         lookup_tokens: ReDrafter adds a prompt-lookup beam of this length (0: off).
         min_prob: ReDrafter prunes beam positions below this drafter probability (0: off).
-        static, graphs: ReDrafter's fixed-shape draft step (and its CUDA graph) for the static decode path.
+        static, graphs: ReDrafter's fixed-shape draft step / EAGLE-2's fixed-shape tree expansion (and its CUDA
+            graph) for the static decode path.
     """
     family = drafter_family(drafter)
     cfg = cast("PretrainedConfig", drafter.config)
@@ -354,7 +369,9 @@ def make_proposer(
         from specdraft.eval.eagle_tree import EagleTreeProposer
 
         total = tree_nodes or int(cfg.tree_total_tokens)
-        return EagleTreeProposer(drafter, total, int(cfg.tree_depth), int(cfg.tree_top_k), int8_head)
+        return EagleTreeProposer(
+            drafter, total, int(cfg.tree_depth), int(cfg.tree_top_k), int8_head, static, graphs
+        )
     raise NotImplementedError(
         f"no proposer for drafter family {family!r} (supported: redrafter, medusa, eagle, eagle3)"
     )

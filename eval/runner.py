@@ -4,6 +4,8 @@ Methods (one `Method` each, all batch size 1, same target, dtype, prompts, stop 
   * `ar`            our autoregressive loop (`decode.ar_generate`): the reference of every drafter;
   * `<family>:<n>`  tree speculative decoding with a drafter's proposer (`decode.speculative_generate`);
   * `hf_ar`         `model.generate` without speculation: the reference of the transformers baselines;
+  * `hf_static`     `model.generate(cache_implementation="static")`: transformers' static cache (and its
+                    automatic compilation where generate applies it);
   * `prompt_lookup` `model.generate(prompt_lookup_num_tokens=...)`;
   * `assisted`      `model.generate(assistant_model=...)`.
 Per prompt the methods run back to back (interleaved), so slow drift of a shared machine hits all alike.

@@ -307,7 +307,9 @@ class StaticDecoder:
         new_hidden = hidden  # (n, H') states of the newly committed positions
         new_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=device)])  # (n,) what each predicts
         single = DraftTree(torch.zeros(1, dtype=torch.long, device=device), torch.tensor([-1], device=device))
-        fitting = budget is not None and budget.cap is None and verify_fn is None and temperature <= 0.0
+        fitting = budget is not None and not budget.settled and verify_fn is None and temperature <= 0.0
+        if budget is not None and budget.cap is not None:
+            proposer.fit_budget(budget.cap)
         off = budget is not None and budget.cap == 1  # drafting does not pay here: plain target steps
         while not done:
             drafted = not off and (fallback is None or fallback.should_draft())
@@ -331,13 +333,19 @@ class StaticDecoder:
                     cast(Tensor, src.depth),
                     logits,
                     valid,
-                    prefix_accept=fitting and drafted,
+                    prefix_accept=fitting and drafted and cast(NodeBudget, budget).cap is None,
                 )
                 vals = packed.tolist()  # the step's one host sync
                 b = logits.shape[0]
                 a, bonus = vals[0], vals[1]
                 if fitting and drafted:
-                    cast(NodeBudget, budget).observe(vals[2 + 2 * b : 2 + 2 * b + n], t2 - t1)
+                    fit = cast(NodeBudget, budget)
+                    cap = fit.cap
+                    gains = vals[2 + 2 * b : 2 + 2 * b + n] if cap is None else None
+                    fit.observe(t2 - t1, a, n, gains)
+                    if fit.cap != cap:  # a new cap: the proposer may draft less from now on
+                        proposer.fit_budget(cast(int, fit.cap))
+                    fitting, off = not fit.settled, fit.cap == 1
                 path_t = packed[2 : 2 + b]  # (b,) padded path, device
                 path_tokens = vals[2 + b : 2 + b + a]
                 if path_tokens[0] != root:

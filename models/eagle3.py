@@ -11,6 +11,14 @@ No feature-regression loss: training unrolls the head S = draft_len steps on its
 with the soft-target CE of step i (target distribution at t+1+i, restricted to the draft vocabulary) weighted
 `ttt_decay ** i`. The optional reduced draft vocabulary keeps the Vd most frequent training tokens, with EAGLE-3's
 mapping buffers `d2t` (Vd,) (target id = draft id + d2t[draft id]) and `t2d` (V,) bool (target token is drafted).
+
+Unroll depth and memory: step i attends to its position's causal prefix at step 0 plus its own outputs of
+steps 1..i (`unroll_mask`, (L, L*(i+1))): the KV cache ends at S*L positions, autograd keeps S steps'
+activations (linear in S) and the attention scores of all steps sum to L^2 * S(S+1)/2. `drafter.draft_len`
+allows S = 1..7.
+
+`config.norm_fused` (off by default) is the EAGLE-3.1 normalisation of `models/eagle31.py`: per-layer RMSNorm
+of the fused features before fc, and the post-norm state fed back as the next step's g.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
+from specdraft.models.eagle31 import ChunkNorm
 from specdraft.models.eagle_common import (
     FORMAT_VERSION,
     Borrowed,
@@ -59,6 +68,9 @@ class Eagle3Config(PretrainedConfig):
     draft_vocab_size: int | None = None  # Vd (None: the full vocabulary)
     draft_len: int = 5  # training-time-test unroll steps = draft slots scored
     ttt_decay: float = 0.8  # weight of unroll step i is ttt_decay ** i
+    norm_fused: bool = (
+        False  # EAGLE-3.1 (models/eagle31.py): RMSNorm per fused layer, post-norm state fed back
+    )
     tree_total_tokens: int = 24  # EAGLE-2 tree: draft nodes kept after reranking (root excluded)
     tree_depth: int = 5  # EAGLE-2 tree: maximum draft depth
     tree_top_k: int = 6  # EAGLE-2 tree: children per expanded node / nodes expanded per depth
@@ -98,6 +110,8 @@ class Eagle3Drafter(PreTrainedModel):
             "t2d", torch.ones(config.vocab_size, dtype=torch.bool)
         )  # target id is in the draft vocab
         self.borrowed = Borrowed()
+        # EAGLE-3.1 option, built last so the EAGLE-3 weights draw the same random numbers with it on or off
+        self.fc_norm = ChunkNorm(cast(nn.Module, layer.input_layernorm), m) if config.norm_fused else None
         self.post_init()
 
     def draft_ids(self) -> Tensor:
@@ -110,7 +124,10 @@ class Eagle3Drafter(PreTrainedModel):
 
     def encode_target(self, feats: Tensor) -> Tensor:
         """Concatenated target layers of committed positions (..., m*H) -> g (..., H)."""
-        return self.fc(feats.to(self.fc.weight.dtype))
+        feats = feats.to(self.fc.weight.dtype)  # (..., m*H)
+        if self.fc_norm is not None:  # EAGLE-3.1: every fused layer on one scale before fc
+            feats = self.fc_norm(feats)
+        return self.fc(feats)
 
     def step(
         self, feats: Tensor, tokens: Tensor, cache: DynamicCache, positions: Tensor, mask: Tensor
@@ -118,14 +135,14 @@ class Eagle3Drafter(PreTrainedModel):
         """One pass over n new inputs appended to `cache` (same contract as `EagleDrafter.step`).
 
         Args:
-            feats: (B, n, H) g (fused target features after fc, or the head's previous pre-norm outputs).
+            feats: (B, n, H) g (fused target features after fc, or the head's previous outputs).
             tokens: (B, n) long.
             cache: the head's KV cache.
             positions: (B, n) long.
             mask: (n, C + n) or (B, 1, n, C + n) bool, True = attend.
 
         Returns:
-            (B, n, H) pre-norm outputs o.
+            (B, n, H) outputs: pre-norm o (EAGLE-3), or norm(o) with `config.norm_fused` (EAGLE-3.1).
         """
         lay: Any = self.midlayer  # an HF decoder layer: its submodules depend on the target's family
         g = feats.to(self.fc.weight.dtype)  # (B, n, H)
@@ -137,15 +154,16 @@ class Eagle3Drafter(PreTrainedModel):
             past_key_values=cache,
         )
         o = g + a
-        return o + lay.mlp(lay.post_attention_layernorm(o))
+        o = o + lay.mlp(lay.post_attention_layernorm(o))  # (B, n, H)
+        return self.norm(o) if self.config.norm_fused else o  # EAGLE-3.1 feeds the post-norm state back
 
     def draft_logits(self, out: Tensor) -> Tensor:
-        """(..., H) pre-norm outputs -> (..., Vd) draft-vocabulary logits."""
-        return self.lm_head(self.norm(out))
+        """(..., H) outputs of `step` -> (..., Vd) draft-vocabulary logits (EAGLE-3.1: already normed)."""
+        return self.lm_head(out if self.config.norm_fused else self.norm(out))
 
     def draft_head(self) -> tuple[nn.Module, nn.Linear]:
         """(transform, vocabulary Linear) with `draft_logits(out) == linear(transform(out))` (for int8 copies)."""
-        return self.norm, self.lm_head
+        return (nn.Identity() if self.config.norm_fused else self.norm), self.lm_head
 
     def to_target_ids(self, ids: Tensor) -> Tensor:
         """Draft-vocabulary ids (...) -> target ids (...)."""
@@ -204,6 +222,7 @@ def build(
         target_layers=layers,
         draft_vocab_size=vd,
         ttt_decay=float(schema.ttt_decay),
+        norm_fused=bool(getattr(schema, "norm_fused", False)),
     )
     model = attach(Eagle3Drafter(config), target)
     with torch.no_grad():
@@ -228,8 +247,9 @@ def compute_loss(
         opts: `draft_len` (S), `max_positions`, `generator`.
 
     Returns:
-        (loss, aux) with aux["logits"] (N, S', V) (full vocabulary; outside the draft vocab: row min - 20) and
-        aux["targets"] (N, S'); S' = S in eval mode, 1 in training (metrics of slot 0 only).
+        (loss, aux) with aux["logits"] (N, S', V) (full vocabulary; outside the draft vocab: row min - 20),
+        aux["targets"] (N, S'); S' = S in eval mode, 1 in training (metrics of slot 0 only); and
+        aux["step_losses"] (S,) the detached soft CE of every unroll step (loss = sum_i ttt_decay^i * step i).
     """
     opts = opts or {}
     inner = cast(Eagle3Drafter, getattr(model, "module", model))
@@ -248,7 +268,7 @@ def compute_loss(
         w_teacher = inner.borrowed.rows("lm_head", f, ids)  # (Vd, H) draft-vocabulary rows, cached
     length, v = f.shape[1], inner.config.vocab_size
     n_aux = 1 if inner.training else steps  # training logs slot 0 only: skip the (N, V) scatter of the others
-    loss, logits = outs.new_zeros((), dtype=torch.float32), []
+    loss, logits, step_losses = outs.new_zeros((), dtype=torch.float32), [], []
     for i in range(steps):
         p = t + 1 + i  # (N,) position whose target distribution step i imitates
         valid = (p < length) & (targets[:, i] != -100)
@@ -257,7 +277,14 @@ def compute_loss(
             teacher = torch.softmax(
                 F.linear(f[b, p.clamp_max(length - 1)], w_teacher).float(), dim=-1
             )  # (N, Vd)
-        loss = loss + inner.config.ttt_decay**i * soft_cross_entropy(q, teacher, valid)
+        step_loss = soft_cross_entropy(q, teacher, valid)  # scalar float32
+        loss = loss + inner.config.ttt_decay**i * step_loss
+        step_losses.append(step_loss.detach())
         if i < n_aux:
             logits.append(scatter_to_vocab(q.detach(), ids, v))  # (N, V)
-    return loss, {"logits": torch.stack(logits, dim=1), "targets": targets[:, :n_aux]}
+    aux = {
+        "logits": torch.stack(logits, dim=1),
+        "targets": targets[:, :n_aux],
+        "step_losses": torch.stack(step_losses),
+    }
+    return loss, aux

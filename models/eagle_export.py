@@ -13,6 +13,8 @@ EAGLE-1 (as yuhuili/EAGLE-Vicuna-7B-v1.3)         EAGLE-3 (as yuhuili/EAGLE3-LLa
   config: architectures [LlamaForCausalLM], bias    config: architectures [LlamaForCausalLMEagle3], draft_vocab_size,
                                                     eagle_config.eagle_aux_hidden_state_layer_ids
 `embed_tokens.weight` is optional in both (engines share the target's); it is written only on request.
+An EAGLE-3.1 head (`norm_fused`, models/eagle31.py) adds `fc_norm.{i}.weight` (H) per fused layer and the
+config flags `fc_norm` and `norm_output` (both true), the engines' names for its two normalisations.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def engine_config(model: PreTrainedModel, dtype: str = "float16") -> dict[str, A
                 "use_aux_hidden_state": True,
             },
         )
+        if getattr(cfg, "norm_fused", False):  # EAGLE-3.1
+            out.update(fc_norm=True, norm_output=True)
     else:
         out.update(architectures=[EAGLE1_ARCH], bias=bool(cfg.fc_bias))
     return out
@@ -129,6 +133,9 @@ def required_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 f"{p}hidden_norm.weight": (h,),
             }
         )
+        if config.get("fc_norm"):  # EAGLE-3.1: one RMSNorm per fused target layer
+            th = int(config.get("target_hidden_size") or h)
+            shapes.update({f"fc_norm.{i}.weight": (th,) for i in range(m)})
     else:
         shapes["fc.weight"] = (h, 2 * h)
         if config.get("bias", True):
@@ -230,8 +237,17 @@ def import_engine_layout(
     model: eagle.EagleDrafter | eagle3.Eagle3Drafter
     if is3:
         layers = list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        fc_norm, norm_output = bool(cfg.get("fc_norm")), bool(cfg.get("norm_output"))
+        if fc_norm != norm_output:
+            raise ValueError(
+                f"{path}: fc_norm={fc_norm} with norm_output={norm_output} is not supported: "
+                "the EAGLE-3 head has both (EAGLE-3.1, drafter.norm_fused=true) or neither"
+            )
         config = eagle3.Eagle3Config(
-            **common, target_layers=layers, draft_vocab_size=int(cfg["draft_vocab_size"])
+            **common,
+            target_layers=layers,
+            draft_vocab_size=int(cfg["draft_vocab_size"]),
+            norm_fused=fc_norm,
         )
         model = eagle3.attach(eagle3.Eagle3Drafter(config), target)
     else:

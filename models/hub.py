@@ -67,6 +67,10 @@ def model_card(config: PretrainedConfig, summary: dict[str, Any]) -> str:
     extra = ""
     if vd and vd < config.vocab_size:
         extra += f"\n- draft vocabulary: the {vd} most frequent training labels of {config.vocab_size} tokens"
+    if getattr(config, "norm_fused", False):
+        extra += (
+            "\n- EAGLE-3.1 normalisation: RMSNorm per fused target layer before fc, post-norm state fed back"
+        )
     if summary.get("init_from"):
         extra += f"\n- warm-started from: {summary['init_from']}"
     return f"""---
@@ -189,6 +193,13 @@ def _draft_ids(model: PreTrainedModel) -> Any:
     return fn() if callable(fn) else None
 
 
+def _vocab_head(model: PreTrainedModel, name: str) -> bool:
+    """True for the weight of a vocabulary projection (rows = draft vocabulary): the names the drafter lists in
+    `vocab_head_names()` (Medusa's K heads), else any `...head.weight` (ReDrafter)."""
+    fn = getattr(model, "vocab_head_names", None)
+    return name in fn() if callable(fn) else name.endswith("head.weight")
+
+
 def _widened(src: Any, dst: Any) -> bool:
     """True when a (out, in) weight `dst` only adds input columns after `src`'s."""
     return len(src) == len(dst) == 2 and src[0] == dst[0] and src[1] < dst[1]
@@ -274,7 +285,7 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
             if (
                 ids_src is not None
                 and ids_dst is not None
-                and name.endswith("head.weight")
+                and _vocab_head(model, name)
                 and not torch.equal(ids_src, ids_dst)
             ):
                 lut = torch.full((int(model.config.vocab_size),), -1, dtype=torch.long)

@@ -13,6 +13,12 @@ once per step and a *static* tree over their ranks (eval/medusa_tree.py) turns t
 ResBlock(x) = x + SiLU(A x + b) with A, b zero-initialised (the identity at the start), and every W_k is
 initialised from the target's LM head, so before training each head predicts x_{t+1} (a reasonable start).
 Loss: sum_k lambda^k CE_k (lambda = `loss_decay`, 0.8 by default), or the soft (top-k KL) variant.
+
+Draft vocabulary: each head ends in a (Vd, H) projection; with `draft_vocab_size` Vd < V only the Vd most frequent
+training labels are scored (buffer `d2t` (Vd,): target id = draft id + d2t[draft id], as ReDrafter and EAGLE-3
+store it). For SmolLM2 (V = 49,152, H = 576) four full heads cost about one step of the 135M target; the heads
+are most of the drafter. Labels outside the draft vocabulary are ignored by the loss (`teacher_forced`) and are
+never drafted; `topk_tokens` returns target ids, so trees and verification (lossless) are unchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from specdraft.models.layers import ResBlock, ZeroInitLinear
+from specdraft.models.layers import ResBlock, ZeroInitLinear, draft_vocab_ids
 
 FORMAT_VERSION = 1
 
@@ -39,7 +45,8 @@ class MedusaConfig(PretrainedConfig):
     base_model_name_or_path: str = ""  # the target (Hub id, folder, gguf, or embedded alias)
     base_revision: str | None = None  # target revision / GGUF hash
     base_hidden_size: int = 64  # H: width of the target's last hidden state
-    vocab_size: int = 128  # V: target vocabulary size (width of every head's projection)
+    vocab_size: int = 128  # V: target vocabulary size
+    draft_vocab_size: int | None = None  # Vd: width of every head's projection, the top labels (None: V)
     tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
     draft_len: int = 4  # K heads; head k predicts draft slot k = x_{t+2+k}
     num_layers: int = 1  # ResBlocks per head before its vocabulary projection
@@ -48,6 +55,11 @@ class MedusaConfig(PretrainedConfig):
     tree_choices: list | None = None  # static tree as Medusa rank paths (None: eval/medusa_tree.DEFAULT_TREE)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.draft_vocab_size is None:  # exports older than the field: the full vocabulary
+            self.draft_vocab_size = self.vocab_size
+        super().__post_init__(**kwargs)
+
 
 class Medusa(PreTrainedModel):
     """K Medusa heads; see the module docstring for the alignment."""
@@ -55,14 +67,22 @@ class Medusa(PreTrainedModel):
     config_class = MedusaConfig
     base_model_prefix = "medusa"
     _no_split_modules: list[str] = []
+    d2t: Tensor  # (Vd,) long buffer, registered in __init__
 
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__(config)
-        h, v = config.base_hidden_size, config.vocab_size
+        h, v, vd = config.base_hidden_size, config.vocab_size, config.draft_vocab_size
+        assert vd is not None  # set by MedusaConfig.__post_init__
+        if not 0 < vd <= v:
+            raise ValueError(f"draft_vocab_size={vd} must be in [1, vocab_size={v}]")
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)], nn.Linear(h, v, bias=False))
+            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)], nn.Linear(h, vd, bias=False))
             for _ in range(config.draft_len)
         )
+        # Saved only with a reduced vocabulary, so full-vocabulary exports keep their original tensors (it is
+        # never read then); the shared loss (`teacher_forced`) reads `reduced_vocab`.
+        self.reduced_vocab = vd < v
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=self.reduced_vocab)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -74,15 +94,39 @@ class Medusa(PreTrainedModel):
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
 
+    # ---- draft vocabulary (as ReDrafter's) -------------------------------------------------------------
+    def draft_ids(self) -> Tensor:
+        """(Vd,) long: the target id of every draft-vocabulary entry (arange(V) for the full vocabulary)."""
+        ar = torch.arange(self.d2t.shape[0], device=self.d2t.device)
+        return self.d2t + ar if self.reduced_vocab else ar
+
+    def to_target_ids(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids (...) -> target ids (...)."""
+        return ids + self.d2t[ids] if self.reduced_vocab else ids
+
+    def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
+        """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
+        v = int(self.config.vocab_size)
+        lut = torch.full((v,), missing, dtype=torch.long, device=self.d2t.device)
+        lut[self.draft_ids()] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
+        out = lut[ids.clamp(0, v - 1).to(lut.device)]
+        return torch.where(ids.to(lut.device) < 0, torch.full_like(out, missing), out).to(ids.device)
+
+    def vocab_head_names(self) -> list[str]:
+        """State-dict names of the K (Vd, H) vocabulary projections (rows remapped by `hub.warm_start`)."""
+        return [f"heads.{k}.{self.config.num_layers}.weight" for k in range(self.config.draft_len)]
+
+    # ---- logits -----------------------------------------------------------------------------------------
     def head_logits(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
-        """Logits of the first `num_heads` heads.
+        """Logits of the first `num_heads` heads over the draft vocabulary.
 
         Args:
             hidden: (..., H) target last-layer states h_t (cast to the heads' dtype/device).
             num_heads: how many heads to run (None: all K).
 
         Returns:
-            (..., num_heads, V); entry k predicts x_{t+2+k}.
+            (..., num_heads, Vd) (Vd = V unless `draft_vocab_size` is set; `to_target_ids` maps a column index
+            to its token); entry k predicts x_{t+2+k}.
         """
         w = cast(nn.Linear, cast(nn.Sequential, self.heads[0])[-1]).weight  # first head's vocabulary Linear
         x = hidden.to(device=w.device, dtype=w.dtype)
@@ -91,7 +135,7 @@ class Medusa(PreTrainedModel):
             raise ValueError(
                 f"Medusa has {self.config.draft_len} heads, {n} requested (lower drafter.draft_len)"
             )
-        return torch.stack([self.heads[k](x) for k in range(n)], dim=-2)  # (..., n, V)
+        return torch.stack([self.heads[k](x) for k in range(n)], dim=-2)  # (..., n, Vd)
 
     def forward(self, hidden: Tensor, root: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
         """Teacher-forced logits in the shared drafter signature (docs/design.md).
@@ -102,7 +146,7 @@ class Medusa(PreTrainedModel):
             targets: (B, L, D) ignored except for D, the number of heads run (None: all K).
 
         Returns:
-            logits: (B, L, D, V).
+            logits: (B, L, D, Vd) over the draft vocabulary.
         """
         return self.head_logits(hidden, None if targets is None else targets.shape[-1])
 
@@ -116,9 +160,10 @@ class Medusa(PreTrainedModel):
             num_heads: heads run (None: all K); a shallow tree needs only its depth.
 
         Returns:
-            (num_heads, k) long, row j sorted by head j's logit (rank 0 first).
+            (num_heads, k) long target ids, row j sorted by head j's logit (rank 0 first).
         """
-        return self.head_logits(hidden, num_heads).topk(k, dim=-1).indices  # (num_heads, k)
+        top = self.head_logits(hidden, num_heads).topk(k, dim=-1).indices  # (num_heads, k) draft ids
+        return self.to_target_ids(top)  # (num_heads, k) target ids
 
 
 # ---- family protocol (models/registry.py) -------------------------------------------------------------------
@@ -132,20 +177,41 @@ def attach(model: Medusa, target: PreTrainedModel) -> Medusa:
     return model
 
 
-def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> Medusa:
+USES_TOKEN_COUNTS = True  # `build` takes the training-label counts (reduced draft vocabulary)
+
+
+def build(
+    schema: Any,
+    target: PreTrainedModel,
+    fingerprint: dict[str, Any],
+    token_counts: Tensor | None = None,
+    **_: Any,
+) -> Medusa:
     """Fresh Medusa heads for `target` from the `drafter` config group.
 
     Args:
         schema: `cfg.drafter` (fields of `train.config.MedusaSchema`).
-        target: the frozen target; its LM head initialises every head's projection.
+        target: the frozen target; its LM head (the draft vocabulary's rows) initialises every head's projection.
         fingerprint: `base_llm.target_fingerprint(target, tokenizer)`.
+        token_counts: (V,) training-label frequencies; required when `draft_vocab_size` < V (the draft
+            vocabulary is the Vd most frequent labels).
     """
     tree = getattr(schema, "tree_choices", None)
+    v = int(fingerprint["vocab_size"])
+    want = getattr(schema, "draft_vocab_size", None)
+    # `draft_vocab_ids` reads 0 as "full"; the schema says null for that, so 0 is refused here
+    if want is not None and int(want) < 1:
+        raise ValueError(
+            f"drafter.draft_vocab_size={want} must be in [1, vocab_size={v}] (null: full vocabulary)"
+        )
+    ids = draft_vocab_ids(want, v, token_counts)  # (Vd,) ascending target ids
+    vd = int(ids.numel())
     config = MedusaConfig(
         base_model_name_or_path=str(fingerprint["name_or_path"]),
         base_revision=fingerprint.get("revision"),
         base_hidden_size=int(fingerprint["hidden_size"]),
-        vocab_size=int(fingerprint["vocab_size"]),
+        vocab_size=v,
+        draft_vocab_size=vd,
         tokenizer_hash=str(fingerprint["tokenizer_hash"]),
         draft_len=int(schema.draft_len),
         num_layers=int(schema.num_layers),
@@ -154,11 +220,14 @@ def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> 
         tree_choices=[list(map(int, p)) for p in tree] if tree else None,
     )
     model = Medusa(config)
-    if schema.init_from_lm_head:
-        lm_head = target.get_output_embeddings().weight  # (V, H)
-        with torch.no_grad():
-            for head in model.heads:
-                cast(nn.Linear, cast(nn.Sequential, head)[-1]).weight.copy_(lm_head.detach().float())
+    with torch.no_grad():
+        if vd < v:
+            model.d2t.copy_(ids - torch.arange(vd))
+        if schema.init_from_lm_head:
+            lm_head = target.get_output_embeddings().weight  # (V, H)
+            rows = lm_head.detach()[ids.to(lm_head.device)].float()  # (Vd, H) the draft vocabulary's rows
+            for head in model.heads:  # (Vd, H) each
+                cast(nn.Linear, cast(nn.Sequential, head)[-1]).weight.copy_(rows)
     return model
 
 
@@ -185,7 +254,8 @@ def compute_loss(
             `max_positions`, `generator`).
 
     Returns:
-        (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D).
+        (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) target ids; with a reduced
+        draft vocabulary in training mode, (N, D, Vd) and draft ids (-1 outside it), as `teacher_forced` says.
     """
     from specdraft.models.teacher_forced import compute_loss as teacher_forced_loss
 

@@ -1,6 +1,7 @@
 """The teacher-forced loss of the drafters whose `forward(hidden, root, targets)` scores every draft slot at once
 (ReDrafter, Medusa): hard-label CE and/or KL to the teacher's top-k, on a random subset of the trainable
-positions. Handles a reduced draft vocabulary (`reduced_vocab`, `to_draft_ids`, `draft_ids` of ReDrafter).
+positions. Handles a reduced draft vocabulary (`reduced_vocab`, `to_draft_ids`, `draft_ids` of ReDrafter and
+Medusa): labels outside it are ignored (-100), teacher top-k mass on them is dropped.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def compute_loss(
         sel = sel[keep.to(sel.device)]
     b, t = sel[:, 0], sel[:, 1]
     inner: Any = getattr(model, "module", model)  # a ReDrafter or a Medusa
-    reduced = bool(getattr(inner, "reduced_vocab", False))  # Medusa shares this loss, always full-vocabulary
+    reduced = bool(getattr(inner, "reduced_vocab", False))  # `draft_vocab_size` < V (ReDrafter, Medusa)
     hidden = target_out.hidden[b, t]  # (N, H)
     if getattr(inner.config, "target_layers", None):  # ReDrafter with extra layers: [h_t; l_i1; ...; l_im]
         if target_out.layers is None:

@@ -16,7 +16,7 @@ a fraction of it. `--budget` adds each drafter with the node budget fitted to th
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -58,20 +58,22 @@ def main() -> None:
         f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()} path={dec.path_name()}"
     )
     cost = CostCurve.load_or_measure(machine_key(model, dec.path_name()), dec.measure_costs, refresh=True)
+    # (name, factory): each method gets its own proposer (a fitted budget may shrink the one it drives)
     proposers = [
-        (f"{drafter_family(d)}:{path}", make_proposer(d))
+        (f"{drafter_family(d)}:{path}", lambda d=d: make_proposer(d))
         for path in a.drafter
         for d in [load_drafter(path, model, target_fingerprint(model, tok))]
     ]
     if a.lookup:
-        proposers.append((f"lookup:{a.lookup}", PromptLookupProposer(a.lookup)))
+        proposers.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
     stop = default_stop_ids(tok, model)
     # (name, path, fn(ids) -> (tokens, stats))
     methods = [
         ("ar", "dynamic", lambda ids: ar_generate(model, tok, ids, a.max_new_tokens, stop_ids=stop)),
         ("ar", "static", lambda ids: dec.ar_generate(tok, ids, a.max_new_tokens, stop_ids=stop)),
     ]
-    for name, prop in proposers:
+    for name, new_proposer in proposers:
+        prop = new_proposer()
         methods.append(
             (
                 name,
@@ -91,7 +93,7 @@ def main() -> None:
             )
         )
         if a.budget:
-            b = NodeBudget(cost)
+            b, prop = NodeBudget(cost, label=name), new_proposer()
             methods.append(
                 (
                     name + "+budget",
@@ -175,18 +177,11 @@ def main() -> None:
         )
     Console(width=200).print(table)
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(
-                {
-                    "device": str(model.device),
-                    "dtype": str(model.dtype),
-                    "threads": torch.get_num_threads(),
-                    "cost_ms": cost.ms,
-                    "rows": rows,
-                },
-                fh,
-                indent=1,
-            )
+        from specdraft.eval.cli import machine_info
+        from specdraft.utils import atomic_write_json
+
+        info = {"command": " ".join(sys.argv), "machine": machine_info(model), "path": dec.path_name()}
+        atomic_write_json(a.json, {**info, "cost_ms": cost.ms, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -48,6 +48,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else `platform.processor()` / the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_native_bf16() -> tuple[bool, str]:
     """Whether this CPU multiplies bf16 natively, and the evidence (a flag name, or why not).
 

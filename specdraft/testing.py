@@ -126,6 +126,9 @@ class RandomTreeProposer:
     def reset(self) -> None:
         pass
 
+    def fit_budget(self, nodes: int) -> None:
+        """Trees are cut by the decoder; nothing to change here."""
+
     def propose(self, hidden, tokens):
         n = int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.g))
         parents = [-1] + [int(torch.randint(0, i, (1,), generator=self.g)) for i in range(1, n)]
@@ -156,6 +159,9 @@ class OracleBeamProposer:
 
     def reset(self) -> None:
         self.seen = 0
+
+    def fit_budget(self, nodes: int) -> None:
+        """Trees are cut by the decoder; nothing to change here."""
 
     def propose(self, hidden, tokens):
         assert hidden.shape[0] == tokens.shape[0]

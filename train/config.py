@@ -102,6 +102,9 @@ class MedusaSchema:
     loss_decay: float = 0.8  # lambda: head k's loss is weighted lambda^k (unless train.slot_weights is set)
     init_from_lm_head: bool = True  # initialise every head's projection from the target's LM head
     topk: int = 10  # candidates per head available to the static tree at decode time
+    draft_vocab_size: int | None = (
+        None  # heads over the most frequent training labels only (None: full vocab)
+    )
     tree_choices: list[list[int]] | None = (
         None  # static tree (Medusa rank paths) saved in the export (None: default)
     )
@@ -127,8 +130,9 @@ class Eagle3Schema:
     """EAGLE-3 fused-feature head with training-time test (`drafter=eagle3`)."""
 
     family: str = "eagle3"  # drafter family
-    draft_len: int = 5  # training-time-test unroll steps (= draft slots trained and scored)
+    draft_len: int = 5  # training-time-test unroll steps (= draft slots trained and scored), 1..7
     ttt_decay: float = 0.8  # loss weight of unroll step i is ttt_decay ** i
+    norm_fused: bool = False  # EAGLE-3.1: RMSNorm each fused layer before fc, feed the post-norm state back
     target_layers: list[int] | None = None  # fused target hidden_states indices (None: 2, L // 2, L - 3)
     draft_vocab_size: int | None = None  # reduced draft vocabulary of the most frequent tokens (None: full)
     tree_total_tokens: int = 24  # EAGLE-2 decode: draft nodes kept after reranking (root excluded)

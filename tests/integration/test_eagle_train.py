@@ -24,7 +24,17 @@ def assets(tmp_path_factory) -> Path:
     return write_train_assets(tmp_path_factory.mktemp("eagle_assets"), num_layers=4, num_convs=24)
 
 
-@pytest.mark.parametrize("drafter,extra", [("eagle", []), ("eagle3", ["drafter.draft_vocab_size=48"])])
+@pytest.mark.parametrize(
+    "drafter,extra",
+    [
+        ("eagle", []),
+        ("eagle3", ["drafter.draft_vocab_size=48"]),
+        (
+            "eagle3",
+            ["drafter.draft_vocab_size=48", "drafter.norm_fused=true", "drafter.draft_len=7"],
+        ),  # EAGLE-3.1
+    ],
+)
 def test_train_export_decode(assets, drafter, extra, tmp_path):
     proc = run_tiny_train(
         REPO, assets, tmp_path, drafter, f"drafter={drafter}", "optim.warmup_steps=1", "train.max_steps=6",
@@ -40,6 +50,7 @@ def test_train_export_decode(assets, drafter, extra, tmp_path):
     target, tok = tiny_llama(num_layers=4), tiny_tokenizer()
     head = load_drafter(str(run / "export"), target=target)
     assert head.config.architecture == drafter
+    assert getattr(head.config, "norm_fused", False) == ("drafter.norm_fused=true" in extra)
     prompt = prompt_ids(tok, [{"role": "user", "content": "alpha beta"}])
     ref, _ = ar_generate(target, tok, prompt, 24, stop_ids=set())
     out, _ = speculative_generate(target, tok, prompt, make_proposer(head), 24, stop_ids=set())

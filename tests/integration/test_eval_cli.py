@@ -68,7 +68,7 @@ def test_evaluate_writes_tables_json_and_plots(assets, tmp_path, capsys):
     extra = [
         f"eval.benches=[{assets / 'mini_mt.jsonl'},{assets / 'mini_alpaca.jsonl'}]", "eval.limit=2",
         "eval.check_lossless=true",
-        "eval.baselines=[prompt_lookup,assisted]", f"eval.assistant_model={assets / 'target'}",
+        "eval.baselines=[prompt_lookup,assisted,hf_static]", f"eval.assistant_model={assets / 'target'}",
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path, *extra))
@@ -77,7 +77,7 @@ def test_evaluate_writes_tables_json_and_plots(assets, tmp_path, capsys):
     assert "mini_mt: speedup over autoregressive decoding" in printed and f"results: {path}" in printed
 
     res = json.loads(path.read_text())
-    methods = ["ar", "redrafter:drafter", "hf_ar", "prompt_lookup", "assisted"]
+    methods = ["ar", "redrafter:drafter", "hf_ar", "hf_static", "prompt_lookup", "assisted"]
     assert [m["name"] for m in res["settings"]["methods"]] == methods
     assert {(s["bench"], s["method"]) for s in res["summary"]} == {
         (b, m) for b in ("mini_mt", "mini_alpaca") for m in methods

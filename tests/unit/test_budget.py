@@ -30,7 +30,7 @@ def test_gain_curve_equals_verifying_each_truncated_tree():
 
 
 def test_cost_curve_interpolates_and_is_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path / "cost_curves"))
     calls = []
 
     def measure():
@@ -47,20 +47,40 @@ def test_cost_curve_interpolates_and_is_cached(tmp_path, monkeypatch):
     assert len(calls) == 2 and "unreadable" in msgs[0]
 
 
+def _budget(costs: dict[int, float], **kw) -> NodeBudget:
+    return NodeBudget(CostCurve(costs), fit_steps=10, sizes=(1, 2, 4, 8), **kw)
+
+
 def test_cap_follows_the_machine():
-    gains = [[1, 2, 2, 3, 3, 3, 3, 4]] * 10  # accepted tokens with the first b nodes
-    flat = NodeBudget(CostCurve({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}), fit_steps=10, sizes=(1, 2, 4, 8))
-    steep = NodeBudget(CostCurve({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}), fit_steps=10, sizes=(1, 2, 4, 8))
-    mid = NodeBudget(CostCurve({1: 10.0, 2: 11.0, 4: 20.0, 8: 30.0}), fit_steps=10, sizes=(1, 2, 4, 8))
+    gains = [1, 2, 2, 3, 3, 3, 3, 4]  # accepted tokens with the first b nodes, every step
+    flat = _budget({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, check_steps=0)
+    steep = _budget({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}, check_steps=0)
+    mid = _budget({1: 10.0, 2: 11.0, 4: 20.0, 8: 30.0}, check_steps=0)
     for b in (flat, steep, mid):
-        for g in gains:
-            b.observe(g, 0.001)  # 1 ms of drafting per step
-    assert flat.cap == 8  # a flat cost: the biggest tree
+        for _ in range(10):
+            b.observe(0.001, 4, 8, gains)  # 1 ms of drafting per step
+    assert flat.cap == 8 and flat.settled  # a flat cost: the biggest tree
     assert steep.cap == 1  # every node costs a full step: drafting never pays
     assert mid.cap == 2  # 2 tok / 12 ms beats 3 tok / 21 ms, 4 tok / 31 ms and 1 tok / 10 ms
     before = list(mid.gains)
-    mid.observe([1, 1], 0.0)  # fitted: further steps are not recorded
+    mid.observe(0.0, 1, 1, [1, 1])  # settled: further steps are not recorded
     assert mid.gains == before
+
+
+def test_off_is_decided_with_the_draft_time_at_the_cap():
+    """Phase 1 picks the best drafting cap even when full-size drafting loses; phase 2 re-times it there."""
+    gains = [1, 2, 2, 2, 2, 2, 2, 2]
+    costs = {1: 10.0, 2: 10.0, 4: 20.0, 8: 40.0}
+    cheap, dear = _budget(costs, check_steps=4), _budget(costs, check_steps=4)
+    for b in (cheap, dear):
+        for _ in range(10):
+            b.observe(0.012, 2, 8, gains)  # 12 ms of full-size drafting: 2 tok / 22 ms < 1 tok / 10 ms
+        assert b.cap == 2 and not b.settled  # provisional
+    for _ in range(4):
+        cheap.observe(0.001, 2, 2)  # a 2-node draft takes 1 ms: 2 tok / 11 ms
+        dear.observe(0.012, 1, 2)  # still slow, and nothing accepted: off
+    assert cheap.settled and cheap.cap == 2
+    assert dear.settled and dear.cap == 1
 
 
 def test_machine_key_changes_with_path_and_dtype():
@@ -70,19 +90,21 @@ def test_machine_key_changes_with_path_and_dtype():
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("cap_costs", [{1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, {1: 1.0, 2: 9.0, 4: 9.0, 8: 9.0}])
+@pytest.mark.parametrize(  # verify costs of seconds: the real (sub-ms) draft time does not matter
+    "cap_costs", [{1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3}, {1: 1e3, 2: 9e3, 4: 9e3, 8: 9e3}]
+)
 def test_lossless_while_fitting_and_after(static, cap_costs):
     """Full trees while fitting, cut trees (or no drafting at all) after: the output never changes."""
     model = tiny_llama(num_layers=2, dtype=torch.float64)
     dec = StaticDecoder(model, 64, static=static)
-    budget = NodeBudget(CostCurve(cap_costs), fit_steps=4, sizes=(1, 2, 4, 8))
+    budget = NodeBudget(CostCurve(cap_costs), fit_steps=4, check_steps=2, sizes=(1, 2, 4, 8))
     for prompt_len in (3, 11, 7):
         prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
         ref, _ = ar_generate(model, None, prompt, 30, stop_ids=set())
         proposer = OracleBeamProposer(ref, prompt_len, vocab=128)
         out, stats = dec.speculative_generate(None, prompt, proposer, 30, stop_ids=set(), budget=budget)
         assert out == ref
-    assert budget.cap == (8 if cap_costs[2] == 1.0 else 1)
+    assert budget.settled and budget.cap == (8 if cap_costs[2] == 1e3 else 1)
     if budget.cap == 1:  # no drafting: every step a plain target step
         assert stats.tree_sizes == [1] * stats.steps
 
@@ -92,3 +114,73 @@ def test_measured_costs_cover_every_size():
     for static in (False, True):
         ms = StaticDecoder(model, 64, static=static).measure_costs(sizes=(1, 4, 16), prefix=8, reps=1)
         assert sorted(ms) == [1, 4, 16] and all(v > 0 for v in ms.values())
+
+
+def test_redrafter_drafts_only_what_the_cap_keeps():
+    """Once fitted to 2 nodes the ReDrafter searches one beam of one token; output unchanged throughout."""
+    from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer
+    from specdraft.models import redrafter
+    from specdraft.models.base_llm import target_fingerprint
+    from specdraft.testing import tiny_tokenizer
+    from specdraft.train.config import ReDrafterSchema
+
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    fp = target_fingerprint(model, tiny_tokenizer())
+    drafter = (
+        redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), model, fp).double().eval()
+    )
+    proposer = ReDrafterProposer(drafter, beam_width=4, beam_length=4)
+    dec = StaticDecoder(model, 64)
+    budget = NodeBudget(
+        CostCurve({1: 10.0, 2: 1.0, 4: 50.0, 8: 90.0, 16: 170.0}),
+        fit_steps=3,
+        check_steps=2,
+        sizes=(1, 2, 4, 8, 16),
+    )
+    for prompt_len in (4, 9):
+        prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        ref, _ = ar_generate(model, None, prompt, 20, stop_ids=set())
+        out, stats = dec.speculative_generate(None, prompt, proposer, 20, stop_ids=set(), budget=budget)
+        assert out == ref
+    assert budget.cap == 2 and (proposer.beam_width, proposer.draft_len) == (1, 1)
+    assert max(stats.tree_sizes) <= 2
+    lookup = PromptLookupProposer(10)
+    lookup.fit_budget(4)
+    assert lookup.draft_len == 3
+
+
+@pytest.mark.parametrize("family", ["eagle", "medusa"])
+def test_every_family_accepts_a_fitted_budget(family):
+    """EAGLE shrinks its tree (fewer head passes), Medusa keeps its heads; both stay lossless at cap 2."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from specdraft.eval.proposers import make_proposer
+    from specdraft.models import eagle, medusa
+
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    fp = {"name_or_path": "tiny", "hidden_size": 32, "vocab_size": 128, "tokenizer_hash": "t"}
+    if family == "eagle":
+        schema = SimpleNamespace(
+            draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
+            token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=None, ttt_decay=0.8,
+        )  # fmt: skip
+        proposer = make_proposer(eagle.build(schema, model, fp).double().eval(), tree_nodes=10)
+    else:
+        schema = OmegaConf.create(
+            {"draft_len": 3, "num_layers": 1, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4}
+        )
+        proposer = make_proposer(medusa.build(schema, model, fp).double().eval(), tree_nodes=12)
+    budget = NodeBudget(
+        CostCurve({1: 1e3, 2: 1e3, 4: 9e3, 8: 9e3}), fit_steps=3, check_steps=2, sizes=(1, 2, 4, 8)
+    )
+    dec = StaticDecoder(model, 64)
+    for prompt_len in (4, 9, 6):
+        prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        ref, _ = ar_generate(model, None, prompt, 16, stop_ids=set())
+        out, stats = dec.speculative_generate(None, prompt, proposer, 16, stop_ids=set(), budget=budget)
+        assert out == ref
+    assert budget.settled and budget.cap in (1, 2) and max(stats.tree_sizes) <= 2
+    if family == "eagle" and budget.cap == 2:
+        assert (proposer.total_tokens, proposer.depth) == (1, 1)

@@ -73,6 +73,31 @@ class DecodeStats:
     accept_s: float = 0.0  # acceptance + cache compaction + bookkeeping
     target_steps: int = 0  # steps the fallback controller ran without drafting (included in `steps`)
 
+    def record_step(
+        self,
+        accepted: int,
+        nodes: int,
+        compression: float | None,
+        clock: tuple[float, float, float, float],
+        drafted: bool = True,
+        fallback: FallbackController | None = None,
+    ) -> None:
+        """One verification step: `accepted` nodes kept (root included) out of `nodes`, the proposer's
+        compression (None: not reported or not drafted), and the clock at the step's start, after drafting,
+        after the verify forward and at its end; tells the fallback controller how it went."""
+        t1, t2, t3, t4 = clock
+        self.steps += 1
+        self.accepted.append(accepted - 1)
+        self.tree_sizes.append(nodes)
+        if compression is not None:
+            self.compression.append(float(compression))
+        if fallback is not None:
+            fallback.observe(drafted, accepted, t4 - t1)
+            self.target_steps += not drafted
+        self.draft_s += t2 - t1
+        self.verify_s += t3 - t2
+        self.accept_s += t4 - t3
+
     @property
     def tokens_per_step(self) -> float:
         """Mean accepted drafts + 1 (the bonus) per verification forward."""
@@ -312,19 +337,9 @@ def speculative_generate(
             new_hidden = torch.cat([new_hidden, hidden[path]])
             new_tokens = torch.cat([new_tokens, torch.tensor([bonus], device=device)])
         root = bonus
-        stats.steps += 1
-        stats.accepted.append(path.shape[0] - 1)
-        stats.tree_sizes.append(tree.num_nodes)
-        ratio = proposer.last_compression if drafted else None
-        if ratio is not None:
-            stats.compression.append(float(ratio))
         t4 = clock()
-        if fallback is not None:
-            fallback.observe(drafted, path.shape[0], t4 - t1)
-            stats.target_steps += not drafted
-        stats.draft_s += t2 - t1
-        stats.verify_s += t3 - t2
-        stats.accept_s += t4 - t3
+        ratio = proposer.last_compression if drafted else None
+        stats.record_step(path.shape[0], tree.num_nodes, ratio, (t1, t2, t3, t4), drafted, fallback)
         t1 = t4
     _finish(stats, out, stop_ids, device, t0)
     return out, stats

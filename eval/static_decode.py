@@ -376,19 +376,9 @@ class StaticDecoder:
                 new_hidden = torch.cat([new_hidden, hidden[:1]])
                 new_tokens = torch.cat([new_tokens, bonus_t])
             root = bonus
-            stats.steps += 1
-            stats.accepted.append(a - 1)
-            stats.tree_sizes.append(n)
-            ratio = proposer.last_compression if drafted else None
-            if ratio is not None:
-                stats.compression.append(float(ratio))
             t4 = clock()
-            if fallback is not None:
-                fallback.observe(drafted, a, t4 - t1)
-                stats.target_steps += not drafted
-            stats.draft_s += t2 - t1
-            stats.verify_s += t3 - t2
-            stats.accept_s += t4 - t3
+            ratio = proposer.last_compression if drafted else None
+            stats.record_step(a, n, ratio, (t1, t2, t3, t4), drafted, fallback)
             t1 = t4
         _finish(stats, out, stop_ids, device, t0)
         return out, stats

@@ -34,6 +34,7 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     FORMAT_VERSION,
     Borrowed,
     block_config_of,
+    chain_labels,
     common_config,
     next_tokens,
     select_positions,
@@ -180,22 +181,27 @@ def compute_loss(
         model: the (possibly accelerate-wrapped) EagleDrafter.
         batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate.
         target_out: `TargetOutput` with `hidden` (B, L, H).
-        opts: `draft_len`, `max_positions`, `generator` (the `loss`/`kl_*` options do not apply to EAGLE).
+        opts: `draft_len`, `max_positions`, `generator`; `loss` containing "lk" adds `lk_weight` *
+            `train.losses.expected_accept_loss` over the D-step unroll (trained through every step); the
+            ce/kl parts and `kl_*` do not apply to EAGLE.
 
     Returns:
         (loss, aux) with aux["logits"] (N, S, V) detached (S = 1 in training, D in eval) and aux["targets"] (N, S).
     """
+    from specdraft.train.losses import expected_accept_loss
+
     opts = opts or {}
     inner = cast(EagleDrafter, getattr(model, "module", model))
     cfg = inner.config
     d = int(opts.get("draft_len") or batch["targets"].shape[-1])
-    steps = 1 if inner.training else d
+    lk = "lk" in str(opts.get("loss", "ce"))
+    steps = 1 if inner.training and not lk else d
     f = target_out.hidden  # (B, L, H)
     outs = model(
         f,
         next_tokens(batch["input_ids"], steps),
         steps=steps,
-        grad_steps=1,
+        grad_steps=None if lk else 1,
         noise=cfg.noise if inner.training else 0.0,
     )  # (B, L, S, H)
     b, t = select_positions(batch, opts)
@@ -207,6 +213,13 @@ def compute_loss(
     loss = cfg.feature_weight * smooth_l1_feature_loss(pred, true) + cfg.token_weight * soft_cross_entropy(
         logits0, teacher
     )
+    if lk:  # the D-slot chain with autograd: + lk_weight * -E[accepted length]
+        chain = torch.stack([logits0] + [inner.draft_logits(outs[b, t, i]) for i in range(1, steps)], dim=1)
+        loss = loss + float(opts.get("lk_weight", 1.0)) * expected_accept_loss(
+            chain, chain_labels(batch, b, t, steps)
+        )  # chain: (N, D, V)
+        steps = 1 if inner.training else d
+        return loss, {"logits": chain[:, :steps].detach(), "targets": batch["targets"][b, t, :steps]}
     with torch.no_grad():
         logits = torch.stack([logits0] + [inner.draft_logits(outs[b, t, i]) for i in range(1, steps)], dim=1)
     return loss, {"logits": logits.detach(), "targets": batch["targets"][b, t, :steps]}

@@ -36,6 +36,7 @@ from specdraft.models.eagle31 import ChunkNorm
 from specdraft.models.eagle_common import (
     FORMAT_VERSION,
     Borrowed,
+    chain_labels,
     common_config,
     next_tokens,
     select_positions,
@@ -43,7 +44,7 @@ from specdraft.models.eagle_common import (
     target_block,
     unroll,
 )
-from specdraft.models.layers import check_target_layers, draft_vocab_ids, scatter_to_vocab
+from specdraft.models.layers import check_target_layers, d2t_to_draft_ids, draft_vocab_ids, scatter_to_vocab
 
 
 def default_target_layers(num_layers: int) -> list[int]:
@@ -244,15 +245,20 @@ def compute_loss(
         model: the (possibly accelerate-wrapped) Eagle3Drafter.
         batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate.
         target_out: `TargetOutput` with `hidden` (B, L, H) and `layers` (B, L, m, H) of `config.target_layers`.
-        opts: `draft_len` (S), `max_positions`, `generator`.
+        opts: `draft_len` (S), `max_positions`, `generator`; `loss` containing "lk" adds `lk_weight` *
+            `train.losses.expected_accept_loss` over the S unroll steps (draft-vocabulary labels; a label outside
+            the draft vocabulary ends the chain); the ce/kl parts and `kl_*` do not apply to EAGLE-3.
 
     Returns:
         (loss, aux) with aux["logits"] (N, S', V) (full vocabulary; outside the draft vocab: row min - 20),
         aux["targets"] (N, S'); S' = S in eval mode, 1 in training (metrics of slot 0 only); and
         aux["step_losses"] (S,) the detached soft CE of every unroll step (loss = sum_i ttt_decay^i * step i).
     """
+    from specdraft.train.losses import expected_accept_loss
+
     opts = opts or {}
     inner = cast(Eagle3Drafter, getattr(model, "module", model))
+    lk = "lk" in str(opts.get("loss", "ce"))
     if target_out.layers is None:
         raise ValueError(
             f"EAGLE-3 needs the target layers {inner.config.target_layers} in TargetOutput.layers"
@@ -269,6 +275,7 @@ def compute_loss(
     length, v = f.shape[1], inner.config.vocab_size
     n_aux = 1 if inner.training else steps  # training logs slot 0 only: skip the (N, V) scatter of the others
     loss, logits, step_losses = outs.new_zeros((), dtype=torch.float32), [], []
+    chain: list[Tensor] = []  # the S steps' (N, Vd) logits with autograd, for the LK term
     for i in range(steps):
         p = t + 1 + i  # (N,) position whose target distribution step i imitates
         valid = (p < length) & (targets[:, i] != -100)
@@ -280,8 +287,14 @@ def compute_loss(
         step_loss = soft_cross_entropy(q, teacher, valid)  # scalar float32
         loss = loss + inner.config.ttt_decay**i * step_loss
         step_losses.append(step_loss.detach())
+        if lk:
+            chain.append(q)
         if i < n_aux:
             logits.append(scatter_to_vocab(q.detach(), ids, v))  # (N, V)
+    if lk:  # + lk_weight * -E[accepted length] of the S-slot chain, labels in draft ids
+        labels = d2t_to_draft_ids(chain_labels(batch, b, t, steps), inner.d2t, True, v)  # (N, S)
+        lk_loss = expected_accept_loss(torch.stack(chain, dim=1), labels)  # (N, S, Vd) logits
+        loss = loss + float(opts.get("lk_weight", 1.0)) * lk_loss
     aux = {
         "logits": torch.stack(logits, dim=1),
         "targets": targets[:, :n_aux],

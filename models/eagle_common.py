@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, DynamicCache, PreTrainedModel
 
+from specdraft.models.teacher_forced import follows_own_text
+
 if TYPE_CHECKING:
     from specdraft.models.eagle import EagleDrafter
     from specdraft.models.eagle3 import Eagle3Drafter
@@ -111,6 +113,24 @@ def select_positions(batch: dict[str, Tensor], opts: dict[str, Any]) -> tuple[Te
         keep = torch.randperm(sel.shape[0], generator=opts.get("generator"))[:cap].sort().values
         sel = sel[keep.to(sel.device)]
     return sel[:, 0], sel[:, 1]
+
+
+def chain_labels(batch: dict[str, Tensor], b: Tensor, t: Tensor, steps: int) -> Tensor:
+    """Labels of the S unrolled slots for the acceptance (LK) loss: `targets`, with -100 from the first slot
+    whose inputs leave the label chain (the unroll feeds the sequence's own tokens x_{t+1+i}; labels may be
+    greedy continuations of other text, `distill.regenerate=false`) or whose token lies past the sequence.
+
+    Args:
+        batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D); b, t: (N,) selected positions.
+
+    Returns:
+        (N, S) long.
+    """
+    ids, targets = batch["input_ids"], batch["targets"][b, t, :steps]  # (B, L), (N, S)
+    pos = t[:, None] + 1 + torch.arange(steps, device=t.device)  # (N, S) position of x_{t+1+i}
+    text = ids[b[:, None], pos.clamp_max(ids.shape[1] - 1)]  # (N, S)
+    ok = follows_own_text(text, batch["root"][b, t], targets) & (pos < ids.shape[1])
+    return targets.masked_fill(~ok, -100)
 
 
 def next_tokens(input_ids: Tensor, steps: int) -> Tensor:

@@ -135,3 +135,17 @@ class PrefixAttention(nn.Module):
             out.reshape(*q_in.shape[:-2], *out.shape[-2:]) if rows is None else out[rows][None]
         )  # (..., n, A)
         return self.out(out)  # (..., n, out_dim)
+
+
+def d2t_draft_ids(d2t: Tensor, reduced: bool) -> Tensor:
+    """(Vd,) long target id of every draft-vocabulary entry, from the offsets `d2t` (Vd,) (arange when full)."""
+    ar = torch.arange(d2t.shape[0], device=d2t.device)
+    return d2t + ar if reduced else ar
+
+
+def d2t_to_draft_ids(ids: Tensor, d2t: Tensor, reduced: bool, vocab_size: int, missing: int = -100) -> Tensor:
+    """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
+    lut = torch.full((vocab_size,), missing, dtype=torch.long, device=d2t.device)
+    lut[d2t_draft_ids(d2t, reduced)] = torch.arange(d2t.shape[0], device=d2t.device)
+    out = lut[ids.clamp(0, vocab_size - 1).to(lut.device)]
+    return torch.where(ids.to(lut.device) < 0, torch.full_like(out, missing), out).to(ids.device)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from specdraft.models.layers import ResBlock, ZeroInitLinear, draft_vocab_ids
+from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids, draft_vocab_ids
 
 FORMAT_VERSION = 1
 
@@ -97,8 +97,7 @@ class Medusa(PreTrainedModel):
     # ---- draft vocabulary (as ReDrafter's) -------------------------------------------------------------
     def draft_ids(self) -> Tensor:
         """(Vd,) long: the target id of every draft-vocabulary entry (arange(V) for the full vocabulary)."""
-        ar = torch.arange(self.d2t.shape[0], device=self.d2t.device)
-        return self.d2t + ar if self.reduced_vocab else ar
+        return d2t_draft_ids(self.d2t, self.reduced_vocab)
 
     def to_target_ids(self, ids: Tensor) -> Tensor:
         """Draft-vocabulary ids (...) -> target ids (...)."""
@@ -106,11 +105,7 @@ class Medusa(PreTrainedModel):
 
     def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
         """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
-        v = int(self.config.vocab_size)
-        lut = torch.full((v,), missing, dtype=torch.long, device=self.d2t.device)
-        lut[self.draft_ids()] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
-        out = lut[ids.clamp(0, v - 1).to(lut.device)]
-        return torch.where(ids.to(lut.device) < 0, torch.full_like(out, missing), out).to(ids.device)
+        return d2t_to_draft_ids(ids, self.d2t, self.reduced_vocab, int(self.config.vocab_size), missing)
 
     def vocab_head_names(self) -> list[str]:
         """State-dict names of the K (Vd, H) vocabulary projections (rows remapped by `hub.warm_start`)."""

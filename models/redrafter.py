@@ -52,6 +52,8 @@ from specdraft.models.layers import (
     ResBlock,
     ZeroInitLinear,
     check_target_layers,
+    d2t_draft_ids,
+    d2t_to_draft_ids,
     draft_vocab_ids,
 )
 from specdraft.models.redrafter_config import FORMAT_VERSION, ReDrafterConfig, feature_dim
@@ -135,8 +137,7 @@ class ReDrafter(PreTrainedModel):
     # ---- draft vocabulary -------------------------------------------------------------------------------
     def draft_ids(self) -> Tensor:
         """(Vd,) long: the target id of every draft-vocabulary entry (arange(V) for the full vocabulary)."""
-        ar = torch.arange(self.d2t.shape[0], device=self.d2t.device)
-        return self.d2t + ar if self.reduced_vocab else ar
+        return d2t_draft_ids(self.d2t, self.reduced_vocab)
 
     def to_target_ids(self, ids: Tensor) -> Tensor:
         """Draft-vocabulary ids (...) -> target ids (...)."""
@@ -144,11 +145,7 @@ class ReDrafter(PreTrainedModel):
 
     def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
         """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
-        v = int(self.config.vocab_size)
-        lut = torch.full((v,), missing, dtype=torch.long, device=self.d2t.device)
-        lut[self.draft_ids()] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
-        out = lut[ids.clamp(0, v - 1).to(lut.device)]
-        return torch.where(ids.to(lut.device) < 0, torch.full_like(out, missing), out).to(ids.device)
+        return d2t_to_draft_ids(ids, self.d2t, self.reduced_vocab, int(self.config.vocab_size), missing)
 
     # ---- step-level helpers (used by forward, beam_search and decoders) ---------------------------------
     def init_state(self, root: Tensor) -> Tensor:

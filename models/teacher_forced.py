@@ -40,14 +40,15 @@ def compute_loss(
             `topk_ids`/`topk_logprobs` (B, L, k) cached teacher top-k.
         target_out: `TargetOutput` of the frozen target on `batch["input_ids"]` (`hidden` (B, L, H); `layers`
             (B, L, m, H) when the drafter has `target_layers`; `logits` (B, L, V) only for online soft targets).
-        opts: `loss` ("ce" | "kl" | "ce+kl"), `kl_weight`, `kl_topk`, `slot_weights` (list), `draft_len`,
+        opts: `loss` ("ce" | "kl" | "ce+kl", optionally with "lk": + `lk_weight` * `expected_accept_loss`),
+            `kl_weight`, `lk_weight`, `kl_topk`, `slot_weights` (list; not applied to the LK term), `draft_len`,
             `max_positions` (random subset of positions per call), `generator` (torch.Generator).
 
     Returns:
         (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) target ids for metrics; with a
         reduced draft vocabulary in training mode, (N, D, Vd) and draft ids (-1 outside it) instead (cheaper).
     """
-    from specdraft.train.losses import distill_loss
+    from specdraft.train.losses import distill_loss, expected_accept_loss
 
     opts = opts or {}
     d = int(opts.get("draft_len") or batch["targets"].shape[-1])
@@ -114,6 +115,8 @@ def compute_loss(
     loss = distill_loss(
         logits, labels if "ce" in kind else None, weights, kl, float(opts.get("kl_weight", 1.0))
     )
+    if "lk" in kind:  # + lk_weight * -E[accepted length]; an out-of-vocabulary label (-100) ends the chain
+        loss = loss + float(opts.get("lk_weight", 1.0)) * expected_accept_loss(logits, labels)
     out = logits.detach()  # (N, D, Vd)
     if reduced and not inner.training:  # metrics in target ids
         out = scatter_to_vocab(out, inner.draft_ids(), inner.config.vocab_size)  # (N, D, V)

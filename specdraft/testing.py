@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -75,6 +76,29 @@ def tiny_llama(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def tiny_target(arch: str = "llama", device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A tiny frozen fp64 target for exact decoding checks: `tiny_llama` (3 layers), or a Qwen2 / Mistral of
+    the same sizes (vocab 128, hidden 32, GQA 4/2 heads) with the same sharpened LM head, on `device`."""
+    if arch == "llama":
+        return tiny_llama(num_layers=3, dtype=torch.float64).to(device)  # type: ignore[arg-type]  # `@wraps` stub
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    kw: dict[str, Any] = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=3, pad_token_id=0,
+    )  # fmt: skip
+    if arch == "qwen2":
+        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=None, **kw))
+    else:
+        raise ValueError(f"tiny_target: arch={arch!r}, expected llama | qwen2 | mistral")
+    with torch.no_grad():
+        cast(torch.nn.Linear, model.lm_head).weight.mul_(8.0)
+    return model.double().eval().requires_grad_(False).to(device)
 
 
 def write_train_assets(

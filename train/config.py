@@ -73,8 +73,9 @@ class TrainConfig:
     export_dir: str | None = None  # where to export the drafter (default <run_dir>/export)
     push_to_hub: str | None = None  # Hub repo id to publish the export to (token from HF_TOKEN)
     extra: dict = field(default_factory=dict)  # free-form notes recorded in the export's training summary
-    loss: str = "ce"  # ce (hard teacher tokens) | kl (soft top-k teacher) | ce+kl
+    loss: str = "ce"  # ce (hard teacher tokens) | kl (soft top-k teacher) | ce+kl; lk, +lk: acceptance
     kl_weight: float = 1.0  # weight of the KL term when loss has "kl"
+    lk_weight: float = 1.0  # weight of the acceptance term -E[accepted length] when loss has "lk"
     kl_topk: int = 20  # teacher top-k used for online soft targets (cached top-k is used when present)
     slot_weights: list[float] | None = None  # per draft-slot loss weights (None: all 1)
     context_positions: bool = (

@@ -83,6 +83,7 @@ def loss_options(cfg: DictConfig, eval_mode: bool = False) -> dict[str, Any]:
     return {
         "loss": t.loss,
         "kl_weight": t.kl_weight,
+        "lk_weight": t.lk_weight,
         "kl_topk": t.kl_topk,
         "slot_weights": list(t.slot_weights) if t.slot_weights else None,
         "draft_len": int(cfg.drafter.draft_len),

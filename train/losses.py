@@ -190,6 +190,88 @@ class _ChunkedDistill(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+def label_logprobs(logits: Tensor, labels: Tensor, chunk_rows: int | None = None) -> Tensor:
+    """log p_draft(label) of every slot, computed over chunks of rows (no (N * D, V) fp32 softmax is kept).
+
+    Args:
+        logits: (..., D, V) drafter logits (any float dtype).
+        labels: (..., D) long, -100 = ignored (its entry is the log-prob of token 0: mask it yourself).
+        chunk_rows: rows of (N * D, V) per chunk (None: as `distill_loss`).
+
+    Returns:
+        (..., D) log-probs in fp32 (fp64 for fp64 logits); differentiable, backward `g * (onehot - softmax)`.
+    """
+    v = logits.shape[-1]
+    flat = logits.reshape(-1, v)  # (R, V)
+    out = _ChunkedLabelLogProb.apply(flat, labels.clamp_min(0).reshape(-1), rows_per_chunk(chunk_rows, flat))
+    return out.reshape(labels.shape)
+
+
+class _ChunkedLabelLogProb(torch.autograd.Function):
+    """(R, V) logits, (R,) labels -> (R,) log_softmax(logits)[label], chunk by chunk (see `label_logprobs`)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, labels: Tensor, chunk: int) -> Tensor:  # type: ignore[override]
+        dt = torch.promote_types(logits.dtype, torch.float32)
+        lses = torch.empty(logits.shape[0], dtype=dt, device=logits.device)  # (R,)
+        out = torch.empty_like(lses)  # (R,)
+        for s in range(0, logits.shape[0], chunk):
+            e = slice(s, s + chunk)
+            lg = logits[e].to(dt)  # (r, V)
+            lses[e] = torch.logsumexp(lg, dim=-1)
+            out[e] = lg.gather(-1, labels[e, None]).squeeze(-1) - lses[e]
+        ctx.save_for_backward(logits, labels, lses)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        logits, labels, lses = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (R, V)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = slice(s, s + ctx.chunk)
+            g = grad_out[e, None].to(lses.dtype)  # (r, 1)
+            d = -torch.exp(logits[e].to(lses.dtype) - lses[e, None]) * g  # (r, V) -softmax * g
+            d.scatter_add_(-1, labels[e, None], g)
+            grad[e] = d
+        return grad, None, None
+
+
+def expected_accept_loss(logits: Tensor, labels: Tensor, chunk_rows: int | None = None) -> Tensor:
+    """LK-style acceptance loss: minus the expected number of accepted draft tokens of a greedy chain.
+
+    Slot k of a position is accepted by a greedy verifier iff the draft token equals the target's token there
+    and every earlier slot was accepted. Treating the slots' draws as independent, with q_k = p_draft_k(y_k) the
+    drafter's probability of the label y_k (the target's greedy token), the expected accepted length is
+
+        E[L] = sum_k prod_{i<=k} q_i        and the loss is  -mean over chains of E[L],   in [-D, 0].
+
+    An ignored slot (label -100) ends the chain (q = 0 from there on); the mean is over positions whose slot 0
+    is valid, so a perfect drafter (q = 1 on D valid slots) scores -D, and 1 - loss is the tokens per step that
+    `simulated_acceptance_length` reports. Teacher forcing fits: slot k is fed labels y_{<k}, exactly what it
+    sees whenever it can be accepted. Why -E[L] rather than the survival-weighted -log q_k: it is the quantity
+    greedy decoding pays for (no proxy), bounded, and its gradient, d(-E[L])/d log q_j = -sum_{k>=j} prod_{i<=k}
+    q_i, weights each slot by how often it is reached; the price is a gradient that vanishes as q -> 0 (an
+    untrained drafter), so use it next to CE (`train.loss=ce+lk`) rather than alone. No per-slot weights: the
+    survival product already discounts later slots.
+
+    Args:
+        logits: (..., D, V) drafter logits (any float dtype).
+        labels: (..., D) long, -100 = ignored.
+        chunk_rows: rows of (N * D, V) per chunk of the log-softmax (None: as `distill_loss`).
+
+    Returns:
+        scalar loss in fp32 (fp64 for fp64 logits); 0 when no chain has a valid slot 0.
+    """
+    d = logits.shape[-2]
+    valid = (labels != IGNORE_INDEX).reshape(-1, d)  # (N, D)
+    logq = label_logprobs(logits, labels, chunk_rows).reshape(-1, d)  # (N, D)
+    # prod_{i<=k} q_i in log space; an ignored slot zeroes its own and every later survival
+    surv = torch.exp(torch.cumsum(logq.masked_fill(~valid, 0.0), dim=1)) * valid.long().cumprod(1)  # (N, D)
+    chains = valid[:, 0].sum().clamp_min(1)
+    return -surv.sum() / chains
+
+
 def topk_hits(logits: Tensor, targets: Tensor, k: int = 1) -> Tensor:
     """Whether each slot's label is among the drafter's top-k tokens.
 

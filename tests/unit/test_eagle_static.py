@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache
 
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.eagle_static import HeadKVCache, StaticHeadState, draft_mask, fixed_ancestors
@@ -18,7 +18,7 @@ from specdraft.eval.static_decode import StaticDecoder
 from specdraft.eval.tree import ancestor_matrix
 from specdraft.models import eagle, eagle3
 from specdraft.models.base_llm import forward_with_hidden, target_fingerprint
-from specdraft.testing import tiny_llama, tiny_tokenizer
+from specdraft.testing import tiny_llama, tiny_target, tiny_tokenizer
 
 V, H = 128, 32
 CPU = torch.device("cpu")
@@ -30,22 +30,8 @@ SCHEMA = SimpleNamespace(
 
 
 def _target(arch: str, device: torch.device = CPU) -> torch.nn.Module:
-    """A tiny fp64 target (as in test_static_decode.py): Llama, or Qwen2 / Mistral with a sharpened LM head."""
-    if arch == "llama":
-        return tiny_llama(num_layers=3, dtype=torch.float64).to(device)
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, eos_token_id=3, pad_token_id=0,
-    )  # fmt: skip
-    model = (
-        Qwen2ForCausalLM(Qwen2Config(**kw))
-        if arch == "qwen2"
-        else MistralForCausalLM(MistralConfig(sliding_window=None, **kw))
-    )
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model.double().eval().requires_grad_(False).to(device)
+    """A tiny fp64 target of the given architecture (`specdraft.testing.tiny_target`)."""
+    return tiny_target(arch, device)
 
 
 def _head(family, target: torch.nn.Module, seed: int = 1) -> torch.nn.Module:

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.fallback import FallbackController
@@ -21,7 +20,7 @@ from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import greedy_verify, greedy_verify_packed
 from specdraft.models import eagle, eagle3, medusa, redrafter
 from specdraft.models.base_llm import target_fingerprint
-from specdraft.testing import OracleBeamProposer, RandomTreeProposer, tiny_llama, tiny_tokenizer
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer, tiny_llama, tiny_target, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 
 V, H = 128, 32
@@ -34,22 +33,8 @@ SHAPES = [
 
 
 def _target(arch: str, device: torch.device = CPU) -> torch.nn.Module:
-    """A tiny fp64 target of the given architecture on `device` (sharpened LM head, as tiny_llama)."""
-    if arch == "llama":
-        return tiny_llama(num_layers=3, dtype=torch.float64).to(device)
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, eos_token_id=3, pad_token_id=0,
-    )  # fmt: skip
-    model = (
-        Qwen2ForCausalLM(Qwen2Config(**kw))
-        if arch == "qwen2"
-        else MistralForCausalLM(MistralConfig(sliding_window=None, **kw))
-    )
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model.double().eval().requires_grad_(False).to(device)
+    """A tiny fp64 target of the given architecture (`specdraft.testing.tiny_target`)."""
+    return tiny_target(arch, device)
 
 
 def _decoder(model: torch.nn.Module, shape: str) -> StaticDecoder:

@@ -1,0 +1,131 @@
+"""A preallocated KV cache for B rows with per-row lengths: batched tree verification and compaction.
+
+The batched sibling of `static_kv.StaticKVCache` (its `static=True` shape): per layer one
+(B, kv_heads, max_len, head_dim) buffer for keys and one for values, allocated once. Row r holds
+`lengths[r]` committed positions. A forward over rows `rows` writes its L new positions of row r at
+`write_pos[r]` (set by the decoder, usually [length_r, length_r + L)); attention always reads the whole
+buffer of those rows, so the decoder's 4D mask hides every stale position. Afterwards each row's accepted
+path is compacted in place (one gather + scatter per buffer for all rows) and each length advances by its
+own accepted count:
+
+    row 0  [ committed (len_0) | node 0 | node 1 | pad ... | stale ]  ->  [ committed | path_0 ... | stale ]
+    row 1  [ committed (len_1)      | node 0 | node 1 | node 2 | stale ]  ->  ...
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specdraft.eval.static_kv import kv_geometry
+
+
+class BatchKVLayer(CacheLayerMixin):
+    """One layer's (B, kv_heads, max_len, head_dim) buffers; reads rows and write positions from its owner."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: BatchKVCache, keys: Tensor, values: Tensor) -> None:
+        super().__init__()
+        self.owner = owner
+        self.keys: Tensor = keys  # (B, kv_heads, max_len, head_dim)
+        self.values: Tensor = values  # (B, kv_heads, max_len, head_dim)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Buffers are allocated up front; nothing to do."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write L new positions per row at the owner's `write_pos`; return the rows' whole buffers.
+
+        Args:
+            key_states, value_states: (R, kv_heads, L, head_dim), R = the rows of `owner.rows`.
+
+        Returns:
+            keys, values: (R, kv_heads, max_len, head_dim) views of the written rows.
+        """
+        rows = self.owner.rows
+        idx = self.owner.write_pos[:, None, :, None].expand_as(key_states)  # (R, kv, L, hd)
+        keys, values = self.keys[rows], self.values[rows]  # views: a slice of rows
+        keys.scatter_(2, idx, key_states.to(keys.dtype))
+        values.scatter_(2, idx, value_states.to(values.dtype))
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): attention always reads the whole buffer."""
+        return self.owner.max_len, 0
+
+    def get_seq_length(self) -> int:
+        """Longest committed row (the decoder always passes explicit positions and masks)."""
+        return max(self.owner.lengths)
+
+    def get_max_length(self) -> int:
+        """Capacity in positions per row."""
+        return self.owner.max_len
+
+
+class BatchKVCache(Cache):
+    """Preallocated full-attention KV cache of `batch_size` rows with per-row lengths (module docstring).
+
+    Args:
+        model: the HF causal LM whose layers fill it.
+        batch_size: B, the number of rows.
+        max_len: capacity in positions per row (prompt + new tokens + one tree).
+    """
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int) -> None:
+        emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
+        device, dtype = emb.device, emb.dtype
+        n_layers, kv_heads, head_dim = kv_geometry(model)
+        self.num_rows, self.max_len = batch_size, max_len
+        self.lengths = [0] * batch_size  # host copy of `lengths_t`
+        self.lengths_t = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
+        self.rows = slice(0, batch_size)  # the rows the next forward writes
+        self.write_pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # (R, L)
+        shape = (batch_size, kv_heads, max_len, head_dim)
+        layers = [
+            BatchKVLayer(
+                self,
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(n_layers)
+        ]
+        super().__init__(layers=list[Any](layers))
+        self.kv_layers = layers  # the same objects, typed
+
+    def prepare_write(self, rows: slice, write_pos: Tensor) -> None:
+        """The next forward runs rows `rows` (R of them) and writes their L positions at `write_pos` (R, L)."""
+        self.rows, self.write_pos = rows, write_pos
+
+    def set_length(self, row: int, length: int) -> None:
+        """Declare `length` positions of `row` committed (host and device counters)."""
+        self.lengths[row] = length
+        self.lengths_t[row] = length
+
+    def commit(self, path: Tensor, accepted: list[int]) -> None:
+        """Keep, in every row r, the first `accepted[r]` entries of `path[r]` right after its committed prefix.
+
+        Args:
+            path: (B, k) long node indices per row, ascending, `path[r, i] >= i`; entries past `accepted[r]`
+                are ignored. A row with `accepted[r] == 0` is left as it is.
+            accepted: (B,) host counts a_r (root included); `lengths[r]` advances by a_r.
+        """
+        k = path.shape[1]
+        acc = torch.tensor(accepted, dtype=torch.long, device=path.device)  # (B,)
+        slot = torch.arange(k, device=path.device)[None]  # (1, k)
+        src = torch.where(slot < acc[:, None], path, slot) + self.lengths_t[:, None]  # (B, k)
+        if not bool((src == slot + self.lengths_t[:, None]).all()):  # some row's path is not in place
+            dst = self.lengths_t[:, None] + slot  # (B, k)
+            for layer in self.kv_layers:
+                for buf in (layer.keys, layer.values):
+                    b, h, _, d = buf.shape
+                    kept = buf.gather(2, src[:, None, :, None].expand(b, h, k, d))  # (B, kv, k, hd), a copy
+                    buf.scatter_(2, dst[:, None, :, None].expand(b, h, k, d), kept)
+        self.lengths_t += acc
+        self.lengths = [n + a for n, a in zip(self.lengths, accepted, strict=True)]

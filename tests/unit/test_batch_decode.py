@@ -1,0 +1,195 @@
+"""Batched speculative decoding (eval/batch_decode.py, eval/batch_kv.py): every request's greedy output equals
+its own batch-1 `ar_generate` output token for token (fp64 tiny Llama / Qwen2 / Mistral targets), in AR mode and
+with test and real proposers, with mixed prompt lengths, rows finishing at different steps and refills; each
+row's cache holds exactly its committed tokens' K/V after every step; rows do not influence each other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.decode import ar_generate, target_forward
+from specdraft.eval.proposers import PromptLookupProposer
+from specdraft.eval.static_kv import StaticKVCache
+from specdraft.eval.tree import DraftTree
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer, tiny_target
+
+CPU = torch.device("cpu")
+LENGTHS = [1, 4, 25, 9, 17, 6, 13]  # prompt lengths: mixed, more requests than rows
+BUDGETS = [14, 20, 1, 9, 20, 16, 11]  # max_new_tokens per request (1: done at the prefill)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_threads():
+    """Pinned to the CPU, one thread (other test runs share the machine)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Random prompts of the given lengths (tokens 5..127, distinct after their first token)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def _references(model, prompts: list[list[int]], budgets: list[int]) -> tuple[set[int], list[list[int]]]:
+    """Stop ids taken mid-way from two unconstrained outputs, and every request's batch-1 AR output with them."""
+    free = [ar_generate(model, None, p, m, stop_ids=set())[0] for p, m in zip(prompts, budgets, strict=True)]
+    stops = {free[1][7], free[4][11]}
+    return stops, [
+        ar_generate(model, None, p, m, stop_ids=stops)[0] for p, m in zip(prompts, budgets, strict=True)
+    ]
+
+
+class _OracleByPrompt:
+    """`OracleBeamProposer` behind the per-slot factory API: on the first call after `reset()` it recognises
+    the request by its prompt (tokens[:-1] == prompt[1:]) and drafts around that request's AR reference."""
+
+    last_compression: float | None = None
+
+    def __init__(self, prompts: list[list[int]], refs: list[list[int]], seed: int) -> None:
+        self.table = {tuple(p[1:]): (r, len(p)) for p, r in zip(prompts, refs, strict=True)}
+        self.seed, self.inner = seed, None
+        self.spec = OracleBeamProposer([], 1).spec
+
+    def reset(self) -> None:
+        self.inner = None
+
+    def fit_budget(self, nodes: int) -> None:
+        """Trees are cut by the decoder; nothing to change here."""
+
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
+        if self.inner is None:
+            ref, plen = self.table[tuple(tokens[:-1].tolist())]
+            self.inner = OracleBeamProposer(ref, plen, seed=self.seed)
+            self.inner.reset()
+        tree = self.inner.propose(hidden, tokens)
+        self.last_compression = self.inner.last_compression
+        return tree
+
+
+def _factory(mode: str, prompts, refs) -> Callable | None:
+    """The proposer factory of a decoding mode (None: batched AR)."""
+    if mode == "ar":
+        return None
+    if mode == "random":
+        seeds = iter(range(100))
+        return lambda: RandomTreeProposer(vocab=128, seed=next(seeds))
+    if mode == "oracle":
+        seeds = iter(range(100))
+        return lambda: _OracleByPrompt(prompts, refs, next(seeds))
+    return lambda: PromptLookupProposer(4)
+
+
+def _check_equal(model, batch_size: int, mode: str) -> None:
+    prompts = _prompts(LENGTHS)
+    stops, refs = _references(model, prompts, BUDGETS)
+    dec = BatchDecoder(model, batch_size, max_len=32)  # too small: growing the cache is exercised too
+    res = dec.generate(prompts, BUDGETS, stop_ids=stops, proposer_factory=_factory(mode, prompts, refs))
+    for i, ((out, stats), ref) in enumerate(zip(res, refs, strict=True)):
+        assert out == ref, f"request {i} (prompt {LENGTHS[i]}, budget {BUDGETS[i]})"
+        assert stats.new_tokens == len(ref) and stats.prompt_tokens == LENGTHS[i]
+        assert stats.steps == len(stats.accepted) and sum(stats.accepted) + stats.steps + 1 >= len(ref)
+    reasons = [s.finish_reason for _, s in res]
+    assert "stop" in reasons and "length" in reasons  # rows finished at different steps, for both reasons
+    batch = res[0][1].batch
+    assert batch.requests == len(prompts) and batch.prefills == len(prompts)
+    assert batch.new_tokens == sum(map(len, refs)) and batch.tokens_per_s > 0
+    if batch_size > 1:  # rows really shared forwards
+        assert batch.steps < sum(s.steps for _, s in res)
+    if mode == "oracle":
+        assert sum(sum(s.accepted) for _, s in res) > 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "random", "oracle", "lookup"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_batched_equals_batch1_ar(arch, mode):
+    _check_equal(tiny_target(arch, CPU), 3, mode)
+
+
+@pytest.mark.parametrize("mode", ["ar", "random", "oracle", "lookup"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_batched_equals_batch1_ar_batch_sizes(batch_size, mode):
+    _check_equal(tiny_target("llama", CPU), batch_size, mode)
+
+
+def _reference_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (kv_heads, L, head_dim) keys and values of a batch-1 forward over `tokens`."""
+    cache = StaticKVCache(model, len(tokens))
+    target_forward(model, torch.tensor([tokens]), cache)
+    n = len(tokens)
+    return [(layer.keys[0, :, :n], layer.values[0, :, :n]) for layer in cache.kv_layers]
+
+
+@pytest.mark.parametrize("mode", ["oracle", "lookup"])
+def test_every_row_holds_exactly_its_committed_kv(mode):
+    model = tiny_target("qwen2", CPU)
+    prompts = _prompts(LENGTHS, seed=1)
+    stops, refs = _references(model, prompts, BUDGETS)
+    checked = []
+
+    def check(dec: BatchDecoder) -> None:
+        for r in range(dec.batch_size):
+            n, toks = dec.cache.lengths[r], dec.committed[r]
+            assert len(toks) == n and int(dec.cache.lengths_t[r]) == n
+            if n == 0:
+                continue
+            for layer, (k, v) in zip(dec.cache.kv_layers, _reference_kv(model, toks), strict=True):
+                torch.testing.assert_close(layer.keys[r, :, :n], k, rtol=0, atol=1e-10)
+                torch.testing.assert_close(layer.values[r, :, :n], v, rtol=0, atol=1e-10)
+            checked.append(n)
+
+    dec = BatchDecoder(model, 3, max_len=128)  # big enough: the spied cache is not reallocated
+    commit, moved = dec.cache.commit, []
+
+    def spy(path: torch.Tensor, accepted: list[int]) -> None:  # did a row keep a scattered path?
+        moved.append(any(path[r, :a].tolist() != list(range(a)) for r, a in enumerate(accepted)))
+        commit(path, accepted)
+
+    dec.cache.commit = spy  # type: ignore[method-assign]
+    res = dec.generate(prompts, BUDGETS, stops, _factory(mode, prompts, refs), on_step=check)
+    assert [out for out, _ in res] == refs
+    assert len(checked) >= 10 and max(checked) >= 20  # long rows, not just prompts
+    if mode == "oracle":
+        assert any(moved)
+
+
+@pytest.mark.parametrize("mode", ["ar", "lookup"])
+def test_rows_are_independent(mode):
+    model = tiny_target("mistral", CPU)
+    others = _prompts([3, 20, 8, 2, 15], seed=2)
+    (x,) = _prompts([11], seed=3)
+    runs = [
+        (1, [x], [18]),  # alone
+        (3, [x, *others[:2]], [18, 5, 30]),  # first, beside two others
+        (2, [*others[:3], x, others[3]], [4, 30, 6, 18, 9]),  # after refills, in a row others used
+        (4, [*others[2:], x], [25, 3, 7, 18]),
+    ]
+    got = []
+    for batch_size, prompts, budgets in runs:
+        res = BatchDecoder(model, batch_size, 64).generate(
+            prompts, budgets, set(), _factory(mode, prompts, [])
+        )
+        got.append(res[prompts.index(x)])
+    ref = ar_generate(model, None, x, 18, stop_ids=set())[0]
+    for out, stats in got:
+        assert out == ref
+        assert stats.accepted == got[0][1].accepted and stats.tree_sizes == got[0][1].tree_sizes
+
+
+def test_budget_edge_cases_and_errors():
+    model = tiny_target("llama", CPU)
+    prompts = _prompts([5, 7, 3])
+    dec = BatchDecoder(model, 2, 64)
+    res = dec.generate(prompts, [0, 1, 3], set())
+    assert [len(out) for out, _ in res] == [0, 1, 3]
+    assert res[2][0] == ar_generate(model, None, prompts[2], 3, stop_ids=set())[0]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate(prompts, [4, 4], set())
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate([[]], 4, set())

@@ -193,28 +193,34 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def measure_costs(
-        self, sizes: tuple[int, ...] = SIZES, prefix: int = 256, reps: int = 5
+        self, sizes: tuple[int, ...] = SIZES, prefix: int = 256, reps: int = 7
     ) -> dict[int, float]:
         """Median ms of one verify forward of b nodes (a chain) after a `prefix`-token cache, for each size,
-        on this decoder's path (eager / fixed / graph); nothing is committed. For `eval.budget.CostCurve`."""
+        on this decoder's path (eager / fixed / graph); nothing is committed. For `eval.budget.CostCurve`.
+        The sizes are timed round-robin (every rep visits every size), so a machine's drift or a noisy
+        neighbour shifts all sizes alike instead of skewing their ratios."""
         g = torch.Generator(device="cpu").manual_seed(0)
         vocab = int(cast(PreTrainedModel, self.model).config.get_text_config(decoder=True).vocab_size)
         ids = torch.randint(0, vocab, (1, prefix), generator=g).to(self.device)
         self._reserve(prefix + 2 * max(sizes))
         self._prefill(ids, (), False)
-        out: dict[int, float] = {}
-        for b in sizes:
-            toks = torch.randint(0, vocab, (b,), generator=g).to(self.device)
-            tree = DraftTree(toks, torch.arange(b, device=self.device) - 1)
-            times = []
-            for _ in range(reps + 1):  # the first run warms up (and captures a graph)
+        trees = {
+            b: DraftTree(
+                torch.randint(0, vocab, (b,), generator=g).to(self.device),
+                torch.arange(b, device=self.device) - 1,
+            )
+            for b in sizes
+        }
+        times: dict[int, list[float]] = {b: [] for b in sizes}
+        for rep in range(reps + 1):  # rep 0 warms up (and captures the graphs)
+            for b, tree in trees.items():
                 sync_device(self.device)
                 t = time.perf_counter()
                 self._forward_tree(tree, (), False)
                 sync_device(self.device)
-                times.append(time.perf_counter() - t)
-            out[b] = sorted(times[1:])[reps // 2] * 1e3
-        return out
+                if rep:
+                    times[b].append(time.perf_counter() - t)
+        return {b: sorted(ts)[len(ts) // 2] * 1e3 for b, ts in times.items()}
 
     def path_name(self) -> str:
         """ "eager" | "fixed" | "graph": the shape of this decoder's verify (a cost-curve cache key)."""

@@ -316,6 +316,7 @@ EVAL: Table = {
     "decode_path": one_of("static", "dynamic"),
     "cuda_graphs": one_of("auto", "on", "off"),
     "node_budget": one_of("off", "auto"),
+    "batch_sizes": each(POSITIVE),
     "profile": ANY,
     "plots": ANY,
     "out_dir": ANY,

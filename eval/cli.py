@@ -12,6 +12,7 @@ import os
 import platform
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -134,6 +135,10 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             methods.append(
                 _spec(cfg, runner, name, model, tokenizer, proposer, stop_ids, sampling, decoder, cost)
             )
+            methods[-1].factory = partial(  # the same drafter and settings for the batched decoder (eager)
+                make_proposer, drafter, e.beam_width, e.beam_length, e.tree_nodes, bool(e.int8_draft_head),
+                lookup_tokens, float(e.draft_min_prob),
+            )  # fmt: skip
     skipped: dict[str, str] = {}
     baselines = list(e.baselines)  # names checked by conf/validate.py
     if "tree_lookup" in baselines:  # prompt lookup through our decoder: compares the two implementations
@@ -143,6 +148,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
                 "tree_lookup", model, tokenizer, lookup, stop_ids, sampling, bool(e.profile), decoder=decoder
             )
         )
+        methods[-1].factory = partial(PromptLookupProposer, int(e.prompt_lookup_num_tokens))
         baselines.remove("tree_lookup")
     if baselines:
         methods.append(runner.hf_method("hf_ar", model, tokenizer, stop_ids, sampling))
@@ -236,11 +242,45 @@ def publish(out_dir: Path, results: dict[str, Any], plots: bool) -> tuple[Path, 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tmp-eval-", dir=out_dir) as tmp:
         staged = write_plots(results["records"], results["categories"], Path(tmp)) if plots else []
+        if plots and results.get("throughput"):
+            from specdraft.eval.throughput import plot_throughput
+
+            staged += plot_throughput(results["throughput"], Path(tmp))
         atomic_write_json(Path(tmp) / "results.json", results)
         for p in staged:
             os.replace(p, out_dir / p.name)
         os.replace(Path(tmp) / "results.json", out_dir / "results.json")
     return out_dir / "results.json", [out_dir / p.name for p in staged]
+
+
+def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer, stop_ids: set[int]) -> list:
+    """`eval.batch_sizes`: the batched throughput table over each benchmark's first turns (greedy only)."""
+    from specdraft.data.chat import prompt_ids
+    from specdraft.eval.throughput import print_throughput, throughput_rows
+
+    e = cfg.eval
+    if not e.batch_sizes:
+        return []
+    if e.temperature > 0:
+        print("eval.batch_sizes: skipped for temperature > 0 (the batched decoder is greedy)")
+        return []
+    pairs = [("ar", None)] + [
+        (m.name.replace("+fallback", ""), m.factory) for m in methods if m.kind == "spec" and m.factory
+    ]
+    rows: list = []
+    for bench, items in benches.items():
+        prompts = [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in items]
+        rows += throughput_rows(
+            model,
+            str(bench),
+            prompts,
+            pairs,
+            [int(b) for b in e.batch_sizes],
+            int(e.max_new_tokens),
+            stop_ids,
+        )
+    print_throughput(rows)
+    return rows
 
 
 def evaluate(cfg: DictConfig) -> Path:
@@ -297,6 +337,7 @@ def evaluate(cfg: DictConfig) -> Path:
         )
     summary, categories = summarize(records), summarize(records, by_category=True)
     print_tables(summary, categories)
+    throughput = _throughput(cfg, benches, methods, model, tokenizer, stop_ids)
     out_dir = Path(e.out_dir or os.path.join(str(cfg.run_dir), "eval"))
     results = {
         "settings": {
@@ -317,6 +358,7 @@ def evaluate(cfg: DictConfig) -> Path:
         "wall_time_s": time.time() - t0,
         "summary": summary,
         "categories": categories,
+        "throughput": throughput,
         "records": records,
     }
     path, plots = publish(out_dir, results, bool(e.plots))

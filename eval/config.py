@@ -44,6 +44,7 @@ class EvalConfig:
         "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify as CUDA graphs
     )
     node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
+    batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
     profile: bool = False  # per-phase time breakdown of the speculative loop (adds device syncs)
     plots: bool = True  # write PNG plots (accepted-length histogram, per-category speedup)
     out_dir: str | None = None  # results folder (default <run_dir>/eval)

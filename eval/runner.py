@@ -42,6 +42,7 @@ class Method:
     run: RunFn  # (prompt ids, max_new_tokens, generator) -> (new tokens, stats dict)
     reference: str
     draft_len: int | None = None  # max draft depth (acceptance rate denominator)
+    factory: Callable[[], Any] | None = None  # spec methods: a fresh proposer (the batched throughput table)
 
 
 def spec_method(

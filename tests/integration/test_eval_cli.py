@@ -240,3 +240,28 @@ def test_decode_path_and_fitted_budget(assets, tmp_path, monkeypatch, extra, nam
     budget = "eval.node_budget=off" not in extra and "eval.decode_path=dynamic" not in extra
     assert len(list(tmp_path.glob("cache/*.json"))) == budget  # the cost curve: measured once, cached
     assert all((r["budget_fit_steps"] is not None) == budget for r in res["records"] if r["kind"] == "spec")
+
+
+def test_throughput_table_against_batch_size(assets, tmp_path, capsys):
+    """`eval.batch_sizes`: batched AR and the drafter at B = 1 and 2, outputs equal to batch-1 AR, a plot."""
+    GlobalHydra.instance().clear()
+    register_configs()
+    args = [f"eval.benches=[{assets / 'mini_mt.jsonl'}]", "eval.limit=3", "eval.batch_sizes=[1,2]",
+            "eval.baselines=[tree_lookup]", "eval.fallback=true"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path, *args))
+    res = json.loads(evaluate(cfg).read_text())
+    rows = res["throughput"]
+    assert [(r["batch"], r["method"]) for r in rows] == [
+        (b, m) for b in (1, 2) for m in ("ar", "redrafter:drafter", "tree_lookup")
+    ]
+    assert all(r["identical"] == r["requests"] == 3 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[3]["speedup_vs_batch1_ar"] == pytest.approx(rows[3]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert (tmp_path / "throughput_mini_mt.png").is_file()
+    assert "throughput vs batch size" in capsys.readouterr().out
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        bad = compose(
+            config_name="config", overrides=_overrides(assets, tmp_path, *args[:2], "eval.batch_sizes=[0]")
+        )
+    with pytest.raises(ValueError, match="eval.batch_sizes"):
+        evaluate(bad)

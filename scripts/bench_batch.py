@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -33,13 +34,12 @@ def main() -> None:
     a = p.parse_args()
 
     from rich.console import Console
-    from rich.table import Table
 
     from specdraft.data.benchmarks import load_benchmark
     from specdraft.data.chat import prompt_ids
-    from specdraft.eval.batch_decode import BatchDecoder
     from specdraft.eval.decode import default_stop_ids
     from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.throughput import Factory, print_throughput, throughput_rows
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
 
@@ -49,59 +49,15 @@ def main() -> None:
         prompt_ids(tok, [{"role": "user", "content": i.turns[0]}])
         for i in load_benchmark("mt_bench", a.requests)
     ]
-    methods: list[tuple[str, object]] = [("ar", None)]
+    methods: list[tuple[str, Factory]] = [("ar", None)]
     for path in a.drafter:
         d = load_drafter(path, model, target_fingerprint(model, tok))
-        methods.append((f"{drafter_family(d)}:{path}", lambda d=d: make_proposer(d)))
+        methods.append((f"{drafter_family(d)}:{path}", partial(make_proposer, d)))
     if a.lookup:
-        methods.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
+        methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     print(f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}")
-    rows, ref, base = [], None, None
-    for b in a.batch:
-        dec = BatchDecoder(model, b)
-        dec.generate(requests[:b], 8, stop, None)  # warm-up
-        ar_rate = None
-        for name, factory in methods:
-            out = dec.generate(requests, a.max_new_tokens, stop, factory)  # type: ignore[arg-type]
-            toks = [t for t, _ in out]
-            batch = out[0][1].batch
-            if ref is None:
-                ref = toks  # batch-1 AR when --batch starts with 1: the reference of every output
-            steps = sum(st.steps for _, st in out)
-            emitted = sum(len(t) for t in toks)
-            rate = batch.tokens_per_s
-            ar_rate = rate if name == "ar" else ar_rate
-            base = rate if base is None else base
-            rows.append(
-                dict(
-                    batch=b,
-                    method=name,
-                    tok_s=rate,
-                    tok_step=emitted / max(steps, 1),
-                    vs_ar_same_batch=rate / ar_rate,
-                    vs_batch1_ar=rate / base,
-                    same=sum(x == y for x, y in zip(toks, ref)),
-                    requests=len(requests),
-                )  # fmt: skip
-            )
-            print(f"batch {b} {name}: {rate:.1f} tok/s", flush=True)
-    table = Table(title=f"batched decoding on {model.device} ({str(model.dtype).replace('torch.', '')})")
-    for col in (
-        "batch",
-        "method",
-        "tok/s",
-        "tok/step/request",
-        "vs AR same batch",
-        "vs batch-1 AR",
-        "same as ref",
-    ):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            str(r["batch"]), r["method"], f"{r['tok_s']:.1f}", f"{r['tok_step']:.2f}", f"{r['vs_ar_same_batch']:.2f}x",
-            f"{r['vs_batch1_ar']:.2f}x", f"{r['same']}/{r['requests']}",
-        )  # fmt: skip
-    Console(width=160).print(table)
+    rows = throughput_rows(model, "mt_bench", requests, methods, a.batch, a.max_new_tokens, stop)
+    print_throughput(rows, Console(width=160))
     if a.json:
         from specdraft.eval.cli import machine_info
         from specdraft.utils import atomic_write_json

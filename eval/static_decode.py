@@ -301,7 +301,7 @@ class StaticDecoder:
         clock = synced_clock if profile else time.perf_counter
         sync_device(device)
         t0 = time.perf_counter()
-        self._reserve(ids.shape[1] + max_new_tokens + max(proposer.spec.node_budget, 1) + 64)
+        self._reserve(ids.shape[1] + max_new_tokens + budget_for(max(proposer.spec.node_budget, 1)) + 64)
         proposer.reset()
         layers, keep_last = proposer.spec.feature_layers, proposer.spec.keep_last_hidden
         logits, hidden = self._prefill(ids, layers, keep_last)

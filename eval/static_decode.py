@@ -353,6 +353,7 @@ class StaticDecoder:
                         proposer.fit_budget(cast(int, fit.cap))
                     fitting, off = not fit.settled, fit.cap == 1
                 path_t = packed[2 : 2 + b]  # (b,) padded path, device
+                in_place = vals[1 + a] == a - 1  # path[a-1] == a-1: the accepted nodes are already in place
                 path_tokens = vals[2 + b : 2 + b + a]
                 if path_tokens[0] != root:
                     raise RuntimeError(
@@ -360,6 +361,7 @@ class StaticDecoder:
                     )
                 drafts = path_tokens[1:]
             else:  # sampling or a custom rule: the exact rules of decode.py on the real n nodes
+                in_place = None
                 if int(tree.tokens[0]) != root:
                     raise RuntimeError(
                         f"proposer returned a tree rooted at {int(tree.tokens[0])}, expected {root}"
@@ -372,7 +374,7 @@ class StaticDecoder:
                     path_t = torch.cat(
                         [path_t, torch.arange(a, inp.b if inp is not None else a, device=device)]
                     )
-            self.cache.commit(path_t, a)
+            self.cache.commit(path_t, a, in_place)
             done = _emit(out, [*drafts, bonus], stop_ids, max_new_tokens)
             bonus_t = torch.tensor([bonus], device=device)
             if drafted:  # (a, H') states and (a,) next tokens of the newly committed positions

@@ -135,13 +135,15 @@ class StaticKVCache(Cache):
         """Static mode: the next forward writes n positions at [length_t, length_t + n) (device op, no sync)."""
         torch.add(torch.arange(n, device=self.length_t.device), self.length_t, out=self.write_pos[:n])
 
-    def commit(self, path: Tensor, accepted: int) -> None:
+    def commit(self, path: Tensor, accepted: int, in_place: bool | None = None) -> None:
         """Keep the first `accepted` entries of `path` (tree node indices) right after the committed prefix.
 
         Args:
             path: (k,) long node indices, ascending, `path[i] >= i`, `path[0] == 0`; entries past `accepted`
                 are ignored (a padded, fixed-shape path may fill them with anything in range).
             accepted: a, the number of nodes kept (root included); `length` advances by a.
+            in_place: whether `path[:a] == arange(a)` (nothing to move), when the caller already knows it
+                from the host copy of the path; None: read it from `path` (a host sync on a GPU).
         """
         start = self.length
         if self.static:  # fixed shape: copy all k slots; slots >= a land past the new length (stale)
@@ -156,7 +158,9 @@ class StaticKVCache(Cache):
             self.length = start + accepted
             return
         path = path[:accepted]
-        if accepted and int(path[-1]) != accepted - 1:  # not already in place
+        if in_place is None:
+            in_place = not accepted or int(path[-1]) == accepted - 1
+        if not in_place:
             src = path + start  # (a,)
             for layer in self.kv_layers:
                 for buf in (layer.keys, layer.values):

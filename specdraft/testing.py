@@ -101,6 +101,36 @@ def tiny_target(arch: str = "llama", device: torch.device | str = "cpu") -> torc
     return model.double().eval().requires_grad_(False).to(device)
 
 
+def check_static_equals_ar(
+    decoder: Any, model: torch.nn.Module, proposer: Any, reference: Any = None, vocab: int = 128
+) -> list[Any]:
+    """Assert a `StaticDecoder`'s speculative output equals AR and the dynamic path's, step for step.
+
+    Prompts of 3 and 17 tokens, 24 new tokens, without and with a stop token hit mid-way; the dynamic path
+    (`eval.decode.speculative_generate`) runs `reference` (default: the same proposer).
+
+    Returns:
+        the decoder's `DecodeStats` of every call.
+    """
+    from specdraft.eval.decode import ar_generate, speculative_generate
+
+    out_stats = []
+    for prompt_len in (3, 17):
+        prompt = torch.randint(5, vocab, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        full, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
+        for stop in (set(), {full[9]}):
+            ref, _ = ar_generate(model, None, prompt, 24, stop_ids=stop)
+            out, stats = decoder.speculative_generate(None, prompt, proposer, 24, stop_ids=stop)
+            old, old_stats = speculative_generate(
+                model, None, prompt, reference or proposer, 24, stop_ids=stop
+            )
+            assert out == ref == old
+            assert stats.accepted == old_stats.accepted  # same trees, same acceptance on both paths
+            assert stats.finish_reason == ("stop" if stop else "length")
+            out_stats.append(stats)
+    return out_stats
+
+
 def write_train_assets(
     root: Path, num_layers: int = 2, num_convs: int = 48, words: Sequence[str] = ("alpha", "beta", "gamma")
 ) -> Path:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdraft.eval.decode import ar_generate, speculative_generate
+from specdraft.eval.decode import ar_generate
 from specdraft.eval.eagle_static import HeadKVCache, StaticHeadState, draft_mask, fixed_ancestors
 from specdraft.eval.eagle_tree import EagleTreeProposer
 from specdraft.eval.proposers import make_proposer
@@ -18,7 +18,7 @@ from specdraft.eval.static_decode import StaticDecoder
 from specdraft.eval.tree import ancestor_matrix
 from specdraft.models import eagle, eagle3
 from specdraft.models.base_llm import forward_with_hidden, target_fingerprint
-from specdraft.testing import tiny_llama, tiny_target, tiny_tokenizer
+from specdraft.testing import check_static_equals_ar, tiny_llama, tiny_target, tiny_tokenizer
 
 V, H = 128, 32
 CPU = torch.device("cpu")
@@ -75,17 +75,8 @@ def test_static_proposer_is_lossless(arch, family, shape):
     dyn = make_proposer(head, tree_nodes=10)
     assert prop.static and prop.fixed is not None and not dyn.static
     dec = StaticDecoder(model, 48, static=shape != "eager", graphs=shape == "graph")
-    for prompt_len in (3, 17):
-        prompt = torch.randint(5, V, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
-        full, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
-        for stop in (set(), {full[9]}):
-            ref, _ = ar_generate(model, None, prompt, 24, stop_ids=stop)
-            out, stats = dec.speculative_generate(None, prompt, prop, 24, stop_ids=stop)
-            old, old_stats = speculative_generate(model, None, prompt, dyn, 24, stop_ids=stop)
-            assert out == ref == old
-            assert stats.accepted == old_stats.accepted
-            assert stats.finish_reason == ("stop" if stop else "length")
-            assert set(stats.tree_sizes) == {11}  # 1 + total_tokens (pool: 3 + 3 * 9 = 30 candidates)
+    for stats in check_static_equals_ar(dec, model, prop, dyn, vocab=V):
+        assert set(stats.tree_sizes) == {11}  # 1 + total_tokens (pool: 3 + 3 * 9 = 30 candidates)
     assert prop.graphs == (shape == "graph") and (prop.fixed.graph is not None) == (shape == "graph")
 
 

@@ -20,7 +20,14 @@ from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import greedy_verify, greedy_verify_packed
 from specdraft.models import eagle, eagle3, medusa, redrafter
 from specdraft.models.base_llm import target_fingerprint
-from specdraft.testing import OracleBeamProposer, RandomTreeProposer, tiny_llama, tiny_target, tiny_tokenizer
+from specdraft.testing import (
+    OracleBeamProposer,
+    RandomTreeProposer,
+    check_static_equals_ar,
+    tiny_llama,
+    tiny_target,
+    tiny_tokenizer,
+)
 from specdraft.train.config import ReDrafterSchema
 
 V, H = 128, 32
@@ -116,17 +123,7 @@ def test_every_family_equals_ar(arch, family, shape):
     device = torch.device("cuda") if shape == "graph" else CPU
     model = _target(arch, device)
     proposer = _proposer(family, model)
-    dec = _decoder(model, shape)
-    for prompt_len in (3, 17):
-        prompt = torch.randint(5, V, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
-        full, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
-        for stop in (set(), {full[9]}):
-            ref, _ = ar_generate(model, None, prompt, 24, stop_ids=stop)
-            out, stats = dec.speculative_generate(None, prompt, proposer, 24, stop_ids=stop)
-            old, old_stats = speculative_generate(model, None, prompt, proposer, 24, stop_ids=stop)
-            assert out == ref == old
-            assert stats.accepted == old_stats.accepted  # same trees, same acceptance on both paths
-            assert stats.finish_reason == ("stop" if stop else "length")
+    check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
 
 
 @pytest.mark.parametrize("shape", ["eager", "fixed"])

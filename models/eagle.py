@@ -43,6 +43,7 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     target_block,
     unroll,
 )
+from specdraft.models.family import FamilySpec
 
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------------------
@@ -141,9 +142,8 @@ class EagleDrafter(PreTrainedModel):
         return unroll(self, feats, tokens, steps, grad_steps, noise)
 
 
-# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+# ---- family protocol: `FAMILY` (models/family.py) at the end of the module; MODEL, CONFIG for older callers ---
 MODEL, CONFIG = EagleDrafter, EagleConfig
-TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer feature is needed
 
 
 def attach(model: EagleDrafter, target: PreTrainedModel) -> EagleDrafter:
@@ -223,3 +223,18 @@ def compute_loss(
     with torch.no_grad():
         logits = torch.stack([logits0] + [inner.draft_logits(outs[b, t, i]) for i in range(1, steps)], dim=1)
     return loss, {"logits": logits.detach(), "targets": batch["targets"][b, t, :steps]}
+
+
+FAMILY = FamilySpec(
+    name="eagle",
+    model=EagleDrafter,
+    config=EagleConfig,
+    build=build,
+    attach=attach,
+    compute_loss=compute_loss,
+    proposer="eagle_tree",  # eval.eagle_tree.EagleTreeProposer: the EAGLE-2 dynamic tree
+    features="last",  # f_t = h_t (the feature it regresses and drafts from)
+    decode_last_hidden=True,
+    # its own loss (feature smooth-L1 + soft CE) is "ce"; "+lk" adds the acceptance term; no kl variant
+    losses=("ce", "ce+lk"),
+)

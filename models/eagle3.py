@@ -44,6 +44,7 @@ from specdraft.models.eagle_common import (
     target_block,
     unroll,
 )
+from specdraft.models.family import FamilySpec
 from specdraft.models.layers import check_target_layers, d2t_to_draft_ids, draft_vocab_ids, scatter_to_vocab
 
 
@@ -177,10 +178,8 @@ class Eagle3Drafter(PreTrainedModel):
         return unroll(self, feats, tokens, steps, grad_steps, noise)
 
 
-# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+# ---- family protocol: `FAMILY` (models/family.py) at the end of the module; MODEL, CONFIG for older callers ---
 MODEL, CONFIG = Eagle3Drafter, Eagle3Config
-TARGET_LAYERS: tuple[int, ...] = ()  # per target: the loop reads `config.target_layers` of the built head
-USES_TOKEN_COUNTS = True  # `build` takes the training-label counts (reduced draft vocabulary)
 
 
 def attach(model: Eagle3Drafter, target: PreTrainedModel) -> Eagle3Drafter:
@@ -301,3 +300,20 @@ def compute_loss(
         "step_losses": torch.stack(step_losses),
     }
     return loss, aux
+
+
+FAMILY = FamilySpec(
+    name="eagle3",
+    model=Eagle3Drafter,
+    config=Eagle3Config,
+    build=build,
+    attach=attach,
+    compute_loss=compute_loss,
+    proposer="eagle_tree",  # eval.eagle_tree.EagleTreeProposer: the EAGLE-2 dynamic tree
+    features="layers",  # the fused low/mid/high layers (`config.target_layers`, set from the target's depth)
+    target_layers="config",
+    decode_last_hidden=False,  # decoding reads the fused layers only (h_t is the training teacher)
+    # its own loss (training-time-test soft CE) is "ce"; "+lk" adds the acceptance term; no kl variant
+    losses=("ce", "ce+lk"),
+    uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
+)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from specdraft.models.family import FamilySpec
 from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids, draft_vocab_ids
 
 FORMAT_VERSION = 1
@@ -161,18 +162,13 @@ class Medusa(PreTrainedModel):
         return self.to_target_ids(top)  # (num_heads, k) target ids
 
 
-# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+# ---- family protocol: `FAMILY` (models/family.py) at the end of the module; MODEL, CONFIG for older callers ---
 MODEL, CONFIG = Medusa, MedusaConfig
-TARGET_LAYERS: tuple[int, ...] = ()  # only the last-layer hidden state is needed
-LOW_PRECISION_OUTPUTS = True  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
 
 
 def attach(model: Medusa, target: PreTrainedModel) -> Medusa:
     """Nothing is borrowed from the target (every head owns its projection)."""
     return model
-
-
-USES_TOKEN_COUNTS = True  # `build` takes the training-label counts (reduced draft vocabulary)
 
 
 def build(
@@ -260,3 +256,18 @@ def compute_loss(
     if not opts.get("slot_weights"):
         opts["slot_weights"] = head_weights(float(config.loss_decay), d).tolist()
     return teacher_forced_loss(model, batch, target_out, opts)
+
+
+FAMILY = FamilySpec(
+    name="medusa",
+    model=Medusa,
+    config=MedusaConfig,
+    build=build,
+    attach=attach,
+    compute_loss=compute_loss,  # models.teacher_forced with lambda^k head weights: every ce / kl / lk combination
+    proposer="medusa_tree",  # eval.medusa_tree.MedusaProposer: the static top-k tree
+    features="last",  # h_t only
+    decode_last_hidden=True,
+    low_precision_outputs=True,  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
+    uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
+)

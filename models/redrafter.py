@@ -20,10 +20,8 @@ as EAGLE-3 fuses low/mid/high layers: a small target's last layer is specialised
 still carry the context the later draft slots need. The decoder then returns those layers with h (`keep_last_hidden`
 of the proposer), and distill/ caches them (`distill.hidden_layers`) so training stays offline.
 
-Prefix attention (an extension of the paper, off by default): with `context_heads` > 0 the state [s_k; h_t] of
-every slot also queries the committed positions 2 <= j <= t (`layers.PrefixAttention`; keys from [e(x_j); e(x_{j-1})],
-values from [e(x_{j+1}); h_j]) and the read is added to g after the input projection. It can learn to copy what
-followed an earlier occurrence of the current token (prompt lookup, learnt) and to recover context h_t lost.
+Prefix attention (an extension of the paper, off by default): with `context_heads` > 0 every slot also attends
+to the committed positions 2 <= j <= t (`models/redrafter_context.py`).
 
 Copy gate (an extension of the paper, off by default): with `copy_ngram` = n > 0 each slot mixes a learnt weight of
 its prompt-lookup candidate into its distribution (the token after the newest earlier occurrence of the context's suffix
@@ -47,8 +45,8 @@ from transformers import PreTrainedModel
 
 from specdraft.models import redrafter_beam
 from specdraft.models.copy_lookup import CopyGate, mix_logits
+from specdraft.models.family import FamilySpec
 from specdraft.models.layers import (
-    PrefixAttention,
     ResBlock,
     ZeroInitLinear,
     check_target_layers,
@@ -57,6 +55,7 @@ from specdraft.models.layers import (
     draft_vocab_ids,
 )
 from specdraft.models.redrafter_config import FORMAT_VERSION, ReDrafterConfig, feature_dim
+from specdraft.models.redrafter_context import context_memory, prefix_attention, training_context
 from specdraft.models.teacher_forced import compute_loss  # the family's loss (shared with Medusa)
 
 
@@ -86,10 +85,7 @@ class ReDrafter(PreTrainedModel):
         self.reduced_vocab = vd < config.vocab_size
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=self.reduced_vocab)
         self.embed = None if config.share_embeddings else nn.Embedding(config.vocab_size, e)
-        heads, hid = int(config.context_heads or 0), int(config.base_hidden_size)
-        # keys [e(x_j); e(x_{j-1})], values [e(x_{j+1}); h_j], queries [s_k; features of t]; output added to g
-        width = int(config.context_dim)
-        self.ctx = PrefixAttention(e + h, 2 * e, e + hid, width, heads, x) if heads else None
+        self.ctx = prefix_attention(config, e, h, x)  # prefix attention (an extension; None by default)
         n_copy = int(config.copy_ngram or 0)  # 0 for exports older than the field
         gate_args = (int(config.copy_hidden), float(config.copy_scale))
         self.copy_gate = CopyGate(x, e, n_copy, *gate_args) if n_copy else None
@@ -176,23 +172,9 @@ class ReDrafter(PreTrainedModel):
     def context_memory(
         self, last: Tensor, prev: Tensor, cur: Tensor, nxt: Tensor, sink: bool = True
     ) -> tuple[Tensor, Tensor]:
-        """Keys and values of committed positions j for the prefix attention (`context_heads` > 0).
-
-        Args:
-            last: (..., M, H) the target's last-layer state h_j (post norm: the first H columns of the features).
-            prev, cur, nxt: (..., M) long, the tokens x_{j-1}, x_j and x_{j+1} (h_j's prediction).
-            sink: prepend the attention's zero sink slot (False: rows to append to a memory that has it).
-
-        Returns:
-            keys, values: (..., 1 + M, A), the sink first ((..., M, A) with `sink=False`).
-        """
-        if self.ctx is None:
-            raise RuntimeError("context_memory needs a drafter built with context_heads > 0")
-        k_in = torch.cat([self.embed_tokens(cur), self.embed_tokens(prev)], dim=-1)  # (..., M, 2E)
-        w = self.head.weight
-        last = last.to(device=w.device, dtype=w.dtype)
-        v_in = torch.cat([self.embed_tokens(nxt), last], dim=-1)  # (..., M, E + H)
-        return self.ctx.memory(k_in, v_in, sink)
+        """Prefix-attention keys, values (..., 1 + M, A) of committed positions: `redrafter_context.context_memory`
+        (last (..., M, H) h_j; prev, cur, nxt (..., M) x_{j-1}, x_j, x_{j+1})."""
+        return context_memory(self, last, prev, cur, nxt, sink)
 
     def state_logits(
         self,
@@ -267,16 +249,9 @@ class ReDrafter(PreTrainedModel):
         """
         feats = self.features(hidden)  # (B, L, F)
         state = self.init_state(root)  # (B, L, E)
-        ctx = None
         if self.copy_gate is not None and copy is None:
             raise ValueError("a drafter with copy_ngram > 0 needs the slots' lookup candidates (`copy`)")
-        if self.ctx is not None:
-            if context is None:
-                raise ValueError("a drafter with context_heads > 0 needs the prefix `context`")
-            ids = context["input_ids"]  # (B, M) x_j
-            prev = F.pad(ids[:, :-1], (1, 0))  # (B, M) x_{j-1} (position 0 is never visible)
-            rows = (context["row"], context["rank"]) if "row" in context else None
-            ctx = (*self.context_memory(context["last"], prev, ids, context["next"]), context["mask"], rows)
+        ctx = training_context(self, context)  # prefix attention's keys/values (None without it)
         logits = []
         for k in range(targets.shape[-1]):
             if k > 0:
@@ -291,7 +266,7 @@ class ReDrafter(PreTrainedModel):
     beam_search = redrafter_beam.beam_search
 
 
-# ---- family protocol (models/registry.py) -------------------------------------------------------------------
+# ---- family protocol: `FAMILY` (models/family.py) at the end of the module; MODEL, CONFIG for older callers ---
 MODEL, CONFIG = ReDrafter, ReDrafterConfig
 __all__ = [
     "FORMAT_VERSION",
@@ -302,16 +277,11 @@ __all__ = [
     "compute_loss",
     "init_from_lm_head",
 ]
-TARGET_LAYERS: tuple[int, ...] = ()  # per model: the loop reads `config.target_layers` (default: none)
-LOW_PRECISION_OUTPUTS = True  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
 
 
 def attach(model: ReDrafter, target: PreTrainedModel) -> ReDrafter:
     """Re-borrow the target's embeddings after `from_pretrained` (no-op for an owned table)."""
     return model.attach_embeddings(target) if model.config.share_embeddings else model
-
-
-USES_TOKEN_COUNTS = True  # `build` takes the training-label counts (reduced draft vocabulary)
 
 
 def build(
@@ -400,3 +370,19 @@ def init_from_lm_head(model: ReDrafter, lm_head: Tensor) -> None:
         model.input_proj.weight[:, e : e + h] = torch.eye(h, dtype=w.dtype, device=w.device)
         model.input_proj.bias.zero_()
         model.head.weight.copy_(w)
+
+
+FAMILY = FamilySpec(
+    name="redrafter",
+    model=ReDrafter,
+    config=ReDrafterConfig,
+    build=build,
+    attach=attach,
+    compute_loss=compute_loss,  # models.teacher_forced: every ce / kl / lk combination
+    proposer="redrafter_beams",  # eval.proposers.ReDrafterProposer: beam search + prefix dedup
+    features="last",  # h_t, plus the optional extra `config.target_layers`
+    target_layers="config",
+    decode_last_hidden=True,
+    low_precision_outputs=True,  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
+    uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
+)

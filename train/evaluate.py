@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from specdraft.models.base_llm import TargetOutput, forward_with_hidden
+from specdraft.models.family import FamilySpec
 from specdraft.train.losses import (
     IGNORE_INDEX,
     per_slot_ce,
@@ -16,6 +16,10 @@ from specdraft.train.losses import (
     topk_hits,
     unigram_hits,
 )
+
+if TYPE_CHECKING:
+    from specdraft.eval.decode import Proposer
+    from specdraft.eval.tree import DraftTree
 
 
 class TargetFeatures:
@@ -76,7 +80,7 @@ class TargetFeatures:
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
-    family: ModuleType,
+    family: FamilySpec,
     features: TargetFeatures,
     batches: Any,
     opts: dict[str, Any],
@@ -88,7 +92,7 @@ def evaluate(
 
     Args:
         model: the (unwrapped) drafter, switched to eval mode for the call.
-        family: its family module (`compute_loss`).
+        family: its family's declared contract (`compute_loss`).
         features: gives the frozen target's outputs for a batch.
         batches: iterable of collated batches on the model's device.
         opts: `compute_loss` options; `max_positions` is the fixed per-batch sample, `generator` is reseeded.
@@ -101,7 +105,7 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    ce_sum = hits1 = hitsk = uni1 = unik = valid = None
+    sums: list[Tensor] = []  # ce * n, hits1, hitsk, unigram hits1, unigram hitsk, n: (D,) each
     lead_sum, rows = 0.0, 0
     gen = torch.Generator().manual_seed(1234)  # the same positions at every evaluation
     for i, batch in enumerate(batches):
@@ -121,22 +125,15 @@ def evaluate(
             unigram_hits(unigram_counts, targets, topk).sum(0).double(),
             n,
         )
-        if ce_sum is None:
-            ce_sum, hits1, hitsk, uni1, unik, valid = (p.cpu() for p in parts)
-        else:
-            ce_sum, hits1, hitsk, uni1, unik, valid = (
-                a + p.cpu() for a, p in zip((ce_sum, hits1, hitsk, uni1, unik, valid), parts)
-            )
+        sums = [a + p.cpu() for a, p in zip(sums, parts)] if sums else [p.cpu() for p in parts]
         first = ok[:, 0]
         lead_sum += float(torch.cumprod((h1 & ok)[first].long(), dim=1).sum())
         rows += int(first.sum())
     if was_training:
         model.train()
-    if valid is None:
+    if not sums:
         return {}
-    # the other accumulators are set together with `valid`
-    assert ce_sum is not None and hits1 is not None and hitsk is not None
-    assert uni1 is not None and unik is not None
+    ce_sum, hits1, hitsk, uni1, unik, valid = sums
     denom = valid.clamp_min(1.0)
     acc1, acck, u1, uk = hits1 / denom, hitsk / denom, uni1 / denom, unik / denom
     out: dict[str, float] = {
@@ -155,3 +152,85 @@ def evaluate(
         out[f"eval/unigram_acc1_s{k}"] = float(u1[k])
         out[f"eval/unigram_acc{topk}_s{k}"] = float(uk[k])
     return out
+
+
+# ---- simulated decoding with the decoder's own proposer (scripts/sim_vs_served.py) ---------------------------------
+def greedy_accepted(tree: DraftTree, truth: Tensor) -> int:
+    """Drafts greedy verification accepts from `tree` when the target's greedy continuation is known.
+
+    Args:
+        tree: a draft tree (N nodes, node 0 the root at depth 0).
+        truth: (k,) the target's greedy tokens after the root: a depth-d node is right when its token is
+            truth[d - 1] and its parent is right.
+
+    Returns:
+        the depth of the deepest right node (the accepted path's length, root excluded), at most k.
+    """
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    truth_l = truth.tolist()
+    depth, ok, best = [0] * len(tokens), [True] + [False] * (len(tokens) - 1), 0
+    for i in range(1, len(tokens)):  # parents[i] < i: one pass in node order
+        p = parents[i]
+        depth[i] = depth[p] + 1
+        ok[i] = ok[p] and depth[i] <= len(truth_l) and tokens[i] == truth_l[depth[i] - 1]
+        best = max(best, depth[i]) if ok[i] else best
+    return best
+
+
+@torch.no_grad()
+def replay_decode(
+    proposer: Proposer,
+    features: Tensor,
+    tokens: Tensor,
+    start: int,
+    max_new_tokens: int,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+) -> list[int]:
+    """Simulated greedy speculative decoding of a row whose response is the target's greedy output.
+
+    The decoder's loop with the target replaced by what the row already holds: the proposer (with its own
+    tree/beam settings) drafts from the features of the committed positions, greedy verification accepts the
+    deepest node matching the row (`greedy_accepted`), and the row supplies the bonus token. On a self-distilled
+    greedy row this is the served decode up to floating-point ties, at the cost of drafting alone.
+
+    Args:
+        proposer: the decoder's proposer for the drafter (reset here).
+        features: (L, F) target features of every row position as the decoder hands them to `propose`
+            (the last layer, or `proposer.spec`'s layers; from one forward over the row).
+        tokens: (L,) the row: the prompt tokens[:start], then the target's greedy response.
+        start: first response position (tokens[start] is the first generated token, the first root).
+        max_new_tokens: stop once this many tokens are emitted (as the decoder).
+        stop_ids: tokens that end generation.
+
+    Returns:
+        accepted drafts per verification step (`DecodeStats.accepted`); tokens/step = mean + 1.
+    """
+    proposer.reset()
+    n, r = int(tokens.shape[0]), start  # r: row position of the current root
+    new_hidden, new_tokens = features[:start], tokens[1 : start + 1]  # (start, F), (start,)
+    emitted, accepted = 1, []
+    done = int(tokens[r]) in stop_ids or emitted >= max_new_tokens
+    while not done and r + 1 < n:
+        tree = proposer.propose(new_hidden, new_tokens)
+        a = min(greedy_accepted(tree, tokens[r + 1 :]), n - r - 2)  # the bonus token must be in the row
+        accepted.append(a)
+        for tok in tokens[r + 1 : r + a + 2].tolist():  # a drafts + the bonus
+            emitted += 1
+            if tok in stop_ids or emitted >= max_new_tokens:
+                done = True
+                break
+        new_hidden, new_tokens = features[r : r + a + 1], tokens[r + 1 : r + a + 2]  # (a + 1, F), (a + 1,)
+        r += a + 1
+    return accepted
+
+
+def pearson(xs: list[float], ys: list[float]) -> float:
+    """Pearson correlation of two equally long lists (nan with fewer than 2 points or no spread)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"pearson: {len(xs)} vs {len(ys)} values")
+    if len(xs) < 2:
+        return float("nan")
+    x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    x, y = x - x.mean(), y - y.mean()
+    den = float(x.norm() * y.norm())
+    return float((x * y).sum()) / den if den > 0 else float("nan")

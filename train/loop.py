@@ -1,6 +1,7 @@
 """The training loop: `train(cfg) -> export folder`. Reads top to bottom: build, loop, evaluate, checkpoint, export.
 
-Works for every drafter family through models/registry.py (`build`, `compute_loss`), single process or under
+Works for every drafter family through its declared contract (`FamilySpec`, models/family.py: `build`,
+`compute_loss`, the target layers it reads, `uses_token_counts`, `low_precision_outputs`), single process or under
 `accelerate launch` (DDP over gloo on CPU, NCCL or DeepSpeed ZeRO-2 on GPUs). The frozen target is loaded once,
 kept out of `accelerator.prepare` and the optimizer, and only ever run under `torch.no_grad()`.
 """
@@ -33,7 +34,7 @@ from specdraft.data.collate import (
 from specdraft.hardware import log_environment, mixed_precision_for, resolve_device, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.hub import export_drafter, push_to_hub, warm_start
-from specdraft.models.registry import get_family
+from specdraft.models.registry import family_spec
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.evaluate import TargetFeatures, evaluate
 from specdraft.train.logging import make_logger, truncate_metrics
@@ -133,7 +134,7 @@ def train(cfg: DictConfig) -> Path:
         placement = resolve_placement(str(acc.device), cfg.base_model.dtype)
         log_environment("train", placement, f"mixed precision {acc.mixed_precision}")
     fingerprint = target_fingerprint(target, tokenizer)
-    family = get_family(cfg.drafter.family)
+    family = family_spec(cfg.drafter.family)
 
     # ---- 2. data ----------------------------------------------------------------------------------------------
     if cfg.train.data_dir:
@@ -152,9 +153,7 @@ def train(cfg: DictConfig) -> Path:
         )
     # ---- 3. drafter, optimiser, schedule -------------------------------------------------------------------
     counts = label_counts(train_rows, int(fingerprint["vocab_size"]))
-    extra = (
-        {"token_counts": counts} if getattr(family, "USES_TOKEN_COUNTS", False) else {}
-    )  # EAGLE-3 draft vocab
+    extra = {"token_counts": counts} if family.uses_token_counts else {}  # reduced draft vocabulary
     model = family.build(cfg.drafter, target, fingerprint, **extra).to(acc.device)
     if cfg.train.init_from:
         n = warm_start(model, str(cfg.train.init_from), fingerprint)
@@ -162,7 +161,7 @@ def train(cfg: DictConfig) -> Path:
             log.info("warm start: %d tensors from %s", n, cfg.train.init_from)
     # Intermediate target layers: per-model (EAGLE-3 `config.target_layers`, depends on the target's depth) or per
     # family; read from distill/'s cache when it holds them all, otherwise the target computes them online.
-    layers = tuple(getattr(model.config, "target_layers", ()) or getattr(family, "TARGET_LAYERS", ()))
+    layers = family.layers_for(model.config)
     cached = layers if cached_layers_cover(feats, layers) else ()
     if layers and not cached and feats and main:
         log.warning(
@@ -199,7 +198,7 @@ def train(cfg: DictConfig) -> Path:
         optimizer, lr_lambda(o.warmup_steps, cfg.train.max_steps, o.scheduler, acc.num_processes)
     )
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
-    if getattr(family, "LOW_PRECISION_OUTPUTS", False):
+    if family.low_precision_outputs:
         _autocast_only(acc, model)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -348,7 +347,7 @@ def train(cfg: DictConfig) -> Path:
 def _autocast_only(acc: Accelerator, model: torch.nn.Module) -> None:
     """Drop the fp32 copy accelerate's native AMP makes of the outputs (forward = fp32(autocast(forward))).
 
-    For families whose loss takes bf16/fp16 outputs and computes in fp32 itself (`LOW_PRECISION_OUTPUTS`:
+    For families whose loss takes bf16/fp16 outputs and computes in fp32 itself (`low_precision_outputs`:
     ReDrafter, Medusa via `train.losses.distill_loss`, as under DeepSpeed, whose outputs are never converted),
     copying (N, D, V) logits to fp32 and their gradient back costs ~15% of a CPU step and changes no value.
     """

@@ -1,0 +1,221 @@
+"""Simulated vs served tokens/step: does the offline number predict what the decoder delivers?
+
+    # every export (or training checkpoint step-*/) against the held-out rows of the distilled set it trained on
+    python scripts/sim_vs_served.py --data outputs/redrafter_smollm2/distilled \\
+        --exports outputs/redrafter_smollm2/export outputs/redrafter_smollm2/checkpoints/step-00000080 \\
+        --prompts 8 --max-new-tokens 64 --json docs/results/sim_vs_served.json
+
+For each export, on the same held-out conversations (the training split: `data.val_fraction` / `data.seed`
+hashed over the conversation ids, `data.conversations.split_indices`):
+  * served: the static decoder (greedy, no node budget, no fallback: the tree is the drafter's own) from the
+    conversation's prompt, `max_new_tokens` tokens (at most the row's response, which `data.max_length` may have
+    cut); tokens/step = accepted drafts + 1 per target forward.
+  * simulated: `train.evaluate.replay_decode`: the same proposer (same tree/beam settings) drafting from one
+    teacher-forced target forward over the distilled row, verified against the row's own greedy response.
+  * chain: the training-time `eval/sim_accept_len` (1 + sum_k prod_i acc1_i, one greedy chain, every
+    position) from `train.evaluate.evaluate`, for reference: it ignores the tree.
+Prints one row per export with the simulated/served ratio, then the Pearson correlation over exports; `--json`
+writes the rows with the machine info atomically. A checkpoint folder (`meta.json` + `model.safetensors`) is
+loaded with its run's export config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def as_export(path: Path, scratch: Path) -> tuple[Path, str]:
+    """(a loadable export folder, a label) for an export folder or a training checkpoint `step-N/`."""
+    if (path / "config.json").is_file():
+        return path, str(path)
+    meta = path / "meta.json"
+    if not (meta.is_file() and (path / "model.safetensors").is_file()):
+        raise FileNotFoundError(f"{path}: neither an export (config.json) nor a checkpoint (meta.json)")
+    cfg = json.loads(meta.read_text())["config"]
+    run_export = Path(cfg["train"].get("export_dir") or Path(cfg["run_dir"]) / "export")
+    if not (run_export / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: its run's export {run_export} (for config.json) is missing")
+    out = scratch / f"{Path(cfg['run_dir']).name}-{path.name}"
+    out.mkdir(parents=True)
+    shutil.copy(run_export / "config.json", out / "config.json")  # same architecture settings as the run
+    (out / "model.safetensors").symlink_to((path / "model.safetensors").resolve())
+    return out, str(path)
+
+
+def decoder_features(target: Any, ids: Tensor, layers: tuple[int, ...], keep_last: bool) -> Tensor:
+    """(L, F) features of every position of `ids` (L,) as the decoder hands them to a proposer with
+    `spec.feature_layers == layers`, `spec.keep_last_hidden == keep_last` (eval.decode.target_forward)."""
+    from specdraft.models.base_llm import forward_with_hidden
+
+    out = forward_with_hidden(target, ids[None], layers=layers, logits=False)
+    hidden = out.hidden[0]  # (L, H)
+    if not layers:
+        return hidden
+    assert out.layers is not None
+    extra = out.layers[0].flatten(-2)  # (L, m*H)
+    return torch.cat([hidden, extra], dim=-1) if keep_last else extra
+
+
+def chain_sim(drafter: Any, target: Any, rows: Any, feats: Any, pad_id: int, counts: Tensor) -> float:
+    """The training-time `eval/sim_accept_len` of `drafter` on `rows` (every position that trains)."""
+    from torch.utils.data import DataLoader
+
+    from specdraft.data.collate import Collator, RowDataset
+    from specdraft.models.registry import spec_of
+    from specdraft.train.evaluate import TargetFeatures, evaluate
+
+    spec = spec_of(drafter)
+    layers = spec.layers_for(drafter.config)
+    d = int(drafter.config.draft_len)
+    collate = Collator(pad_id, d, copy_ngram=int(getattr(drafter.config, "copy_ngram", 0) or 0))
+    loader = DataLoader(RowDataset(rows, feats, use_features=not layers), batch_size=4, collate_fn=collate)
+    opts = {"loss": "ce", "draft_len": d, "max_positions": None}
+    metrics = evaluate(drafter, spec, TargetFeatures(target, False, layers), loader, opts, counts)
+    return float(metrics.get("eval/sim_accept_len", float("nan")))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="the distilled dataset folder the exports trained on")
+    p.add_argument("--exports", nargs="+", required=True, help="export folders or checkpoint step-N folders")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--prompts", type=int, default=8, help="held-out conversations (at most all of them)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--val-fraction", type=float, default=0.05, help="data.val_fraction of the training runs")
+    p.add_argument("--seed", type=int, default=0, help="data.seed of the training runs")
+    p.add_argument(
+        "--split",
+        default="val",
+        choices=["val", "train"],
+        help="val: the held-out rows (default); train: rows the exports trained on (more tokens, optimistic)",
+    )
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the rows and the machine info to this JSON file")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdraft.data.collate import label_counts
+    from specdraft.data.conversations import split_indices
+    from specdraft.distill.shards import load_distilled
+    from specdraft.eval.cli import machine_info
+    from specdraft.eval.decode import default_stop_ids
+    from specdraft.eval.proposers import drafter_family, make_proposer
+    from specdraft.eval.static_decode import make_decoder
+    from specdraft.models.base_llm import load_target, target_fingerprint
+    from specdraft.models.hub import load_drafter
+    from specdraft.train.evaluate import pearson, replay_decode
+    from specdraft.utils import atomic_write_json
+
+    target, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device="cpu"))
+    fingerprint = target_fingerprint(target, tok)
+    dec = make_decoder(target, "static", "off")
+    assert dec is not None
+    stop = default_stop_ids(tok, target)
+    ds, manifest = load_distilled(a.data)
+    train_idx, val_idx = split_indices(list(ds["id"]), a.val_fraction, a.seed)
+    counts = label_counts(ds.select(train_idx), int(fingerprint["vocab_size"]))
+    pool = ds.select(val_idx if a.split == "val" else train_idx)
+    picked = pool.select(
+        range(min(a.prompts, len(pool)))
+    )  # the rows decoded (and scored by the chain metric)
+    rows = [picked[i] for i in range(len(picked))]
+    print(f"{len(val_idx)} held-out rows of {len(ds)} in {a.data}; using {len(rows)} {a.split} rows")
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sim_vs_served_") as scratch:
+        for raw in a.exports:
+            folder, label = as_export(Path(raw), Path(scratch))
+            drafter = load_drafter(str(folder), target, fingerprint).float()
+            prop = make_proposer(drafter)  # the drafter's own decode settings, no node budget
+            layers, keep_last = prop.spec.feature_layers, prop.spec.keep_last_hidden
+            t0 = time.perf_counter()
+            sim_acc, served_acc, same, emitted = [], [], 0, 0
+            for row in rows:
+                ids = torch.tensor(row["input_ids"], dtype=torch.long)
+                start = row["loss_mask"].index(1)  # first response token; ids[:start] is the templated prompt
+                new = min(a.max_new_tokens, len(ids) - start)  # data.max_length may have cut the response
+                feats = decoder_features(target, ids, tuple(layers), keep_last)
+                sim_acc += replay_decode(prop, feats, ids, start, new, stop)
+                out, stats = dec.speculative_generate(tok, ids[:start], prop, new, stop_ids=stop)
+                served_acc += stats.accepted
+                emitted += len(out)
+                same += out == ids[start : start + len(out)].tolist()  # row == the served greedy output
+            t_sim_served = time.perf_counter() - t0
+            sim = 1.0 + sum(sim_acc) / max(len(sim_acc), 1)
+            served = 1.0 + sum(served_acc) / max(len(served_acc), 1)
+            chain = chain_sim(
+                drafter, target, picked, manifest.get("features"), int(tok.pad_token_id), counts
+            )
+            results.append(
+                dict(
+                    export=label, family=drafter_family(drafter), tree_nodes=prop.spec.node_budget,
+                    max_depth=prop.spec.max_depth, simulated=sim, served=served, ratio=sim / served,
+                    chain_sim_accept_len=chain, sim_steps=len(sim_acc), served_steps=len(served_acc),
+                    served_tokens=emitted,
+                    rows_equal_served=f"{same}/{len(rows)}", seconds=round(t_sim_served, 1),
+                )
+            )  # fmt: skip
+            print(json.dumps(results[-1]))
+
+    corr = pearson([r["simulated"] for r in results], [r["served"] for r in results])
+    corr_chain = pearson([r["chain_sim_accept_len"] for r in results], [r["served"] for r in results])
+    table = Table(
+        title=f"simulated vs served tokens/step, {len(rows)} {a.split} rows, <= {a.max_new_tokens} tokens"
+    )
+    for col in (
+        "export",
+        "family",
+        "nodes",
+        "simulated",
+        "served",
+        "sim/served",
+        "chain sim",
+        "rows = served",
+    ):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r["export"], r["family"], str(r["tree_nodes"]), f"{r['simulated']:.3f}", f"{r['served']:.3f}",
+            f"{r['ratio']:.3f}", f"{r['chain_sim_accept_len']:.3f}", r["rows_equal_served"],
+        )  # fmt: skip
+    Console(width=200).print(table)
+    worst = max(abs(r["ratio"] - 1.0) for r in results)
+    print(f"Pearson(simulated, served) = {corr:.3f}; Pearson(chain sim, served) = {corr_chain:.3f}; ", end="")
+    print(f"worst |ratio - 1| = {worst:.3f} (target: <= 0.10, correlation >= 0.9)")
+    if a.json:
+        atomic_write_json(
+            a.json,
+            {
+                "command": " ".join(sys.argv),
+                "machine": machine_info(target),
+                "data": a.data,
+                "held_out_rows": len(val_idx),
+                "split": a.split,
+                "prompts": len(rows),
+                "max_new_tokens": a.max_new_tokens,
+                "pearson_simulated_served": corr,
+                "pearson_chain_served": corr_chain,
+                "worst_abs_ratio_minus_1": worst,
+                "rows": results,
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()

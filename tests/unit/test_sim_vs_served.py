@@ -1,0 +1,74 @@
+"""Simulated decoding (`train.evaluate.replay_decode`, scripts/sim_vs_served.py): the helpers, and replay ==
+served step for step on a tiny fp64 target whose greedy output is the row."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdraft.eval.decode import ar_generate
+from specdraft.eval.proposers import make_proposer
+from specdraft.eval.static_decode import StaticDecoder
+from specdraft.eval.tree import DraftTree
+from specdraft.models import eagle
+from specdraft.models.base_llm import forward_with_hidden
+from specdraft.testing import OracleBeamProposer, tiny_target
+from specdraft.train.evaluate import greedy_accepted, pearson, replay_decode
+
+
+def test_pearson_golden_values() -> None:
+    assert pearson([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == pytest.approx(1.0)
+    assert pearson([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert pearson([1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 2.0, 4.0]) == pytest.approx(0.8)
+    assert math.isnan(pearson([1.0], [2.0])) and math.isnan(pearson([1.0, 1.0], [2.0, 3.0]))
+    with pytest.raises(ValueError):
+        pearson([1.0], [1.0, 2.0])
+
+
+def test_greedy_accepted_takes_the_deepest_matching_path() -> None:
+    #      0 (root)
+    #     / \
+    #    1:7  2:5
+    #    |     \
+    #   3:8    4:6 - 5:9
+    tree = DraftTree(torch.tensor([4, 7, 5, 8, 6, 9]), torch.tensor([-1, 0, 0, 1, 2, 4]))
+    assert greedy_accepted(tree, torch.tensor([5, 6, 9, 1])) == 3
+    assert greedy_accepted(tree, torch.tensor([5, 6, 2])) == 2
+    assert greedy_accepted(tree, torch.tensor([7, 8])) == 2
+    assert greedy_accepted(tree, torch.tensor([5])) == 1  # the row ends: deeper nodes cannot be judged
+    assert greedy_accepted(tree, torch.tensor([1, 2])) == 0
+
+
+def _eagle(target: torch.nn.Module):
+    fp = {"name_or_path": "tiny", "hidden_size": 32, "vocab_size": 128, "tokenizer_hash": "t"}
+    schema = SimpleNamespace(
+        draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
+        token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=None, ttt_decay=0.8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return make_proposer(eagle.build(schema, target, fp).double().eval(), tree_nodes=10)
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "eagle"])
+def test_replay_equals_served_on_the_targets_own_greedy_row(proposer: str) -> None:
+    target = tiny_target()
+    prompt = torch.randint(5, 128, (9,), generator=torch.Generator().manual_seed(3))
+    out, _ = ar_generate(target, None, prompt, 40, stop_ids=set())
+    row = torch.cat([prompt, torch.tensor(out)])  # (9 + 40,) prompt, then the target's greedy response
+    stop = {out[30]}  # a stop token hit on the way, as in a finished conversation
+
+    def fresh():
+        return OracleBeamProposer(out, len(prompt), vocab=128) if proposer == "oracle" else _eagle(target)
+
+    served_out, stats = StaticDecoder(target, 128).speculative_generate(
+        None, prompt, fresh(), 36, stop_ids=stop
+    )
+    feats = forward_with_hidden(target, row[None], logits=False).hidden[0]  # (L, H)
+    sim = replay_decode(fresh(), feats, row, len(prompt), 36, stop)
+    assert served_out == out[: len(served_out)]
+    assert sim == stats.accepted  # step for step
+    if proposer == "oracle":
+        assert sum(sim) > len(sim)  # long accepted paths were exercised

@@ -281,6 +281,7 @@ DISTILL: Table = {
     "hidden_layers": ANY,  # indices into the target's hidden states (checked against the target)
     "topk": COUNT,
     "feature_dtype": one_of(*FEATURE_DTYPES),
+    "linear_layout": one_of("auto", "transposed", "native"),
     "max_disk_gb": above(0),
     "seed": SEED,
 }
@@ -313,10 +314,15 @@ EVAL: Table = {
     "warmup": COUNT,
     "warmup_tokens": POSITIVE,
     "fallback": ANY,
+    "adaptive": one_of("off", "on"),
+    "adaptive_threshold": FRACTION,
     "decode_path": one_of("static", "dynamic"),
     "cuda_graphs": one_of("auto", "on", "off"),
     "node_budget": one_of("off", "auto"),
+    "linear_layout": one_of("auto", "transposed", "native"),
     "batch_sizes": each(POSITIVE),
+    "scheduler": one_of("fifo", "length", "both"),
+    "length_predictor": ANY,  # a file path, checked when the throughput table loads it
     "profile": ANY,
     "plots": ANY,
     "out_dir": ANY,
@@ -430,5 +436,12 @@ def validate_config(cfg: DictConfig) -> None:
             )
         else:
             problems += check_section(plain(drafter), family_schema, "drafter.")
+            train = cfg.get("train")
+            loss = None if train is None else train.get("loss")
+            if loss is not None and TRAIN["loss"].ok(loss):  # spelt right: does the family implement it?
+                from specdraft.models.registry import family_spec  # lazy: imports the family's module
+
+                problem = family_spec(str(family)).check_loss(str(loss))
+                problems += [problem] if problem else []
     if problems:
         raise ValueError("; ".join(problems))

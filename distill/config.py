@@ -29,3 +29,6 @@ class DistillConfig:
     feature_dtype: str = "bf16"  # bf16 | fp16 for cached features
     max_disk_gb: float = 20.0  # refuse to start when the projected feature size exceeds this
     seed: int = 0  # sampling seed
+    linear_layout: str = (
+        "auto"  # target Linear weights: auto (transposed on a CPU in fp32) | transposed | native
+    )

@@ -38,6 +38,7 @@ from specdraft.distill.shards import (
 from specdraft.distill.turns import build_rows
 from specdraft.hardware import log_environment, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
+from specdraft.models.linear_layout import apply_layout
 from specdraft.utils import clean_stale_tmp
 
 
@@ -119,6 +120,7 @@ def distill(cfg: DictConfig) -> Path:
     )
     say(f"[distill] {report.summary()}", flush=True)
     model, tokenizer = load_target(cfg.base_model)
+    apply_layout(model, str(d.linear_layout))  # decode steps of <= max_batch_size rows: ~1.5x on a CPU (fp32)
     log_environment("distill", resolve_placement(cfg.base_model.device, cfg.base_model.dtype))
     fingerprint = target_fingerprint(model, tokenizer)
     settings = generation_settings(d, tokenizer, model)

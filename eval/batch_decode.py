@@ -45,6 +45,12 @@ class BatchStats:
     prefills: int = 0  # single-row prompt forwards
     new_tokens: int = 0  # emitted tokens over all requests
     time_s: float = 0.0  # wall time of the call
+    idle_row_steps: int = 0  # rows without a request summed over steps (the forward still runs them)
+
+    @property
+    def row_utilisation(self) -> float:
+        """Share of the steps' row slots that decoded a request: 1 - idle_row_steps / (rows * steps)."""
+        return 1.0 - self.idle_row_steps / max(self.rows * self.steps, 1)
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,6 +169,7 @@ class BatchDecoder:
         stop_ids: set[int] | None = None,
         proposer_factory: Callable[[], Proposer] | None = None,
         on_step: Callable[[BatchDecoder], None] | None = None,
+        order: list[int] | None = None,
     ) -> list[tuple[list[int], RequestStats]]:
         """Decode every request greedily, B at a time, refilling rows as requests finish.
 
@@ -172,6 +179,8 @@ class BatchDecoder:
             stop_ids: tokens that end a request (kept); None: the model's generation-config EOS ids.
             proposer_factory: makes one proposer per row slot (`reset()` on every refill); None: AR.
             on_step: called after every batched step's compaction (tests inspect the cache there).
+            order: the order in which queued requests are admitted to free rows, a permutation of the request
+                indices (`eval.scheduler.schedule_order`); None: FIFO (arrival order). Outputs do not depend on it.
 
         Returns:
             (new tokens, stats) per request, in request order; `stats.batch` holds the call's throughput.
@@ -181,6 +190,8 @@ class BatchDecoder:
         )
         if len(budgets) != len(requests):
             raise ValueError(f"{len(budgets)} max_new_tokens for {len(requests)} requests")
+        if order is not None and sorted(order) != list(range(len(requests))):
+            raise ValueError(f"order must be a permutation of the {len(requests)} request indices")
         stops = default_stop_ids(None, self.model) if stop_ids is None else set(stop_ids)
         B, dev = self.batch_size, self.device
         proposers = [proposer_factory() for _ in range(B)] if proposer_factory is not None else []
@@ -196,7 +207,7 @@ class BatchDecoder:
         batch = BatchStats(rows=B, requests=len(requests))
         results: list[tuple[list[int], RequestStats] | None] = [None] * len(requests)
         rows: list[_Row | None] = [None] * B
-        queue = deque(range(len(requests)))
+        queue = deque(range(len(requests)) if order is None else order)
         sync_device(dev)
         t_call = time.perf_counter()
 
@@ -272,6 +283,7 @@ class BatchDecoder:
             path_t = packed[:, 2 : 2 + b]  # (B, b) padded paths
             self.cache.commit(path_t, accepted)
             batch.steps += 1
+            batch.idle_row_steps += B - len(active)
             for r in active:
                 st, a, bonus = cast(_Row, rows[r]), accepted[r], int(vals[r][1])
                 path_tokens = [int(x) for x in vals[r][2 + b : 2 + b + a]]

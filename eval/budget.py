@@ -45,12 +45,23 @@ def _cache_dir() -> Path:
 
 def machine_key(model: torch.nn.Module, path: str) -> str:
     """What a cost curve depends on: the model's config, device (CPU model / GPU name), dtype, threads,
-    torch version and the decode path ("eager" | "fixed" | "graph")."""
+    torch version, the decode path ("eager" | "fixed" | "graph") and the Linear weight layout
+    (`models.linear_layout`: the LM head's class tells)."""
     emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
     dev = emb.device
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
     cfg = cast(PreTrainedModel, model).config.to_json_string(use_diff=False)
-    parts = [cfg, dev.type, where, str(emb.dtype), str(torch.get_num_threads()), torch.__version__, path]
+    layout = type(cast(PreTrainedModel, model).get_output_embeddings()).__name__
+    parts = [
+        cfg,
+        dev.type,
+        where,
+        str(emb.dtype),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        path,
+        layout,
+    ]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -139,6 +139,13 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
                 make_proposer, drafter, e.beam_width, e.beam_length, e.tree_nodes, bool(e.int8_draft_head),
                 lookup_tokens, float(e.draft_min_prob),
             )  # fmt: skip
+            if e.adaptive == "on":  # next to it: the same drafter, pruned per step by confidence (LLMCad)
+                from specdraft.eval.adaptive import AdaptiveProposer
+
+                pruned = AdaptiveProposer(methods[-1].factory(), float(e.adaptive_threshold))
+                methods.append(
+                    _spec(cfg, runner, name + "+adaptive", model, tokenizer, pruned, stop_ids, sampling, decoder, cost)
+                )  # fmt: skip
     skipped: dict[str, str] = {}
     baselines = list(e.baselines)  # names checked by conf/validate.py
     if "tree_lookup" in baselines:  # prompt lookup through our decoder: compares the two implementations
@@ -149,6 +156,16 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             )
         )
         methods[-1].factory = partial(PromptLookupProposer, int(e.prompt_lookup_num_tokens))
+        if e.adaptive == "on":  # prompt lookup pruned by its n-gram counts (eval/adaptive.py)
+            from specdraft.eval.adaptive import AdaptiveProposer
+
+            pruned = AdaptiveProposer(methods[-1].factory(), float(e.adaptive_threshold))
+            methods.append(
+                runner.spec_method(
+                    "tree_lookup+adaptive", model, tokenizer, pruned, stop_ids, sampling, bool(e.profile),
+                    decoder=decoder,
+                )
+            )  # fmt: skip
         baselines.remove("tree_lookup")
     if baselines:
         methods.append(runner.hf_method("hf_ar", model, tokenizer, stop_ids, sampling))
@@ -267,9 +284,28 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
     pairs = [("ar", None)] + [
         (m.name.replace("+fallback", ""), m.factory) for m in methods if m.kind == "spec" and m.factory
     ]
+    scheduler = str(e.get("scheduler", "fifo"))
+    schedulers = {"fifo": ["fifo"], "length": ["length"], "both": ["fifo", "length"]}[scheduler]
+    predictor = None
+    if "length" in schedulers:
+        if not e.get("length_predictor"):
+            print(f"eval.scheduler={scheduler}: no eval.length_predictor given; length-aware rows skipped")
+            schedulers = ["fifo"]
+        else:
+            from specdraft.eval.length_predictor import load_length_predictor
+
+            predictor = load_length_predictor(str(e.length_predictor))
     rows: list = []
     for bench, items in benches.items():
         prompts = [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in items]
+        predicted, predict_s = None, 0.0
+        if predictor is not None:
+            from specdraft.eval.length_predictor import prompt_features
+
+            t0 = time.perf_counter()
+            feats = prompt_features(model, prompts, predictor.signal)  # (N, F)
+            predicted = predictor.expected_length(feats).clamp(max=int(e.max_new_tokens)).tolist()
+            predict_s = time.perf_counter() - t0
         rows += throughput_rows(
             model,
             str(bench),
@@ -278,6 +314,9 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             [int(b) for b in e.batch_sizes],
             int(e.max_new_tokens),
             stop_ids,
+            schedulers=schedulers,
+            predicted=predicted,
+            predict_s=predict_s,
         )
     print_throughput(rows)
     return rows
@@ -293,6 +332,7 @@ def evaluate(cfg: DictConfig) -> Path:
     from specdraft.eval.runner import run_benchmark, warm_up
     from specdraft.eval.speedup import print_tables, summarize
     from specdraft.models.base_llm import load_target
+    from specdraft.models.linear_layout import apply_layout
 
     validate_config(cfg)
     e = cfg.eval
@@ -303,6 +343,8 @@ def evaluate(cfg: DictConfig) -> Path:
     base = cast(dict[str, Any], OmegaConf.to_container(cfg.base_model, resolve=True))  # a DictConfig
     base.update({k: v for k, v in (("dtype", e.dtype), ("device", e.device)) if v})
     model, tokenizer = load_target(SimpleNamespace(**base))
+    if apply_layout(model, str(e.linear_layout)):  # small-M products (verify trees) ~2x cheaper on a CPU
+        print("eval.linear_layout: target Linear weights stored transposed (CPU decode layout)")
     log_environment("evaluate", resolve_placement(base["device"], base["dtype"]))
     stop_ids = default_stop_ids(tokenizer, model)
     methods, skipped = _methods(cfg, model, tokenizer, stop_ids)

@@ -39,12 +39,19 @@ class EvalConfig:
     warmup: int = 1  # warm-up prompts per method before timing (not recorded)
     warmup_tokens: int = 32  # new tokens per warm-up prompt
     fallback: bool = False  # draft only while it pays, else plain target steps (LLMCad); output unchanged
+    adaptive: str = "off"  # on: also run each drafter confidence-adaptive (eval/adaptive.py); same output
+    adaptive_threshold: float = 0.1  # adaptive: cumulative draft probability a tree node needs to be verified
     decode_path: str = "static"  # static (preallocated cache, one host sync/step) | dynamic (pre-0.2 path)
     cuda_graphs: str = (
         "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify as CUDA graphs
     )
+    linear_layout: str = (
+        "auto"  # target Linear weights: auto (transposed on a CPU in fp32) | transposed | native
+    )
     node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
+    scheduler: str = "fifo"  # throughput admission order: fifo | length (longest predicted first) | both
+    length_predictor: str | None = None  # scripts/train_length_predictor.py file (scheduler=length)
     profile: bool = False  # per-phase time breakdown of the speculative loop (adds device syncs)
     plots: bool = True  # write PNG plots (accepted-length histogram, per-category speedup)
     out_dir: str | None = None  # results folder (default <run_dir>/eval)

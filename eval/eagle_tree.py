@@ -265,4 +265,6 @@ class EagleTreeProposer:
             raise RuntimeError("EAGLE-2 rerank kept a node without its parent (non-monotone scores)")
         tokens = torch.cat([torch.tensor([root], device=tok.device), kept])
         parents = torch.cat([torch.tensor([-1], device=tok.device), parents])
-        return DraftTree(tokens.to(device), parents.to(device))
+        kept_logp, _ = select_nodes(score, par, score, depth, self.total_tokens)  # (N-1,) same selection
+        scores = torch.cat([score.new_zeros(1), kept_logp]).float().exp()  # (N,) path probabilities
+        return DraftTree(tokens.to(device), parents.to(device), scores=scores.to(device))

@@ -70,6 +70,17 @@ def prompt_lookup(context: Tensor, max_ngram: int, num_tokens: int) -> Tensor:
     Returns:
         (k,) long continuation, k <= num_tokens (empty when nothing matches).
     """
+    return prompt_lookup_scored(context, max_ngram, num_tokens)[0]
+
+
+def prompt_lookup_scored(context: Tensor, max_ngram: int, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """`prompt_lookup` with a count-based cumulative probability of each continuation token: of the h earlier
+    occurrences of the matched n-gram, those whose next d tokens equal the continuation's first d, over h + 1
+    (one escape count for "none of these"), so one match gives 0.5 and agreeing repeats approach 1.
+
+    Returns:
+        cont (k,) long; probs (k,) float32, non-increasing (empty when nothing matches).
+    """
     t = context.shape[0]
     for n in range(min(max_ngram, t - 1), 0, -1):
         windows = context[: t - 1].unfold(0, n, 1)  # (T-n, n): every earlier n-gram with a successor
@@ -77,8 +88,33 @@ def prompt_lookup(context: Tensor, max_ngram: int, num_tokens: int) -> Tensor:
         if hits.numel():
             full = hits[hits + n + num_tokens <= t]  # matches followed by a full-length continuation
             start = int(full[-1] if full.numel() else hits[0]) + n  # most recent full one, else the longest
-            return context[start : start + num_tokens]
-    return context[:0]
+            cont = context[start : start + num_tokens]  # (k,)
+            idx = hits + n + torch.arange(cont.shape[0], device=context.device)  # (h, k)
+            same = (context[idx.clamp(max=t - 1)] == cont) & (idx < t)  # (h, k)
+            agree = same.long().cumprod(1).sum(0)  # (k,) occurrences agreeing up to each depth
+            return cont, agree.float() / (hits.shape[0] + 1)
+    return context[:0], torch.zeros(0, device=context.device)
+
+
+def beam_scores(tree: DraftTree, cum: Tensor) -> Tensor:
+    """Per-node cumulative probability of a tree packed from beams (`pack_beams`).
+
+    Args:
+        tree: with `beam_nodes` (W, L).
+        cum: (W', L') cumulative log-probs of the first W' <= W beams (L' <= L); missing rows/columns are
+            positions with no drafter score (0 here unless another beam shares the node).
+
+    Returns:
+        (N,) float32: exp(cum) of each node (max over the beams sharing it), root 1.
+    """
+    assert tree.beam_nodes is not None
+    w, length = cum.shape
+    nodes = tree.beam_nodes[:w, :length]  # (W', L')
+    valid = nodes >= 0
+    probs = torch.zeros(tree.num_nodes, dtype=torch.float32, device=cum.device)
+    probs.scatter_reduce_(0, nodes[valid].to(cum.device), cum[valid].float().exp(), "amax")
+    probs[0] = 1.0
+    return probs
 
 
 class PromptLookupProposer:
@@ -106,13 +142,19 @@ class PromptLookupProposer:
 
     def continuation(self, tokens: Tensor) -> Tensor:
         """Append the newly committed `tokens` (n,) to the context; (k,) lookup continuation after its end."""
+        return self.scored_continuation(tokens)[0]
+
+    def scored_continuation(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """`continuation` and its count-based cumulative probabilities (k,) (`prompt_lookup_scored`)."""
         self.context = tokens.clone() if self.context is None else torch.cat([self.context, tokens])
-        return prompt_lookup(self.context, self.max_ngram, self.draft_len)
+        return prompt_lookup_scored(self.context, self.max_ngram, self.draft_len)
 
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
-        """A chain tree: root, then the lookup continuation (hidden is unused)."""
-        chain = torch.cat([tokens[-1:], self.continuation(tokens)])  # (1+k,)
-        return pack_beams(chain[None])[0]
+        """A chain tree: root, then the lookup continuation, with per-node scores (hidden is unused)."""
+        cont, probs = self.scored_continuation(tokens)  # (k,), (k,)
+        tree = pack_beams(torch.cat([tokens[-1:], cont])[None])[0]  # (1+k,) chain
+        tree.scores = torch.cat([probs.new_ones(1), probs])  # (1+k,)
+        return tree
 
 
 class ReDrafterProposer:
@@ -289,11 +331,15 @@ class ReDrafterProposer:
         if self.min_logp is not None:
             beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails
         beams = beams.to(tokens.device)
+        cum_all = cum.to(tokens.device)  # (W, 1+D) log-probs
         if self.lookup is not None:
-            cont = self.lookup.continuation(tokens)  # (k,)
+            cont, probs = self.lookup.scored_continuation(tokens)  # (k,), (k,)
             if cont.numel():
                 beams = pad_beams([beams, torch.cat([tokens[-1:], cont])])  # (W+1, max(1+D, 1+k))
+                lookup_cum = torch.cat([probs.new_zeros(1), probs.log()])[None]  # (1, 1+k)
+                cum_all = pad_beams([cum_all.float(), lookup_cum])  # (W+1, L); padded slots make no nodes
         tree, self.last_compression = pack_beams(beams)
+        tree.scores = beam_scores(tree, cum_all)  # (N,)
         return tree
 
     def _propose_fixed(self, hidden: Tensor, root: Tensor) -> DraftTree:
@@ -312,21 +358,22 @@ class ReDrafterProposer:
         if self.graphs and self._draft_graph is None:
             self._draft_graph = capture_or_none(step, self._root_in.device, "the ReDrafter draft step")
             self.graphs = self._draft_graph is not None
-        beams, _ = self._draft_graph() if self._draft_graph is not None else step()  # (W, 1 + D)
+        beams, cum = self._draft_graph() if self._draft_graph is not None else step()  # (W, 1 + D) each
         tokens = torch.cat([self._root_in, beams[:, 1:].reshape(-1)])  # (1 + W*D,)
+        scores = torch.cat([cum.new_ones(1), cum[:, 1:].float().exp().reshape(-1)])  # (1 + W*D,)
         self.last_compression = 1.0
-        return DraftTree(tokens, self._parents, self._depth, self._ancestors)
+        return DraftTree(tokens, self._parents, self._depth, self._ancestors, scores=scores)
 
 
 def drafter_family(drafter: torch.nn.Module) -> str:
-    """Family name from the drafter config (`architecture`, else `model_type`)."""
-    cfg = getattr(drafter, "config", None)
-    family = getattr(cfg, "architecture", None) or getattr(cfg, "model_type", None)
-    if not family:
-        raise ValueError(
-            f"cannot tell the drafter family of {type(drafter).__name__}: no config.architecture"
-        )
-    return str(family)
+    """The declared family name (`FamilySpec.name`, models/family.py) of a registered drafter.
+
+    Raises:
+        ValueError: no `config.architecture`, or a family not in models/registry.py.
+    """
+    from specdraft.models.registry import spec_of
+
+    return spec_of(drafter).name
 
 
 def make_proposer(
@@ -353,25 +400,36 @@ def make_proposer(
         static, graphs: ReDrafter's fixed-shape draft step / EAGLE-2's fixed-shape tree expansion (and its CUDA
             graph) for the static decode path.
     """
-    family = drafter_family(drafter)
+    from specdraft.models.registry import spec_of
+
+    try:
+        spec = spec_of(drafter)  # the family's declared contract: `spec.proposer` names the builder
+    except ValueError as err:
+        raise NotImplementedError(f"no proposer for {type(drafter).__name__}: {err}") from err
     cfg = cast("PretrainedConfig", drafter.config)
-    if family == "redrafter":
+    if spec.proposer == "redrafter_beams":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1
         return ReDrafterProposer(
             drafter, int(w), int(length), int8_head, lookup_tokens, min_prob, static, graphs
         )
-    if family == "medusa":
+    if spec.proposer == "medusa_tree":
         from specdraft.eval.medusa_tree import MedusaProposer
 
         return MedusaProposer(drafter, max_nodes=tree_nodes)
-    if family in ("eagle", "eagle3"):
+    if spec.proposer == "eagle_tree":
         from specdraft.eval.eagle_tree import EagleTreeProposer
 
         total = tree_nodes or int(cfg.tree_total_tokens)
         return EagleTreeProposer(
             drafter, total, int(cfg.tree_depth), int(cfg.tree_top_k), int8_head, static, graphs
         )
-    raise NotImplementedError(
-        f"no proposer for drafter family {family!r} (supported: redrafter, medusa, eagle, eagle3)"
-    )
+    if ":" in spec.proposer:  # a plugged-in family's builder "package.module:callable"
+        import importlib
+
+        module, _, name = spec.proposer.partition(":")
+        settings: dict[str, object] = {"beam_width": beam_width, "beam_length": beam_length}
+        settings.update(tree_nodes=tree_nodes, int8_head=int8_head, lookup_tokens=lookup_tokens)
+        settings.update(min_prob=min_prob, static=static, graphs=graphs)
+        return getattr(importlib.import_module(module), name)(drafter, **settings)
+    raise NotImplementedError(f"no proposer {spec.proposer!r} for drafter family {spec.name!r}")

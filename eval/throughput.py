@@ -1,14 +1,17 @@
 """Throughput against batch size (`eval.batch_sizes`): batched AR and each drafter on the same requests.
 
 For every batch size B, `BatchDecoder(model, B)` serves all first turns of a benchmark with continuous
-batching (FIFO refill), greedy, once as AR and once per drafter (one proposer per row). Reported per
-(benchmark, B, method): tokens/s over the whole call, tokens per step and request, the speedup over batched
-AR at the same B and over batch-1 AR (when B = 1 is measured), and how many outputs equal batch-1 AR's.
+batching, greedy, once as AR and once per drafter (one proposer per row), under each scheduler (`fifo`:
+arrival order; `length`: longest predicted response first, `eval/scheduler.py`; `oracle`: longest measured
+response first, an upper bound). Reported per (benchmark, B, method, scheduler): tokens/s over the whole call
+(`length` includes the time spent predicting), tokens per step and request, row utilisation, the speedup
+over batched AR at the same B and scheduler, over batch-1 AR (when B = 1 is measured) and over the same
+method under FIFO, and how many outputs equal batch-1 AR's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 
 from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.decode import Proposer
+from specdraft.eval.scheduler import SCHEDULERS, schedule_order
 
 Factory = Callable[[], Proposer] | None  # None: AR
 
@@ -29,8 +33,11 @@ def throughput_rows(
     max_new_tokens: int,
     stop_ids: set[int],
     log: Callable[[str], None] = lambda msg: print(msg, flush=True),
+    schedulers: Sequence[str] = ("fifo",),
+    predicted: Sequence[float] | None = None,
+    predict_s: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """One record per (batch size, method); `methods[0]` must be AR (factory None), the reference.
+    """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
 
     Args:
         model: the target.
@@ -40,38 +47,68 @@ def throughput_rows(
         batch_sizes: B values, in order.
         max_new_tokens: per request.
         stop_ids: end-of-generation tokens.
+        schedulers: admission orders to measure, each on the same prompts (`fifo` | `length` | `oracle`);
+            `oracle` follows the method's FIFO output lengths at the same B (so `fifo` must come first).
+        predicted: (N,) predicted response lengths, needed by `length`.
+        predict_s: wall time spent predicting them, added to every `length` call's time.
     """
+    for s in schedulers:
+        if s not in SCHEDULERS:
+            raise ValueError(f"scheduler {s!r}: expected one of {', '.join(SCHEDULERS)}")
+    if "length" in schedulers and (predicted is None or len(predicted) != len(prompts)):
+        raise ValueError("the length scheduler needs one predicted length per prompt")
+    if "oracle" in schedulers and (not schedulers or schedulers[0] != "fifo"):
+        raise ValueError("the oracle scheduler reads the FIFO run's lengths: list fifo first")
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] | None = None
     batch1_ar: float | None = None
     for b in batch_sizes:
         dec = BatchDecoder(model, b)
         dec.generate(prompts[:b], 4, stop_ids)  # warm-up (allocator, kernels)
-        ar_rate = 0.0
+        ar_rate: dict[str, float] = {}
         for name, factory in methods:
-            out = dec.generate(prompts, max_new_tokens, stop_ids, factory)
-            toks = [t for t, _ in out]
-            rate = out[0][1].batch.tokens_per_s if out else 0.0
-            if factory is None:
-                ar_rate = rate
-                if b == 1:
-                    batch1_ar = rate
-                reference = toks if reference is None or b == 1 else reference
-            steps = sum(st.steps for _, st in out)
-            rows.append(
-                {
-                    "bench": bench,
-                    "batch": b,
-                    "method": name,
-                    "tokens_per_s": rate,
-                    "tokens_per_step": sum(len(t) for t in toks) / max(steps, 1),
-                    "speedup_vs_ar_same_batch": rate / ar_rate if ar_rate else None,
-                    "speedup_vs_batch1_ar": rate / batch1_ar if batch1_ar else None,
-                    "identical": sum(x == y for x, y in zip(toks, reference or toks)),
-                    "requests": len(prompts),
-                }
-            )
-            log(f"[throughput {bench}] batch {b} {name}: {rate:.1f} tok/s")
+            fifo_rate, measured = 0.0, None
+            for sched in schedulers:
+                lengths = measured if sched == "oracle" else predicted
+                order = schedule_order(sched, len(prompts), lengths)
+                out = dec.generate(prompts, max_new_tokens, stop_ids, factory, order=order)
+                toks = [t for t, _ in out]
+                stats = out[0][1].batch if out else None
+                extra = predict_s if sched == "length" else 0.0
+                rate = stats.new_tokens / max(stats.time_s + extra, 1e-9) if stats else 0.0
+                if sched == "fifo":
+                    fifo_rate, measured = rate, [len(t) for t in toks]
+                if factory is None:
+                    ar_rate[sched] = rate
+                    if b == 1 and sched == schedulers[0]:
+                        batch1_ar = rate
+                    reference = toks if reference is None or b == 1 else reference
+                steps = sum(st.steps for _, st in out)
+                ar = ar_rate.get(sched)
+                rows.append(
+                    {
+                        "bench": bench,
+                        "batch": b,
+                        "method": name,
+                        "scheduler": sched,
+                        "tokens_per_s": rate,
+                        "tokens_per_step": sum(len(t) for t in toks) / max(steps, 1),
+                        "batch_steps": stats.steps if stats else 0,
+                        "idle_row_steps": stats.idle_row_steps if stats else 0,
+                        "row_utilisation": stats.row_utilisation if stats else None,
+                        "predict_s": extra,
+                        "speedup_vs_ar_same_batch": rate / ar if ar else None,
+                        "speedup_vs_batch1_ar": rate / batch1_ar if batch1_ar else None,
+                        "speedup_vs_fifo": rate / fifo_rate if fifo_rate else None,
+                        "identical": sum(x == y for x, y in zip(toks, reference or toks)),
+                        "requests": len(prompts),
+                        "output_lengths": [len(t) for t in toks],  # per request, in request order
+                    }
+                )
+                log(
+                    f"[throughput {bench}] batch {b} {name} {sched}: {rate:.1f} tok/s, "
+                    f"{rows[-1]['batch_steps']} steps, rows used {rows[-1]['row_utilisation'] or 0:.0%}"
+                )
     return rows
 
 
@@ -82,28 +119,35 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
 
     console = console or Console()
     for bench in dict.fromkeys(r["bench"] for r in rows):
-        table = Table(title=f"{bench}: throughput vs batch size (greedy, continuous batching, FIFO)")
+        table = Table(title=f"{bench}: throughput vs batch size (greedy, continuous batching)")
         for col in (
             "batch",
             "method",
+            "scheduler",
             "tok/s",
             "tok/step/request",
+            "rows used",
             "vs AR same batch",
             "vs batch-1 AR",
+            "vs FIFO",
             "same as AR",
         ):
             table.add_column(col)
         fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
         for r in (r for r in rows if r["bench"] == bench):
+            used = r.get("row_utilisation")
             table.add_row(
-                str(r["batch"]), r["method"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_step']:.2f}",
-                fmt(r["speedup_vs_ar_same_batch"]), fmt(r["speedup_vs_batch1_ar"]), f"{r['identical']}/{r['requests']}",
+                str(r["batch"]), r["method"], r.get("scheduler", "fifo"), f"{r['tokens_per_s']:.1f}",
+                f"{r['tokens_per_step']:.2f}", "-" if used is None else f"{used:.0%}",
+                fmt(r["speedup_vs_ar_same_batch"]), fmt(r["speedup_vs_batch1_ar"]), fmt(r.get("speedup_vs_fifo")),
+                f"{r['identical']}/{r['requests']}",
             )  # fmt: skip
         console.print(table)
 
 
 def plot_throughput(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """tokens/s against batch size, one line per method, one PNG per benchmark (`throughput_<bench>.png`)."""
+    """tokens/s against batch size, one line per (method, scheduler): one colour per method, one line style
+    per scheduler (solid FIFO, dashed length-aware, dotted oracle); one PNG per benchmark."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,9 +157,19 @@ def plot_throughput(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     for bench in dict.fromkeys(r["bench"] for r in rows):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         mine = [r for r in rows if r["bench"] == bench]
-        for m in dict.fromkeys(r["method"] for r in mine):
-            pts = [(r["batch"], r["tokens_per_s"]) for r in mine if r["method"] == m]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        styles = {"fifo": "-", "length": "--", "oracle": ":"}
+        for i, m in enumerate(dict.fromkeys(r["method"] for r in mine)):
+            for sched in dict.fromkeys(r.get("scheduler", "fifo") for r in mine):
+                pts = [
+                    (r["batch"], r["tokens_per_s"])
+                    for r in mine
+                    if r["method"] == m and r.get("scheduler", "fifo") == sched
+                ]
+                if pts:
+                    ax.plot(
+                        [p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
+                        linestyle=styles.get(sched, "-."), label=f"{m} ({sched})",
+                    )  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("tokens/s (all requests)")

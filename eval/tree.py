@@ -48,6 +48,8 @@ class DraftTree:
         ancestors: (N, N) bool, `ancestors[i, j]` = node j is on the root->i path, i included
             (computed from `parents` when omitted).
         beam_nodes: (W, 1+D) long, node index of each beam position when the tree was packed from beams.
+        scores: (N,) float, the drafter's cumulative probability of each node (product along the root path,
+            root 1.0), where the proposer reports one (None: not reported); read by `eval.adaptive`.
     """
 
     tokens: Tensor
@@ -55,6 +57,7 @@ class DraftTree:
     depth: Tensor | None = None
     ancestors: Tensor | None = None
     beam_nodes: Tensor | None = field(default=None, repr=False)
+    scores: Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1 or self.parents.shape != self.tokens.shape:
@@ -76,7 +79,10 @@ class DraftTree:
         if b >= self.num_nodes:
             return self
         assert self.ancestors is not None and self.depth is not None
-        return DraftTree(self.tokens[:b], self.parents[:b], self.depth[:b], self.ancestors[:b, :b])
+        scores = None if self.scores is None else self.scores[:b]
+        return DraftTree(
+            self.tokens[:b], self.parents[:b], self.depth[:b], self.ancestors[:b, :b], scores=scores
+        )
 
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree with every tensor on `device`."""
@@ -87,6 +93,7 @@ class DraftTree:
             mv(self.depth),
             mv(self.ancestors),
             mv(self.beam_nodes),
+            mv(self.scores),
         )
 
 

@@ -4,20 +4,43 @@
     python scripts/bench_batch.py --requests 16 --batch 1 4 16 --lookup 10
     # a trained drafter too (one proposer per row)
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16
+    # FIFO vs length-aware admission (S3 predictor from scripts/train_length_predictor.py) vs the oracle order
+    python scripts/bench_batch.py --requests 32 --batch 4 8 --max-new-tokens 128 --scheduler fifo length oracle \
+        --length-predictor outputs/redrafter_smollm2/length_predictor.safetensors
 
 Prints tokens/s (all requests' new tokens over the wall time of the batched call), tokens per step and the
 speedup over batched AR at the same batch size and over batch-1 AR; every output is checked against the
-batch-1 AR output of its request. Continuous batching: finished rows are refilled from the queue (FIFO).
+batch-1 AR output of its request. Continuous batching: finished rows are refilled from the queue, in arrival
+order (`fifo`), longest predicted response first (`length`, timed including the prediction) or longest
+measured response first (`oracle`, the FIFO run's lengths: an upper bound for any predictor).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from functools import partial
 from types import SimpleNamespace
 
 import torch
+
+
+def report_predictions(predicted: list[float], actual: list[int], edges: tuple[int, ...], cap: int) -> None:
+    """How the predictor did on these prompts: bucket accuracy of the predicted expected lengths against the
+    measured greedy lengths (capped at `cap`), against always predicting the majority bucket, and the rank
+    correlation that the scheduler relies on."""
+    from specdraft.eval.length_predictor import bucketize
+
+    true, pred = bucketize(actual, edges), bucketize([round(x) for x in predicted], edges)
+    const = int(torch.bincount(true).argmax())
+    r = torch.tensor([predicted, actual], dtype=torch.float32).argsort(1).argsort(1).float()  # ranks (2, N)
+    rho = float(torch.corrcoef(r)[0, 1]) if len(actual) > 1 else float("nan")
+    print(
+        f"length predictor on these prompts (max_new_tokens {cap}): bucket accuracy "
+        f"{float((pred == true).float().mean()):.3f} vs constant {float((true == const).float().mean()):.3f}; "
+        f"rank correlation {rho:.2f}; measured lengths {actual}"
+    )
 
 
 def main() -> None:
@@ -31,6 +54,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--scheduler", nargs="+", default=["fifo"], choices=["fifo", "length", "oracle"])
+    p.add_argument("--length-predictor", default=None, help="predictor file (needed by --scheduler length)")
     a = p.parse_args()
 
     from rich.console import Console
@@ -56,8 +81,25 @@ def main() -> None:
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     print(f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}")
-    rows = throughput_rows(model, "mt_bench", requests, methods, a.batch, a.max_new_tokens, stop)
+    predicted, predict_s = None, 0.0
+    if "length" in a.scheduler:
+        if not a.length_predictor:
+            p.error("--scheduler length needs --length-predictor")
+        from specdraft.eval.length_predictor import load_length_predictor, prompt_features
+
+        predictor = load_length_predictor(a.length_predictor)
+        t0 = time.perf_counter()
+        feats = prompt_features(model, requests, predictor.signal)  # (N, F)
+        predicted = predictor.expected_length(feats).clamp(max=a.max_new_tokens).tolist()
+        predict_s = time.perf_counter() - t0
+        print(f"predicted lengths ({predictor.signal}, {predict_s:.2f} s): {[round(x) for x in predicted]}")
+    rows = throughput_rows(
+        model, "mt_bench", requests, methods, a.batch, a.max_new_tokens, stop,
+        schedulers=a.scheduler, predicted=predicted, predict_s=predict_s,
+    )  # fmt: skip
     print_throughput(rows, Console(width=160))
+    if predicted is not None:
+        report_predictions(predicted, rows[0]["output_lengths"], predictor.edges, a.max_new_tokens)
     if a.json:
         from specdraft.eval.cli import machine_info
         from specdraft.utils import atomic_write_json

@@ -4,6 +4,8 @@
     python scripts/bench_decode.py --drafter outputs/redrafter_smollm2/export --prompts 3
     # no trained drafter: prompt lookup through the tree decoder (timing of the decoder itself)
     python scripts/bench_decode.py --lookup 10 --prompts 3
+    # CPU: the static path again over the target's Linear weights stored transposed (eval.linear_layout)
+    python scripts/bench_decode.py --drafter outputs/redrafter_smollm2/export --layout both --budget --prompts 4
     # on a GPU: the static path captures CUDA graphs (--graphs auto is on exactly when the target is on CUDA)
     python scripts/bench_decode.py --device cuda --dtype bf16 --drafter <export> --prompts 8
 
@@ -16,6 +18,7 @@ a fraction of it. `--budget` adds each drafter with the node budget fitted to th
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from types import SimpleNamespace
 
@@ -31,6 +34,12 @@ def main() -> None:
     p.add_argument("--lookup", type=int, default=0, help="> 0: also prompt lookup with this many tokens")
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
+    p.add_argument(
+        "--layout",
+        default="native",
+        choices=["native", "transposed", "both"],
+        help="target Linear weights (models/linear_layout.py); both: the static path again on a transposed copy",
+    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
@@ -50,14 +59,30 @@ def main() -> None:
     from specdraft.eval.static_decode import make_decoder
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
+    from specdraft.models.linear_layout import transpose_linears
 
     model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
+    if a.layout == "transposed":
+        transpose_linears(model)
     dec = make_decoder(model, "static", a.graphs)
     assert dec is not None
     print(
         f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()} path={dec.path_name()}"
     )
     cost = CostCurve.load_or_measure(machine_key(model, dec.path_name()), dec.measure_costs, refresh=True)
+    print("verify ms per node count:", {b: round(ms, 1) for b, ms in cost.ms.items()})
+    # static paths: (label, decoder, cost curve); "static-T" = the same path over transposed Linear weights
+    paths = [("static", dec, cost)]
+    if a.layout == "both":
+        model_t = copy.deepcopy(model)
+        transpose_linears(model_t)
+        dec_t = make_decoder(model_t, "static", a.graphs)
+        assert dec_t is not None
+        cost_t = CostCurve.load_or_measure(
+            machine_key(model_t, dec_t.path_name()), dec_t.measure_costs, refresh=True
+        )
+        print("verify ms per node count, transposed:", {b: round(ms, 1) for b, ms in cost_t.ms.items()})
+        paths.append(("static-T", dec_t, cost_t))
     # (name, factory): each method gets its own proposer (a fitted budget may shrink the one it drives)
     proposers = [
         (f"{drafter_family(d)}:{path}", lambda d=d: make_proposer(d))
@@ -70,7 +95,10 @@ def main() -> None:
     # (name, path, fn(ids) -> (tokens, stats))
     methods = [
         ("ar", "dynamic", lambda ids: ar_generate(model, tok, ids, a.max_new_tokens, stop_ids=stop)),
-        ("ar", "static", lambda ids: dec.ar_generate(tok, ids, a.max_new_tokens, stop_ids=stop)),
+    ]
+    methods += [
+        ("ar", label, lambda ids, d=d: d.ar_generate(tok, ids, a.max_new_tokens, stop_ids=stop))
+        for label, d, _ in paths
     ]
     for name, new_proposer in proposers:
         prop = new_proposer()
@@ -83,26 +111,28 @@ def main() -> None:
                 ),
             )
         )
-        methods.append(
-            (
-                name,
-                "static",
-                lambda ids, q=prop: dec.speculative_generate(
-                    tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True
-                ),
-            )
-        )
-        if a.budget:
-            b, prop = NodeBudget(cost, label=name), new_proposer()
+        for label, d, c in paths:
+            prop = new_proposer()
             methods.append(
                 (
-                    name + "+budget",
-                    "static",
-                    lambda ids, q=prop, b=b: dec.speculative_generate(
-                        tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True, budget=b
+                    name,
+                    label,
+                    lambda ids, q=prop, d=d: d.speculative_generate(
+                        tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True
                     ),
                 )
             )
+            if a.budget:
+                b, prop = NodeBudget(c, label=name), new_proposer()
+                methods.append(
+                    (
+                        name + "+budget",
+                        label,
+                        lambda ids, q=prop, b=b, d=d: d.speculative_generate(
+                            tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True, budget=b
+                        ),
+                    )
+                )
     prompts = [
         prompt_ids(tok, [{"role": "user", "content": i.turns[0]}])
         for i in load_benchmark("mt_bench", a.prompts + 1)
@@ -153,7 +183,7 @@ def main() -> None:
         per = 1e3 / max(t["steps"], 1)
         spec = name != "ar"
         over = (t["draft"] + t["accept"]) / t["verify"] if spec and t["verify"] > 0 else None
-        ar_same = rate[("ar", "static" if path == "static" else "dynamic")]
+        ar_same = rate[("ar", path)]
         row = dict(
             method=name, path=path, tok_s=rate[(name, path)], tok_step=t["acc"] / max(t["steps"], 1),
             vs_ar_same=rate[(name, path)] / ar_same, vs_dynamic_ar=rate[(name, path)] / rate[("ar", "dynamic")],
@@ -181,7 +211,8 @@ def main() -> None:
         from specdraft.utils import atomic_write_json
 
         info = {"command": " ".join(sys.argv), "machine": machine_info(model), "path": dec.path_name()}
-        atomic_write_json(a.json, {**info, "cost_ms": cost.ms, "rows": rows})
+        costs = {"cost_ms": cost.ms, **({"cost_ms_transposed": cost_t.ms} if a.layout == "both" else {})}
+        atomic_write_json(a.json, {**info, "layout": a.layout, **costs, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -78,6 +78,12 @@ def tiny_llama(
     return model
 
 
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Random prompts of the given lengths (token ids 5..127: clear of the tiny vocabulary's special ids)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 128, (n,), generator=g).tolist() for n in lengths]
+
+
 def tiny_target(arch: str = "llama", device: torch.device | str = "cpu") -> torch.nn.Module:
     """A tiny frozen fp64 target for exact decoding checks: `tiny_llama` (3 layers), or a Qwen2 / Mistral of
     the same sizes (vocab 128, hidden 32, GQA 4/2 heads) with the same sharpened LM head, on `device`."""

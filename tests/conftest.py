@@ -25,6 +25,15 @@ from specdraft.testing import tiny_tokenizer as _tiny_tokenizer  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture
+def one_cpu_thread():
+    """Pinned to the CPU, one thread (other test runs share the machine), restored afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """Character-level tokenizer with a ChatML chat template (vocab < 128)."""

@@ -15,26 +15,14 @@ from specdraft.eval.decode import ar_generate, target_forward
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree
-from specdraft.testing import OracleBeamProposer, RandomTreeProposer, tiny_target
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer, random_prompts, tiny_target
 
 CPU = torch.device("cpu")
 LENGTHS = [1, 4, 25, 9, 17, 6, 13]  # prompt lengths: mixed, more requests than rows
 BUDGETS = [14, 20, 1, 9, 20, 16, 11]  # max_new_tokens per request (1: done at the prefill)
 
 
-@pytest.fixture(autouse=True)
-def _cpu_threads():
-    """Pinned to the CPU, one thread (other test runs share the machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Random prompts of the given lengths (tokens 5..127, distinct after their first token)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 128, (n,), generator=g).tolist() for n in lengths]
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _references(model, prompts: list[list[int]], budgets: list[int]) -> tuple[set[int], list[list[int]]]:
@@ -87,7 +75,7 @@ def _factory(mode: str, prompts, refs) -> Callable | None:
 
 
 def _check_equal(model, batch_size: int, mode: str) -> None:
-    prompts = _prompts(LENGTHS)
+    prompts = random_prompts(LENGTHS)
     stops, refs = _references(model, prompts, BUDGETS)
     dec = BatchDecoder(model, batch_size, max_len=32)  # too small: growing the cache is exercised too
     res = dec.generate(prompts, BUDGETS, stop_ids=stops, proposer_factory=_factory(mode, prompts, refs))
@@ -129,7 +117,7 @@ def _reference_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("mode", ["oracle", "lookup"])
 def test_every_row_holds_exactly_its_committed_kv(mode):
     model = tiny_target("qwen2", CPU)
-    prompts = _prompts(LENGTHS, seed=1)
+    prompts = random_prompts(LENGTHS, seed=1)
     stops, refs = _references(model, prompts, BUDGETS)
     checked = []
 
@@ -162,8 +150,8 @@ def test_every_row_holds_exactly_its_committed_kv(mode):
 @pytest.mark.parametrize("mode", ["ar", "lookup"])
 def test_rows_are_independent(mode):
     model = tiny_target("mistral", CPU)
-    others = _prompts([3, 20, 8, 2, 15], seed=2)
-    (x,) = _prompts([11], seed=3)
+    others = random_prompts([3, 20, 8, 2, 15], seed=2)
+    (x,) = random_prompts([11], seed=3)
     runs = [
         (1, [x], [18]),  # alone
         (3, [x, *others[:2]], [18, 5, 30]),  # first, beside two others
@@ -184,7 +172,7 @@ def test_rows_are_independent(mode):
 
 def test_budget_edge_cases_and_errors():
     model = tiny_target("llama", CPU)
-    prompts = _prompts([5, 7, 3])
+    prompts = random_prompts([5, 7, 3])
     dec = BatchDecoder(model, 2, 64)
     res = dec.generate(prompts, [0, 1, 3], set())
     assert [len(out) for out, _ in res] == [0, 1, 3]

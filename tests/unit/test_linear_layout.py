@@ -1,0 +1,99 @@
+"""Transposed Linear weights (models/linear_layout.py): same function, same greedy decoding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdraft.eval.decode import ar_generate
+from specdraft.eval.proposers import PromptLookupProposer
+from specdraft.eval.static_decode import StaticDecoder
+from specdraft.models.linear_layout import TransposedLinear, apply_layout, resolve_layout, transpose_linears
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer, check_static_equals_ar, tiny_target
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_linear_equals_linear(bias: bool) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 10, bias=bias).double()
+    t = TransposedLinear(lin)
+    x = torch.randn(2, 3, 6, dtype=torch.float64)  # (B, L, in)
+    torch.testing.assert_close(t(x), lin(x), rtol=0, atol=1e-12)
+    assert t.wt.shape == (6, 10) and t.wt.is_contiguous()
+    assert torch.equal(t.weight, lin.weight)  # (out, in) view, as borrowers of an LM head read it
+    assert not t.wt.requires_grad
+
+
+def test_lm_head_keeps_native_weight_for_two_or_three_rows() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 40, bias=False).double()
+    t = TransposedLinear(lin, keep_native=True)
+    assert t.native is lin.weight  # shared, not copied
+    for rows in range(1, 6):
+        x = torch.randn(1, rows, 6, dtype=torch.float64)
+        torch.testing.assert_close(t(x), lin(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_transposed_target_same_logits_and_greedy(arch: str) -> None:
+    model = tiny_target(arch, CPU)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    emb = model.get_input_embeddings().weight.clone()
+    moved = copy.deepcopy(model)
+    assert transpose_linears(moved) == linears > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in moved.modules())
+    assert transpose_linears(moved) == 0  # idempotent
+    assert torch.equal(moved.get_input_embeddings().weight, emb)  # a tied head keeps the embedding as it was
+    head = moved.get_output_embeddings()
+    assert head.native is not None and not any(
+        m.native is not None for m in moved.modules() if isinstance(m, TransposedLinear) and m is not head
+    )
+    ids = torch.randint(5, 128, (1, 19), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(moved(ids).logits, model(ids).logits, rtol=0, atol=1e-9)
+    prompt = ids[0, :7]
+    assert (
+        ar_generate(moved, None, prompt, 24, stop_ids=set())[0]
+        == ar_generate(model, None, prompt, 24, stop_ids=set())[0]
+    )
+
+
+@pytest.mark.parametrize("shape", ["eager", "fixed"])
+def test_static_decode_lossless_on_transposed_target(shape: str) -> None:
+    """Random trees (mostly rejected), oracle beams (long accepted paths) and prompt lookup, both paths."""
+    model = tiny_target("llama", CPU)
+    transpose_linears(model)
+    dec = StaticDecoder(model, 48, static=shape == "fixed")
+    for prompt_len in (1, 6, 23):
+        prompt = torch.randint(0, 96, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        ref, _ = ar_generate(model, None, prompt, 30, stop_ids=set())
+        assert dec.ar_generate(None, prompt, 30, stop_ids=set())[0] == ref
+        out, _ = dec.speculative_generate(
+            None, prompt, RandomTreeProposer(96, seed=prompt_len), 30, stop_ids=set()
+        )
+        assert out == ref
+        oracle = OracleBeamProposer(ref, prompt_len, vocab=96)
+        out, stats = dec.speculative_generate(None, prompt, oracle, 30, stop_ids=set())
+        assert out == ref and stats.tokens_per_step > 1.8
+    check_static_equals_ar(dec, model, PromptLookupProposer(4))
+
+
+def test_resolve_layout() -> None:
+    assert resolve_layout("auto", CPU, torch.float32)
+    assert not resolve_layout("auto", CPU, torch.bfloat16)  # not measured to pay: native
+    assert not resolve_layout("auto", torch.device("cuda"), torch.float32)
+    assert resolve_layout("transposed", torch.device("cuda"), torch.bfloat16)
+    assert not resolve_layout("native", CPU, torch.float32)
+    with pytest.raises(ValueError, match="linear layout 'sideways'"):
+        resolve_layout("sideways", CPU, torch.float32)
+
+
+def test_apply_layout_follows_the_model_dtype() -> None:
+    model = tiny_target("llama", CPU)  # fp64: auto keeps the native layout
+    assert not apply_layout(model, "auto")
+    assert isinstance(model.get_output_embeddings(), torch.nn.Linear)
+    assert apply_layout(model.float(), "auto")
+    assert isinstance(model.get_output_embeddings(), TransposedLinear)

@@ -1,0 +1,113 @@
+"""Length-aware scheduling (eval/scheduler.py, `BatchDecoder.generate(order=...)`): decreasing first fit keeps
+every request exactly once within the KV budget; admission order never changes a request's output (each equals
+its batch-1 AR output, fp64 tiny targets); longest-first cuts idle row-steps on a tail-heavy workload; the
+throughput table carries FIFO, length-aware and oracle rows for the same prompts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.decode import ar_generate
+from specdraft.eval.proposers import PromptLookupProposer
+from specdraft.eval.scheduler import fifo_order, first_fit_decreasing, longest_first, schedule_order
+from specdraft.eval.throughput import plot_throughput, print_throughput, throughput_rows
+from specdraft.testing import random_prompts, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_first_fit_decreasing_respects_the_budget_and_keeps_every_request_once(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    prompts = [rng.randint(1, 60) for _ in range(n)]
+    predicted = [rng.uniform(0, 128) for _ in range(n)]
+    budget = rng.randint(200, 2000)
+    max_batch = rng.choice([None, 1, 4, 16])
+    batches = first_fit_decreasing(prompts, predicted, budget, max_batch)
+    assert sorted(i for g in batches for i in g) == list(range(n))
+    size = [p + round(q) for p, q in zip(prompts, predicted, strict=True)]
+    for g in batches:
+        assert len(g) * max(size[i] for i in g) <= budget
+        assert max_batch is None or len(g) <= max_batch
+        assert [size[i] for i in g] == sorted((size[i] for i in g), reverse=True)
+    firsts = [size[g[0]] for g in batches]
+    assert firsts == sorted(firsts, reverse=True)
+
+
+def test_first_fit_decreasing_groups_similar_lengths_and_refuses_oversized() -> None:
+    # footprints 100, 100, 90, 20, 20, 10: budget 200 -> [100, 100], [90, 20], [20, 10]
+    assert first_fit_decreasing([0] * 6, [100, 20, 100, 10, 90, 20], 200) == [[0, 2], [4, 1], [5, 3]]
+    with pytest.raises(ValueError, match="request 1 needs 300 KV tokens"):
+        first_fit_decreasing([10, 200], [5, 100], 250)
+    with pytest.raises(ValueError, match="budget"):
+        first_fit_decreasing([1], [1], 0)
+
+
+def test_orders() -> None:
+    assert fifo_order(3) == [0, 1, 2]
+    assert longest_first([5, 9, 5, 1, 9]) == [1, 4, 0, 2, 3]  # ties keep arrival order
+    assert schedule_order("fifo", 3) == [0, 1, 2]
+    assert schedule_order("length", 3, [1, 3, 2]) == [1, 2, 0]
+    assert sorted(schedule_order("length", 4, [1, 30, 2, 40], [5, 5, 5, 5], budget=100)) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="one length per request"):
+        schedule_order("length", 3)
+    with pytest.raises(ValueError, match="scheduler='lifo'"):
+        schedule_order("lifo", 3, [1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    ("arch", "spec"), [("llama", False), ("qwen2", True)], ids=["ar-llama", "lookup-qwen2"]
+)
+def test_length_order_keeps_every_output_equal_to_batch1_ar(arch: str, spec: bool) -> None:
+    model = tiny_target(arch)
+    prompts = random_prompts([3, 12, 7, 20, 5, 9, 15])
+    budgets = [6, 18, 1, 12, 20, 3, 9]
+    refs = [ar_generate(model, None, p, m, stop_ids=set())[0] for p, m in zip(prompts, budgets, strict=True)]
+    factory = (lambda: PromptLookupProposer(4)) if spec else None
+    dec = BatchDecoder(model, 3)
+    for order in (longest_first(budgets), [6, 0, 5, 1, 4, 2, 3]):
+        out = dec.generate(prompts, budgets, set(), factory, order=order)
+        assert [t for t, _ in out] == refs, order
+
+
+def test_longest_first_cuts_idle_row_steps_on_a_tail() -> None:
+    """B = 2, budgets 3, 3, 3, 3, 21 (no stop tokens): FIFO admits the long request last and runs it alone;
+    longest-first runs it in row 0 while row 1 serves the four short ones."""
+    model = tiny_target()
+    prompts = random_prompts([4, 6, 5, 7, 3])
+    budgets = [3, 3, 3, 3, 21]
+    dec = BatchDecoder(model, 2)
+    fifo = dec.generate(prompts, budgets, set())[0][1].batch
+    lpt = dec.generate(prompts, budgets, set(), order=longest_first(budgets))[0][1].batch
+    assert (fifo.steps, fifo.idle_row_steps) == (24, 20)  # 2 + 2 steps for two pairs, then 20 alone
+    assert (lpt.steps, lpt.idle_row_steps) == (20, 12)
+    assert lpt.row_utilisation > fifo.row_utilisation
+    with pytest.raises(ValueError, match="permutation"):
+        dec.generate(prompts, budgets, set(), order=[0, 1, 2, 3, 3])
+
+
+def test_throughput_rows_fifo_length_oracle(tmp_path) -> None:
+    model = tiny_target()
+    prompts = random_prompts([4, 9, 6, 3, 5])
+    predicted = [10.0, 2.0, 16.0, 4.0, 12.0]
+    rows = throughput_rows(
+        model, "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [1, 2], 8, set(),
+        log=lambda _: None, schedulers=("fifo", "length", "oracle"), predicted=predicted, predict_s=0.01,
+    )  # fmt: skip
+    assert [(r["batch"], r["method"], r["scheduler"]) for r in rows][:3] == [
+        (1, "ar", "fifo"),
+        (1, "ar", "length"),
+        (1, "ar", "oracle"),
+    ]
+    assert len(rows) == 2 * 2 * 3  # batch sizes x methods x schedulers
+    assert all(r["identical"] == len(prompts) for r in rows)
+    assert all(0 < r["row_utilisation"] <= 1 and r["speedup_vs_fifo"] is not None for r in rows)
+    assert all(r["predict_s"] == (0.01 if r["scheduler"] == "length" else 0.0) for r in rows)
+    print_throughput(rows)
+    assert plot_throughput(rows, tmp_path)[0].exists()
+    with pytest.raises(ValueError, match="predicted length"):
+        throughput_rows(model, "toy", prompts, [("ar", None)], [1], 4, set(), schedulers=("length",))

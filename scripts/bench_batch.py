@@ -47,6 +47,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
+    p.add_argument(
+        "--layout",
+        default="auto",
+        choices=["auto", "transposed", "native"],
+        help="target Linear weights: auto | transposed | native (eval.linear_layout)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders")
     p.add_argument("--lookup", type=int, default=0, help="> 0: prompt lookup with this many tokens")
@@ -67,8 +73,10 @@ def main() -> None:
     from specdraft.eval.throughput import Factory, print_throughput, throughput_rows
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
+    from specdraft.models.linear_layout import apply_layout
 
     model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
+    apply_layout(model, a.layout)  # as evaluate.py does
     stop = default_stop_ids(tok, model)
     requests = [
         prompt_ids(tok, [{"role": "user", "content": i.turns[0]}])

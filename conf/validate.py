@@ -281,6 +281,7 @@ DISTILL: Table = {
     "hidden_layers": ANY,  # indices into the target's hidden states (checked against the target)
     "topk": COUNT,
     "feature_dtype": one_of(*FEATURE_DTYPES),
+    "capture_features": ANY,
     "linear_layout": one_of("auto", "transposed", "native"),
     "max_disk_gb": above(0),
     "seed": SEED,
@@ -321,8 +322,9 @@ EVAL: Table = {
     "node_budget": one_of("off", "auto"),
     "linear_layout": one_of("auto", "transposed", "native"),
     "batch_sizes": each(POSITIVE),
-    "scheduler": one_of("fifo", "length", "both"),
+    "scheduler": one_of("fifo", "length", "both", "groups", "all"),
     "length_predictor": ANY,  # a file path, checked when the throughput table loads it
+    "reserve_quantile": DECAY,  # (0, 1]
     "profile": ANY,
     "plots": ANY,
     "out_dir": ANY,

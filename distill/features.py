@@ -9,7 +9,9 @@ Stored per row (one conversation) as raw little-endian bf16/fp16 bytes, so Arrow
 | `topk_ids`      | list[list[int]] (L, k), not bytes   |
 | `topk_logprobs` | (L, k) log-softmax values           |
 
-`decode_features(row, spec)` turns a row back into tensors.
+`decode_features(row, spec)` turns a row back into tensors. The same columns come either from
+`compute_features` (a forward over finished rows) or from the generation pass (`distill/generate.py`
+records `feature_tensors` while it decodes); both pack with `pack_features`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdraft.models.base_llm import forward_with_hidden
+from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 FEATURE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,6 +117,71 @@ def _to_bytes(x: torch.Tensor, dtype: torch.dtype) -> bytes:
     return x.detach().to("cpu", dtype).contiguous().view(torch.int16).numpy().tobytes()
 
 
+def feature_columns(spec: FeatureSpec) -> list[str]:
+    """The row columns `spec` enables (a subset of the module docstring's table)."""
+    cols = ["hidden"] if spec.hidden else []
+    cols += ["hidden_layers"] if spec.layers else []
+    return cols + (["topk_ids", "topk_logprobs"] if spec.topk > 0 else [])
+
+
+def has_features(row: dict[str, Any], spec: FeatureSpec) -> bool:
+    """True when `row` already holds every column `spec` enables."""
+    return all(c in row for c in feature_columns(spec))
+
+
+def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probs and ids of logits (..., V), softmax in fp32. Returns ((..., k) values, (..., k) ids)."""
+    vals, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return vals, idx
+
+
+def feature_tensors(
+    model,
+    hidden: torch.Tensor,
+    layers: torch.Tensor | None,
+    spec: FeatureSpec,
+    logits: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """One row's features at n positions, on the CPU in the spec's dtype (top-k ids int64).
+
+    Args:
+        model: the target (its LM head gives the top-k when `logits` is None).
+        hidden: (n, H) last-layer states after the final norm.
+        layers: (n, m, H) the `spec.layers` states, or None when `spec.layers` is empty.
+        spec: which features.
+        logits: (n, V) logits of these positions when already computed.
+
+    Returns:
+        hidden (n, H), hidden_layers (n, m, H), topk_ids / topk_logprobs (n, k): the keys `spec` enables.
+    """
+    dtype = FEATURE_DTYPES[spec.dtype]
+    out: dict[str, torch.Tensor] = {}
+    if spec.hidden:
+        out["hidden"] = hidden.to("cpu", dtype)  # (n, H)
+    if spec.layers:
+        assert layers is not None  # requested through `spec.layers`
+        out["hidden_layers"] = layers.to("cpu", dtype)  # (n, m, H)
+    if spec.topk > 0:
+        vals, idx = teacher_topk(lm_logits(model, hidden) if logits is None else logits, spec.topk)  # (n, k)
+        out["topk_ids"], out["topk_logprobs"] = idx.cpu(), vals.to("cpu", dtype)
+    return out
+
+
+def pack_features(tensors: dict[str, torch.Tensor], spec: FeatureSpec) -> dict[str, Any]:
+    """Row columns (module docstring) from `feature_tensors`' output (n positions)."""
+    dtype = FEATURE_DTYPES[spec.dtype]
+    row: dict[str, Any] = {}
+    if spec.hidden:
+        row["hidden"] = _to_bytes(tensors["hidden"], dtype)  # (n, H)
+    if spec.layers:
+        layers = tensors["hidden_layers"]  # (n, m, H)
+        row["hidden_layers"] = [_to_bytes(layers[:, m], dtype) for m in range(layers.shape[1])]
+    if spec.topk > 0:
+        row["topk_ids"] = tensors["topk_ids"].tolist()  # (n, k)
+        row["topk_logprobs"] = _to_bytes(tensors["topk_logprobs"], dtype)  # (n, k)
+    return row
+
+
 @torch.no_grad()
 def compute_features(
     model, sequences: Sequence[Sequence[int]], spec: FeatureSpec, batch_tokens: int = 4096
@@ -130,7 +197,6 @@ def compute_features(
     Returns:
         One dict per sequence (input order) with the columns of the module docstring that `spec` enables.
     """
-    dtype = FEATURE_DTYPES[spec.dtype]
     device = next(model.parameters()).device
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     out: list[dict[str, Any]] = [{} for _ in sequences]
@@ -149,22 +215,9 @@ def compute_features(
             model, ids.to(device), attention_mask=mask.to(device), layers=spec.layers, logits=False
         )
         for r, i in enumerate(group):
-            n = len(sequences[i])
-            row: dict[str, Any] = {}
-            if spec.hidden:
-                row["hidden"] = _to_bytes(res.hidden[r, :n], dtype)  # (n, H)
-            if spec.layers:
-                assert res.layers is not None  # requested through `spec.layers`
-                row["hidden_layers"] = [
-                    _to_bytes(res.layers[r, :n, m], dtype) for m in range(len(spec.layers))
-                ]
-            if spec.topk > 0:
-                head = model.get_output_embeddings()  # one row's (n, V) logits at a time, not the batch's
-                logp = torch.log_softmax(head(res.hidden[r, :n]).float(), dim=-1)  # (n, V)
-                vals, idx = logp.topk(spec.topk, dim=-1)  # (n, k)
-                row["topk_ids"] = idx.tolist()
-                row["topk_logprobs"] = _to_bytes(vals, dtype)
-            out[i] = row
+            n = len(sequences[i])  # one row's (n, V) logits at a time for the top-k, not the batch's
+            layers = res.layers[r, :n] if res.layers is not None else None  # (n, m, H)
+            out[i] = pack_features(feature_tensors(model, res.hidden[r, :n], layers, spec), spec)
     return out
 
 

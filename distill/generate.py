@@ -11,6 +11,15 @@ their token budget), they leave the batch and waiting prompts are prefilled on t
 Each row keeps its own position ids (real tokens before it), so padding never changes the arithmetic a row
 sees; greedy output equals unbatched greedy output (tested in fp64). Left columns that are padding for
 every row are trimmed after rows leave, so the cache width stays <= max(prompt_len + generated).
+
+With `capture` (a `FeatureSpec`) the same forwards also record the target features of every position they
+feed (prefill: the prompt; decode steps: the generated tokens), moved to the CPU in the feature dtype per
+forward. A finished row's last token and the `tail` ids after it (e.g. the chat template's end of turn) are
+fed in one extra forward of that row alone, on a copy of its cache, so the batch and the emitted tokens are
+the same as without capture:
+
+    fed ids    prompt (prefill) | g_1 .. g_{n-1} (decode steps) | tail(g, reason) (own forward at finish)
+    Captured   features at every one of these positions, in order
 """
 
 from __future__ import annotations
@@ -21,6 +30,12 @@ from typing import cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from specdraft.distill.features import FeatureSpec, feature_tensors
+from specdraft.models.base_llm import forward_with_hidden, lm_logits
+
+TailFn = Callable[[list[int], str], list[int]]  # (generated ids, finish reason) -> ids fed after g_{n-1}
+Features = dict[str, torch.Tensor]  # `feature_tensors` output: (n, ...) per key, CPU, feature dtype
 
 
 @dataclass
@@ -39,16 +54,34 @@ class GenerationSettings:
 
 
 @dataclass
+class Captured:
+    """Target features recorded while generating one prompt, for the ids the forwards fed.
+
+    `ids` = prompt + generated[:-1] + tail(generated, finish_reason); `tensors` hold `feature_tensors`'
+    keys, each with len(ids) rows: hidden (L, H), hidden_layers (L, m, H), topk_ids / topk_logprobs (L, k).
+    """
+
+    ids: list[int]
+    tensors: Features
+
+
+@dataclass
 class Generation:
     """One prompt's output: `tokens` include the stop token when `finish_reason == "eos"`."""
 
     tokens: list[int]
     finish_reason: str  # "eos" | "length"
+    captured: Captured | None = None  # features of the generation pass (`capture` set, >= 1 token)
 
     @property
     def length(self) -> int:
         """Number of generated tokens."""
         return len(self.tokens)
+
+
+def feed_last(tokens: list[int], reason: str) -> list[int]:
+    """Default tail: feed the last generated token, so the captured ids are prompt + generated."""
+    return tokens[-1:]
 
 
 def stop_token_ids(tokenizer, model=None) -> tuple[int, ...]:
@@ -116,9 +149,48 @@ def _select(cache: DynamicCache, mask: torch.Tensor, keep: torch.Tensor):
     return cache, mask[:, start:]
 
 
+def _forward(
+    model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache, capture: FeatureSpec | None
+) -> tuple[torch.Tensor, DynamicCache, list[Features] | None]:
+    """One cached forward over ids (B, n) with mask (B, W + n) and positions (B, n).
+
+    Returns:
+        (last-position logits (B, V), cache, per row the features of its positions whose mask is 1 among
+        the n fed (None without `capture`)).
+    """
+    if capture is None:
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1], out.past_key_values, None
+    res = forward_with_hidden(model, ids, mask, pos, cache, capture.layers, use_cache=True, logits=False)
+    logits = lm_logits(model, res.hidden[:, -1])  # (B, V)
+    B, n = ids.shape
+    if n == 1:  # a decode step: all rows at once, the top-k from the logits just computed
+        layers = res.layers[:, 0] if res.layers is not None else None  # (B, m, H)
+        f = feature_tensors(model, res.hidden[:, 0], layers, capture, logits)  # (B, ...) per key
+        return logits, res.past_key_values, [{k: v[b : b + 1] for k, v in f.items()} for b in range(B)]
+    feats = []
+    for b, k in enumerate(mask[:, -n:].sum(-1).tolist()):  # k: fed positions of row b after its left padding
+        layers = res.layers[b, n - k :] if res.layers is not None else None  # (k, m, H)
+        feats.append(feature_tensors(model, res.hidden[b, n - k :], layers, capture))  # (k, V) logits per row
+    return logits, res.past_key_values, feats
+
+
 @torch.no_grad()
-def _prefill(model, prompts: list[list[int]], pad_id: int, device) -> tuple:
-    """Left-padded prefill of `prompts`. Returns (last logits (B, V), cache, mask (B, P), next positions (B,))."""
+def _prefill(
+    model, prompts: list[list[int]], pad_id: int, device, capture: FeatureSpec | None = None
+) -> tuple:
+    """Left-padded prefill of `prompts`.
+
+    Returns:
+        (last logits (B, V), cache, mask (B, P), next positions (B,), prompt features per row or None).
+    """
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -127,9 +199,42 @@ def _prefill(model, prompts: list[list[int]], pad_id: int, device) -> tuple:
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P) real tokens before each position
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    logits, cache, feats = _forward(model, ids, mask, pos, None, capture)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    return out.logits[:, -1], out.past_key_values, mask, lengths
+    return logits, cache, mask, lengths, feats
+
+
+def _row_cache(cache: DynamicCache, mask: torch.Tensor, b: int) -> tuple[DynamicCache, torch.Tensor]:
+    """Row b of a batch cache as a cache of its own, left padding dropped. Returns (cache, mask (1, W'))."""
+    start = int(mask[b].argmax())  # first real column: a row's mask is 0..0 1..1
+    row = DynamicCache()
+    for i, layer in enumerate(_layers(cache)):
+        assert layer.keys is not None and layer.values is not None  # filled by the prefill
+        row.update(
+            layer.keys[b : b + 1, :, start:], layer.values[b : b + 1, :, start:], i
+        )  # (1, heads, W', d)
+    return row, mask[b : b + 1, start:]
+
+
+@torch.no_grad()
+def _tail_features(
+    model,
+    cache: DynamicCache,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    b: int,
+    ids: list[int],
+    capture: FeatureSpec,
+) -> Features:
+    """Features of `ids` fed after batch row b (cache/mask (B, W) as of now, next position pos (B,)); (len(ids), ...)."""
+    row, row_mask = _row_cache(cache, mask, b)
+    n = len(ids)
+    x = torch.tensor([ids], device=mask.device)  # (1, n)
+    row_mask = torch.cat([row_mask, row_mask.new_ones((1, n))], dim=1)  # (1, W' + n)
+    row_pos = pos[b] + torch.arange(n, device=mask.device)[None]  # (1, n)
+    _, _, feats = _forward(model, x, row_mask, row_pos, row, capture)
+    assert feats is not None  # `capture` is set
+    return feats[0]
 
 
 @torch.no_grad()
@@ -140,6 +245,8 @@ def generate_batched(
     max_new_tokens: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Callable[[int], None] | None = None,
+    capture: FeatureSpec | None = None,
+    tail: TailFn = feed_last,
 ) -> list[Generation]:
     """Generate a continuation for every prompt, batched with a KV cache.
 
@@ -150,6 +257,8 @@ def generate_batched(
         max_new_tokens: optional per-prompt budget (default `settings.max_new_tokens` for all).
         generator: RNG for sampling.
         on_tokens: called with the number of tokens emitted after every forward (progress bars).
+        capture: record these target features of the fed positions (`Generation.captured`); None: off.
+        tail: with `capture`, the ids fed after g_{n-1} once a row finishes (module docstring).
 
     Returns:
         One `Generation` per prompt, in input order.
@@ -164,6 +273,7 @@ def generate_batched(
     stop = torch.tensor(sorted(set(settings.stop_ids)) or [-1], device=device)
     results: list[Generation | None] = [None] * n
     out_tokens: dict[int, list[int]] = {}
+    chunks: dict[int, list[Features]] = {}  # captured features per prompt, one entry per forward
     for i in range(n):  # zero budgets finish without a forward
         if budgets[i] <= 0:
             results[i] = Generation([], "length")
@@ -190,19 +300,45 @@ def generate_batched(
             widest = w
         return chosen
 
-    def emit(logits: torch.Tensor, new_rows: list[int]) -> torch.Tensor:
-        """Pick a token from `logits` (B, V) for each of `new_rows`, record it and any finish; returns (B,)."""
+    def emit(logits: torch.Tensor, new_rows: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Pick a token from `logits` (B, V) for each of `new_rows`, record it and any finish.
+
+        Returns:
+            (tokens (B,), batch indices of the rows that finished).
+        """
         tok = pick_tokens(logits, settings, generator)  # (B,)
         done = torch.isin(tok, stop)
+        ended = []
         for b, (i, t) in enumerate(zip(new_rows, tok.tolist())):
             out_tokens[i].append(t)
             if bool(done[b]):
                 results[i] = Generation(out_tokens.pop(i), "eos")
             elif len(out_tokens[i]) >= budgets[i]:
                 results[i] = Generation(out_tokens.pop(i), "length")
+            ended += [b] if results[i] is not None else []
         if on_tokens is not None:
             on_tokens(len(new_rows))
-        return tok
+        return tok, ended
+
+    def record(batch: list[int], feats: list[Features] | None) -> None:
+        for i, f in zip(batch, feats or []):
+            chunks.setdefault(i, []).append(f)
+
+    def finish(
+        ended: list[int], batch: list[int], c: DynamicCache, m: torch.Tensor, pos: torch.Tensor
+    ) -> None:
+        """With `capture`: feed the tail of every ended row (batch index) and attach its features."""
+        if capture is None:
+            return
+        for b in ended:
+            g, prompt = results[batch[b]], list(prompts[batch[b]])
+            assert g is not None  # `ended` rows have their result
+            fed = tail(g.tokens, g.finish_reason)
+            parts = chunks.pop(batch[b]) + (
+                [_tail_features(model, c, m, pos, b, fed, capture)] if fed else []
+            )
+            tensors = {k: torch.cat([f[k] for f in parts]) for k in parts[0]}  # (L, ...)
+            g.captured = Captured(prompt + g.tokens[:-1] + fed, tensors)
 
     last = torch.empty(0, dtype=torch.long, device=device)
     while pending or rows:
@@ -210,10 +346,12 @@ def generate_batched(
         if chosen:
             for i in chosen:
                 out_tokens[i] = []
-            logits, new_cache, new_mask, new_pos = _prefill(
-                model, [list(prompts[i]) for i in chosen], settings.pad_id, device
+            logits, new_cache, new_mask, new_pos, feats = _prefill(
+                model, [list(prompts[i]) for i in chosen], settings.pad_id, device, capture
             )
-            tok = emit(logits, chosen)
+            record(chosen, feats)
+            tok, ended = emit(logits, chosen)
+            finish(ended, chosen, new_cache, new_mask, new_pos)
             if cache is None:
                 cache, mask, next_pos = new_cache, new_mask, new_pos
             else:
@@ -235,14 +373,9 @@ def generate_batched(
                 continue  # refill the freed rows before the next decode step
         assert mask is not None and next_pos is not None  # rows are in flight
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)  # (B, W + 1)
-        out = model(
-            input_ids=last[:, None],
-            attention_mask=mask,
-            position_ids=next_pos[:, None],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache, next_pos = out.past_key_values, next_pos + 1
-        last = emit(out.logits[:, -1], rows)
+        logits, cache, feats = _forward(model, last[:, None], mask, next_pos[:, None], cache, capture)
+        next_pos = next_pos + 1
+        record(rows, feats)
+        last, ended = emit(logits, rows)
+        finish(ended, rows, cache, mask, next_pos)
     return results  # type: ignore[return-value]  # every entry is set once the loop ends

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from specdraft.conf.validate import validate_config
 from specdraft.data.conversations import load_conversations
-from specdraft.distill.features import check_disk_budget, compute_features, make_spec
+from specdraft.distill.features import check_disk_budget, compute_features, has_features, make_spec
 from specdraft.distill.generate import GenerationSettings, stop_token_ids
 from specdraft.distill.shards import (
     FORMAT_VERSION,
@@ -134,6 +134,7 @@ def distill(cfg: DictConfig) -> Path:
     if rank == 0:
         clean_stale_tmp(out_dir)  # leftovers of a killed run; before the barrier, so no rank is writing yet
     need_cont = not (d.regenerate and not d.do_sample)
+    capture = spec if spec.enabled and d.capture_features else None  # features from the generation pass
     features = row_features(need_cont, header["features"])
     extra = {
         "columns": list(features),
@@ -180,12 +181,14 @@ def distill(cfg: DictConfig) -> Path:
         gen = torch.Generator(device=model.device).manual_seed(seed)
         rows, skipped, counts = build_rows(
             model, tokenizer, shard_convs, settings, bool(d.regenerate), int(d.max_turns), int(cfg.data.max_length),
-            int(d.T), generator=gen, on_tokens=on_tokens, cont_chunk=int(d.continuation_chunk),
+            int(d.T), generator=gen, on_tokens=on_tokens, cont_chunk=int(d.continuation_chunk), capture=capture,
         )  # fmt: skip
-        if spec.enabled and rows:
-            feats = compute_features(model, [r["input_ids"] for r in rows], spec, settings.batch_tokens)
-            for row, f in zip(rows, feats):
+        if spec.enabled:  # rows the generation pass could not cover: a second forward
+            todo = [row for row in rows if not has_features(row, spec)]
+            feats = compute_features(model, [r["input_ids"] for r in todo], spec, settings.batch_tokens)
+            for row, f in zip(todo, feats):
                 row.update(f)
+            counts["features_recomputed"] += len(todo)
         stats = {
             "settings_hash": settings_hash(header),
             "ids_digest": ids_digest(plan[i]),

@@ -6,6 +6,12 @@ conversation is cut after its last regenerated turn, then tokenised with the cha
 (`tokenize_conversation`), so `input_ids`/`loss_mask` follow the same rules as every other stage, except
 that on greedy rows `loss_mask` is 0 on the few assistant tokens the target did not generate itself (see
 `mask_unowned_tokens`), which keeps `cont[t] = x_{t+1..t+T}` exact on every trained position.
+
+With `capture`, each turn's generation pass also records the target features (`distill/generate.py`), fed on
+past the answer with the template's end of turn (`template_tail`). A row keeps those of its last turn when
+its final `input_ids` are a prefix of the ids that pass fed (its prompt holds every earlier turn, so one
+prefill covers them); any other row (a retokenised answer, a template that renders differently) is left
+without features for `compute_features`.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from typing import Any
 
 import torch
 
-from specdraft.data.chat import prompt_ids, tokenize_conversation
+from specdraft.data.chat import prompt_ids, render, tokenize_conversation
 from specdraft.data.conversations import Conversation
 from specdraft.distill.continuations import greedy_continuations, positions_to_compute
-from specdraft.distill.generate import GenerationSettings, generate_batched
+from specdraft.distill.features import FeatureSpec, pack_features
+from specdraft.distill.generate import Captured, GenerationSettings, TailFn, generate_batched
 
 GenerateFn = Callable[..., list]  # generate_batched's signature; tests may stub it
 
@@ -35,6 +42,29 @@ class Regenerated:
     prompts: list[list[int]] = field(default_factory=list)  # prompt ids each turn was generated from
     finish_reasons: list[str] = field(default_factory=list)  # "eos" | "length" per turn
     skip: str | None = None  # reason when no turn could be generated
+    captured: Captured | None = None  # features of the last turn's generation pass (`capture` set)
+
+
+def template_tail(tokenizer) -> TailFn:
+    """The ids the chat template puts after an assistant turn, as a `generate_batched` tail.
+
+    An "eos" answer is rendered without its stop token, a "length" one in full, each followed by the template
+    text after the content (e.g. `<|im_end|>\\n`). Returns a tail feeding that text's ids (a prediction of
+    the final tokenisation, which `build_rows` checks).
+    """
+    mark = "SPECDRAFT-TAIL-MARK"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}]
+    try:
+        text = render(tokenizer, msgs, add_generation_prompt=False)
+    except (ValueError, KeyError, TypeError):  # the template cannot render it: predict no tail text
+        text = mark
+    after = text[text.find(mark) + len(mark) :] if mark in text else ""
+    suffix = list(tokenizer(after, add_special_tokens=False)["input_ids"]) if after else []
+
+    def tail(tokens: list[int], reason: str) -> list[int]:
+        return suffix if reason == "eos" else tokens[-1:] + suffix
+
+    return tail
 
 
 def regenerate(
@@ -47,16 +77,20 @@ def regenerate(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[int], None] | None = None,
     generate_fn: GenerateFn = generate_batched,
+    capture: FeatureSpec | None = None,
 ) -> list[Regenerated]:
     """Regenerate the first `max_turns` assistant turns of every conversation, turn by turn.
 
     A turn's budget is `min(max_new_tokens, max_length - prompt_len)` (tokens past `max_length` would be
     truncated anyway); a conversation stops at the first turn whose prompt already fills `max_length`.
 
+    With `capture`, each conversation keeps the features its last generated turn captured.
+
     Returns:
         One `Regenerated` per conversation, in input order; `skip="prompt_too_long"` when not even the
         first turn fits.
     """
+    extra = {} if capture is None else {"capture": capture, "tail": template_tail(tokenizer)}
     msgs = [[dict(m) for m in c.messages] for c in convs]
     slots = [[i for i, m in enumerate(ms) if m["role"] == "assistant"][:max_turns] for ms in msgs]
     out = [Regenerated(id=c.id) for c in convs]
@@ -82,6 +116,7 @@ def regenerate(
             max_new_tokens=[j[3] for j in jobs],
             generator=generator,
             on_tokens=on_tokens,
+            **extra,
         )
         for (c, i, prompt, _), g in zip(jobs, gens):
             content = g.tokens[:-1] if g.finish_reason == "eos" else g.tokens
@@ -93,6 +128,7 @@ def regenerate(
             r.responses.append(list(g.tokens))
             r.prompts.append(prompt)
             r.finish_reasons.append(g.finish_reason)
+            r.captured = g.captured  # a later turn's prefill covers this one: keep the last
     for c, r in enumerate(out):
         n = len(r.responses)
         if n == 0:
@@ -156,20 +192,26 @@ def build_rows(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[int], None] | None = None,
     cont_chunk: int = 256,
+    capture: FeatureSpec | None = None,
 ) -> tuple[list[dict[str, Any]], Counter, Counter]:
     """Turn conversations into dataset rows (schema in docs/design.md), skipping and counting bad ones.
 
     Continuations are stored only when the responses are not greedy self-generated (original responses, or
     sampled ones); for greedy regenerated rows `shift_continuations(input_ids, T)` gives them for free.
 
+    With `capture` (regenerated rows only), rows whose ids the generation pass fed get its features
+    (`features_captured` counts them); the others are left to `compute_features`.
+
     Returns:
-        (rows, skipped reason -> count, stats counter: turns, generated_tokens, finish_<reason>, tokens and
-        the `mask_unowned_tokens` counts).
+        (rows, skipped reason -> count, stats counter: turns, generated_tokens, finish_<reason>, tokens,
+        features_captured and the `mask_unowned_tokens` counts).
     """
     skipped: Counter = Counter()
     stats: Counter = Counter()
     if regen:
-        results = regenerate(model, tokenizer, convs, settings, max_turns, max_length, generator, on_tokens)
+        results = regenerate(
+            model, tokenizer, convs, settings, max_turns, max_length, generator, on_tokens, capture=capture
+        )
     else:
         results = [Regenerated(id=c.id, messages=c.messages) for c in convs]
     need_cont = not (regen and not settings.do_sample)
@@ -198,6 +240,10 @@ def build_rows(
             row["finish_reasons"] = ["original"] * len(row["response_lengths"])
         if need_cont:
             row["continuations"] = greedy_continuations(model, ids, T, positions_to_compute(mask), cont_chunk)
+        if capture is not None and r.captured is not None and r.captured.ids[: len(ids)] == ids:
+            row.update(pack_features({k: v[: len(ids)] for k, v in r.captured.tensors.items()}, capture))
+            stats["features_captured"] += 1
+        r.captured = None  # packed or not needed: free the tensors
         stats["turns"] += len(row["finish_reasons"])
         stats["generated_tokens"] += sum(len(t) for t in r.responses)
         stats["tokens"] += len(ids)

@@ -7,13 +7,15 @@ trees in ONE target forward:
     repeat while a row is active:
         tree_r = proposer_r.propose(new states of row r)          # (AR mode: the root alone)
         pad every tree to b = max_r N_r nodes (dummy nodes see only their row's root, never accepted)
-        forward (B, b) tokens, positions len_r + depth, (B, 1, b, max_len) mask:
+        forward (B, b) tokens, positions len_r + depth, (B, 1, b, S) mask, S = max_r len_r + b:
             row r, node i sees its row's first len_r positions and its ancestors among the b new ones
         per row: greedy_verify_packed -> a_r, bonus_r, path_r          # one host sync for all rows
         compact every row's path in place; len_r += a_r; emit drafts + bonus; finished rows are refilled
 
-Greedy acceptance only, so each row's output equals its own batch-1 `decode.ar_generate` output (up to
-float ties). Inactive rows ride along with a dummy one-node-wide tree and commit nothing (fixed B).
+Greedy acceptance: each row's output equals its own batch-1 `decode.ar_generate` output (up to float ties).
+With `temperature > 0` every row runs the recursive rejection rule of `verify.sample_verify` on its own tree
+(one host sync per row instead of one per step), so each row's tokens follow the target's sampling
+distribution. Inactive rows ride along with a dummy one-node-wide tree and commit nothing (fixed B).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
+from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, machine_key
 from specdraft.eval.decode import DecodeStats, Proposer, _emit, default_stop_ids, sync_device
 from specdraft.eval.tree import DraftTree
-from specdraft.eval.verify import greedy_verify_packed
+from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 
@@ -85,7 +88,9 @@ class BatchDecoder:
     Args:
         model: HF causal LM, frozen.
         batch_size: B, rows decoded together.
-        max_len: cache capacity per row; grown (reallocated) when a call needs more.
+        max_len: cache capacity per row; grown (reallocated to exactly the longest prompt + budget + one tree) when
+            a call needs more. Each step attends over the longest active row's positions only (finished rows
+            are emptied), so attention and GQA key expansion cost what is filled, not max_len.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int = 1024) -> None:
@@ -94,6 +99,9 @@ class BatchDecoder:
         self.batch_size = batch_size
         self.cache = BatchKVCache(model, batch_size, max_len)
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
+        self._sampling: tuple[float, int, float, torch.Generator | None] | None = (
+            None  # this call's (T, k, p, g)
+        )
 
     def _forward(
         self,
@@ -116,13 +124,14 @@ class BatchDecoder:
         """
         c, (r, n) = self.cache, tokens.shape
         lengths = c.lengths_t[rows]  # (R,)
-        c.prepare_write(rows, lengths[:, None] + torch.arange(n, device=self.device))  # (R, L)
-        rel = torch.arange(c.max_len, device=self.device)[None] - lengths[:, None]  # (R, max_len)
+        span = max(c.lengths[rows]) + n  # attend over the filled prefix only (host lengths: no sync)
+        c.prepare_write(rows, lengths[:, None] + torch.arange(n, device=self.device), span)  # (R, L)
+        rel = torch.arange(c.span, device=self.device)[None] - lengths[:, None]  # (R, S)
         in_tree = (rel >= 0) & (rel < n)
-        col = rel.clamp(0, n - 1)[:, None, :].expand(r, n, c.max_len)  # (R, L, max_len)
-        visible = (ancestors.gather(2, col) & in_tree[:, None]) | (rel < 0)[:, None]  # (R, L, max_len)
+        col = rel.clamp(0, n - 1)[:, None, :].expand(r, n, c.span)  # (R, L, S)
+        visible = (ancestors.gather(2, col) & in_tree[:, None]) | (rel < 0)[:, None]  # (R, L, S)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        mask = torch.where(visible, zero, torch.finfo(self.dtype).min)[:, None]  # (R, 1, L, max_len)
+        mask = torch.where(visible, zero, torch.finfo(self.dtype).min)[:, None]  # (R, 1, L, S)
         out = forward_with_hidden(
             cast(PreTrainedModel, self.model),
             tokens,
@@ -141,6 +150,52 @@ class BatchDecoder:
             hidden = torch.cat([hidden, extra], dim=-1) if keep_last else extra
         return logits, hidden
 
+    @torch.inference_mode()
+    def measure_costs(
+        self, sizes: tuple[int, ...] = SIZES[:5], prefix: int = 256, reps: int = 5
+    ) -> dict[int, float]:
+        """Median ms of one batched verify forward of b nodes (a chain) in every one of the B rows, after a
+        `prefix`-token cache in each, for each size; nothing is committed. For `eval.budget.CostCurve`
+        (`row_cost_curve` divides by B). Sizes are timed round-robin, so drift shifts them alike."""
+        B, dev = self.batch_size, self.device
+        g = torch.Generator(device="cpu").manual_seed(0)
+        vocab = int(cast(PreTrainedModel, self.model).config.get_text_config(decoder=True).vocab_size)
+        if prefix + max(sizes) > self.cache.max_len:
+            self.cache = BatchKVCache(self.model, B, prefix + max(sizes))
+        for r in range(B):
+            self.cache.set_length(r, 0)
+            self.committed[r] = []
+        ids = torch.randint(0, vocab, (B, prefix), generator=g).to(dev)  # (B, P)
+        causal = torch.ones(prefix, prefix, dtype=torch.bool, device=dev).tril()[None].expand(B, -1, -1)
+        self._forward(
+            slice(0, B), ids, causal, torch.arange(prefix, device=dev)[None].expand(B, -1), (), False
+        )
+        for r in range(B):
+            self.cache.set_length(r, prefix)
+        times: dict[int, list[float]] = {b: [] for b in sizes}
+        for rep in range(reps + 1):  # rep 0 warms up
+            for b in sizes:
+                toks = torch.randint(0, vocab, (B, b), generator=g).to(dev)  # (B, b)
+                chain = torch.ones(b, b, dtype=torch.bool, device=dev).tril()[None].expand(B, -1, -1)
+                depth = torch.arange(b, device=dev)[None].expand(B, -1)  # (B, b)
+                sync_device(dev)
+                t = time.perf_counter()
+                logits, _ = self._forward(slice(0, B), toks, chain, depth, (), False)
+                logits.float().argmax(-1).tolist()  # the step's host sync, as in `generate`
+                if rep:
+                    times[b].append(time.perf_counter() - t)
+        for r in range(B):
+            self.cache.set_length(r, 0)
+        return {b: sorted(ts)[len(ts) // 2] * 1e3 for b, ts in times.items()}
+
+    def row_cost_curve(self, refresh: bool = False, log: Callable[[str], None] = print) -> CostCurve:
+        """This batch size's verify cost per row (ms of a B-row forward / B), cached per machine and B: with it
+        a `NodeBudget` fed one observation per row and step maximises the batch's tokens/s, since
+        sum_r gain_r / (cost_B(b) + sum_r draft_r) = mean gain / (cost_B(b) / B + mean draft)."""
+        key = machine_key(self.model, f"batch{self.batch_size}")
+        curve = CostCurve.load_or_measure(key, self.measure_costs, refresh=refresh, log=log)
+        return CostCurve({b: ms / self.batch_size for b, ms in curve.ms.items()})
+
     def _start(
         self, row: int, request: int, prompt: list[int], st: _Row, layers: tuple[int, ...], keep_last: bool
     ) -> None:
@@ -156,7 +211,11 @@ class BatchDecoder:
         logits, hidden = self._forward(slice(row, row + 1), ids, causal, depth, layers, keep_last)
         self.cache.set_length(row, p)
         self.committed[row] = list(prompt)
-        st.root = int(logits[0, -1].float().argmax())
+        st.root = (
+            sample_token(logits[0, -1], *self._sampling)
+            if self._sampling
+            else int(logits[0, -1].float().argmax())
+        )
         st.stats.prefill_s = time.perf_counter() - st.t0
         st.new_hidden = hidden[0]  # (P, H')
         st.new_tokens = torch.tensor([*prompt[1:], st.root], device=self.device)  # (P,)
@@ -170,6 +229,11 @@ class BatchDecoder:
         proposer_factory: Callable[[], Proposer] | None = None,
         on_step: Callable[[BatchDecoder], None] | None = None,
         order: list[int] | None = None,
+        budget: NodeBudget | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
     ) -> list[tuple[list[int], RequestStats]]:
         """Decode every request greedily, B at a time, refilling rows as requests finish.
 
@@ -181,6 +245,12 @@ class BatchDecoder:
             on_step: called after every batched step's compaction (tests inspect the cache there).
             order: the order in which queued requests are admitted to free rows, a permutation of the request
                 indices (`eval.scheduler.schedule_order`); None: FIFO (arrival order). Outputs do not depend on it.
+            budget: one `NodeBudget` for all rows, fitted on this batch size's cost curve per row
+                (`row_cost_curve`): every row's tree is cut to its first `cap` nodes, or no row drafts when
+                `cap == 1`; its state carries over calls (fitted on greedy calls only). Outputs do not depend on it.
+            temperature, top_k, top_p: 0 = greedy; > 0 = sample every row from the target's warped
+                distribution (`verify.warp_probs`), losslessly, as `decode.speculative_generate` does.
+            generator: RNG for sampling (on the model's device), shared by the rows in row order.
 
         Returns:
             (new tokens, stats) per request, in request order; `stats.batch` holds the call's throughput.
@@ -199,8 +269,8 @@ class BatchDecoder:
         keep_last = proposers[0].spec.keep_last_hidden if proposers else False
         margin = max(proposers[0].spec.node_budget, 1) + 64 if proposers else 2
         needed = max((len(p) + m for p, m in zip(requests, budgets, strict=True)), default=0) + margin
-        if needed > self.cache.max_len:
-            self.cache = BatchKVCache(self.model, B, max(needed, 2 * self.cache.max_len))
+        if needed > self.cache.max_len:  # exactly what this call needs
+            self.cache = BatchKVCache(self.model, B, needed)
         for r in range(B):
             self.cache.set_length(r, 0)
             self.committed[r] = []
@@ -208,6 +278,13 @@ class BatchDecoder:
         results: list[tuple[list[int], RequestStats] | None] = [None] * len(requests)
         rows: list[_Row | None] = [None] * B
         queue = deque(range(len(requests)) if order is None else order)
+        sampling = (temperature, top_k, top_p, generator) if temperature > 0 else None
+        self._sampling = sampling
+        fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
+        if budget is not None and budget.cap is not None:
+            for p in proposers:
+                p.fit_budget(budget.cap)
+        off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
         sync_device(dev)
         t_call = time.perf_counter()
 
@@ -241,12 +318,16 @@ class BatchDecoder:
             if not active:
                 break
             trees: dict[int, DraftTree] = {}
+            draft_s: dict[int, float] = {}  # per row: the proposer's time this step
             for r in active:
                 st = cast(_Row, rows[r])
-                if proposers:
-                    trees[r] = (
+                if proposers and not off:
+                    t_draft = time.perf_counter()
+                    tree = (
                         proposers[r].propose(cast(Tensor, st.new_hidden), cast(Tensor, st.new_tokens)).to(dev)
                     )
+                    draft_s[r] = time.perf_counter() - t_draft
+                    trees[r] = tree.truncated(budget.cap) if budget is not None and budget.cap else tree
                 else:
                     trees[r] = DraftTree(torch.tensor([st.root], device=dev), torch.tensor([-1], device=dev))
             cap = self.cache.max_len - max(
@@ -272,14 +353,38 @@ class BatchDecoder:
                 parents[r, :n], depth[r, :n], valid[r, :n] = t.parents, cast(Tensor, t.depth), True
                 anc[r, :n, :n] = cast(Tensor, t.ancestors)
             logits, hidden = self._forward(slice(0, B), tokens, anc, depth, layers, keep_last)  # (B, b, V)
-            packed = torch.stack(
-                [
-                    greedy_verify_packed(tokens[r], parents[r], anc[r], depth[r], logits[r], valid[r])
-                    for r in range(B)
-                ]
-            )  # (B, 2 + 2b): [a, bonus, path (b,), path tokens (b,)] per row
+            gains = fitting and not off and cast(NodeBudget, budget).cap is None  # phase 1: the gain curves
+            if sampling is None:
+                packed = torch.stack(
+                    [
+                        greedy_verify_packed(
+                            tokens[r], parents[r], anc[r], depth[r], logits[r], valid[r], gains
+                        )
+                        for r in range(B)
+                    ]
+                )  # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gain curve (b,)]] per row
+            else:  # the same layout from the sampling rule, row by row; idle rows accept nothing
+                packed = torch.zeros(B, 2 + 2 * b, dtype=torch.long, device=dev)
+                packed[:, 2 : 2 + b] = torch.arange(b, device=dev)
+                for r in active:
+                    n = trees[r].num_nodes
+                    path, bonus = sample_verify(trees[r], logits[r, :n], *sampling)  # (a,), int
+                    a = path.shape[0]
+                    packed[r, 0], packed[r, 1] = a, bonus
+                    packed[r, 2 : 2 + a], packed[r, 2 + b : 2 + b + a] = path, tokens[r, path]
             vals = packed.tolist()  # the step's one host sync
             accepted = [int(vals[r][0]) if rows[r] is not None else 0 for r in range(B)]
+            if fitting and not off:
+                fit, prev_cap = cast(NodeBudget, budget), cast(NodeBudget, budget).cap
+                for r in active:
+                    n = trees[r].num_nodes
+                    fit.observe(
+                        draft_s[r], accepted[r], n, vals[r][2 + 2 * b : 2 + 2 * b + n] if gains else None
+                    )
+                if fit.cap != prev_cap:  # a new cap: the proposers may draft less from now on
+                    for p in proposers:
+                        p.fit_budget(cast(int, fit.cap))
+                fitting, off = not fit.settled, fit.cap == 1
             path_t = packed[:, 2 : 2 + b]  # (B, b) padded paths
             self.cache.commit(path_t, accepted)
             batch.steps += 1
@@ -303,6 +408,8 @@ class BatchDecoder:
                 if _emit(st.out, [*path_tokens[1:], bonus], stops, st.max_new):
                     finish(st)
                     rows[r] = None
+                    self.cache.set_length(r, 0)  # an idle row must not widen the attention span
+                    self.committed[r] = []
             if on_step is not None:
                 on_step(self)
         sync_device(dev)

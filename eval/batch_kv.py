@@ -3,8 +3,10 @@
 The batched sibling of `static_kv.StaticKVCache` (its `static=True` shape): per layer one
 (B, kv_heads, max_len, head_dim) buffer for keys and one for values, allocated once. Row r holds
 `lengths[r]` committed positions. A forward over rows `rows` writes its L new positions of row r at
-`write_pos[r]` (set by the decoder, usually [length_r, length_r + L)); attention always reads the whole
-buffer of those rows, so the decoder's 4D mask hides every stale position. Afterwards each row's accepted
+`write_pos[r]` (set by the decoder, usually [length_r, length_r + L)); attention reads the first `span`
+positions of those rows (the decoder passes the longest row's length + L, so attention and the GQA key
+expansion scale with what is filled rather than with `max_len`), and the decoder's 4D mask hides every stale
+position. Afterwards each row's accepted
 path is compacted in place (one gather + scatter per buffer for all rows) and each length advances by its
 own accepted count:
 
@@ -41,24 +43,24 @@ class BatchKVLayer(CacheLayerMixin):
         """Buffers are allocated up front; nothing to do."""
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Write L new positions per row at the owner's `write_pos`; return the rows' whole buffers.
+        """Write L new positions per row at the owner's `write_pos`; return the rows' first `span` positions.
 
         Args:
             key_states, value_states: (R, kv_heads, L, head_dim), R = the rows of `owner.rows`.
 
         Returns:
-            keys, values: (R, kv_heads, max_len, head_dim) views of the written rows.
+            keys, values: (R, kv_heads, span, head_dim) views of the written rows.
         """
-        rows = self.owner.rows
+        rows, span = self.owner.rows, self.owner.span
         idx = self.owner.write_pos[:, None, :, None].expand_as(key_states)  # (R, kv, L, hd)
-        keys, values = self.keys[rows], self.values[rows]  # views: a slice of rows
+        keys, values = self.keys[rows, :, :span], self.values[rows, :, :span]  # views
         keys.scatter_(2, idx, key_states.to(keys.dtype))
         values.scatter_(2, idx, value_states.to(values.dtype))
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset): attention always reads the whole buffer."""
-        return self.owner.max_len, 0
+        """(kv_length, kv_offset): attention reads the first `span` positions."""
+        return self.owner.span, 0
 
     def get_seq_length(self) -> int:
         """Longest committed row (the decoder always passes explicit positions and masks)."""
@@ -87,6 +89,7 @@ class BatchKVCache(Cache):
         self.lengths_t = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.rows = slice(0, batch_size)  # the rows the next forward writes
         self.write_pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # (R, L)
+        self.span = max_len  # positions the next forward's attention reads per row (<= max_len)
         shape = (batch_size, kv_heads, max_len, head_dim)
         layers = [
             BatchKVLayer(
@@ -99,9 +102,11 @@ class BatchKVCache(Cache):
         super().__init__(layers=list[Any](layers))
         self.kv_layers = layers  # the same objects, typed
 
-    def prepare_write(self, rows: slice, write_pos: Tensor) -> None:
-        """The next forward runs rows `rows` (R of them) and writes their L positions at `write_pos` (R, L)."""
+    def prepare_write(self, rows: slice, write_pos: Tensor, span: int | None = None) -> None:
+        """The next forward runs rows `rows` (R of them), writes their L positions at `write_pos` (R, L) and
+        attends over each row's first `span` positions (None: all `max_len`; every write must fall below it)."""
         self.rows, self.write_pos = rows, write_pos
+        self.span = self.max_len if span is None else min(span, self.max_len)
 
     def set_length(self, row: int, length: int) -> None:
         """Declare `length` positions of `row` committed (host and device counters)."""

@@ -271,26 +271,32 @@ def publish(out_dir: Path, results: dict[str, Any], plots: bool) -> tuple[Path, 
 
 
 def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer, stop_ids: set[int]) -> list:
-    """`eval.batch_sizes`: the batched throughput table over each benchmark's first turns (greedy only)."""
+    """`eval.batch_sizes`: the batched throughput table over each benchmark's first turns (greedy, or sampled
+    at `eval.temperature` > 0)."""
     from specdraft.data.chat import prompt_ids
     from specdraft.eval.throughput import print_throughput, throughput_rows
 
     e = cfg.eval
     if not e.batch_sizes:
         return []
-    if e.temperature > 0:
-        print("eval.batch_sizes: skipped for temperature > 0 (the batched decoder is greedy)")
-        return []
     pairs = [("ar", None)] + [
         (m.name.replace("+fallback", ""), m.factory) for m in methods if m.kind == "spec" and m.factory
     ]
     scheduler = str(e.get("scheduler", "fifo"))
-    schedulers = {"fifo": ["fifo"], "length": ["length"], "both": ["fifo", "length"]}[scheduler]
+    schedulers = {
+        "fifo": ["fifo"],
+        "length": ["length"],
+        "both": ["fifo", "length"],
+        "groups": ["fifo", "groups", "oracle_groups"],
+        "all": ["fifo", "length", "groups", "oracle_groups"],
+    }[scheduler]
     predictor = None
-    if "length" in schedulers:
+    if {"length", "groups"} & set(schedulers):
         if not e.get("length_predictor"):
-            print(f"eval.scheduler={scheduler}: no eval.length_predictor given; length-aware rows skipped")
-            schedulers = ["fifo"]
+            print(
+                f"eval.scheduler={scheduler}: no eval.length_predictor given; predicted-length rows skipped"
+            )
+            schedulers = [s for s in schedulers if s not in ("length", "groups")] or ["fifo"]
         else:
             from specdraft.eval.length_predictor import load_length_predictor
 
@@ -298,13 +304,15 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
     rows: list = []
     for bench, items in benches.items():
         prompts = [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in items]
-        predicted, predict_s = None, 0.0
+        predicted, reserve, predict_s = None, None, 0.0
         if predictor is not None:
             from specdraft.eval.length_predictor import prompt_features
 
             t0 = time.perf_counter()
             feats = prompt_features(model, prompts, predictor.signal)  # (N, F)
             predicted = predictor.expected_length(feats).clamp(max=int(e.max_new_tokens)).tolist()
+            q = float(e.get("reserve_quantile", 0.9))
+            reserve = predictor.reserve_length(feats, int(e.max_new_tokens), q).tolist()
             predict_s = time.perf_counter() - t0
         rows += throughput_rows(
             model,
@@ -317,7 +325,11 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             schedulers=schedulers,
             predicted=predicted,
             predict_s=predict_s,
-        )
+            reserve=reserve,
+            node_budget=str(e.get("node_budget", "off")) == "auto",
+            sample={"temperature": float(e.temperature), "top_k": int(e.get("top_k", 0) or 0),
+                    "top_p": float(e.get("top_p", 1.0)), "seed": int(e.seed)} if e.temperature > 0 else None,
+        )  # fmt: skip
     print_throughput(rows)
     return rows
 

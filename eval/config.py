@@ -50,7 +50,10 @@ class EvalConfig:
     )
     node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
-    scheduler: str = "fifo"  # throughput admission order: fifo | length (longest predicted first) | both
+    scheduler: str = "fifo"  # throughput: fifo | length (longest predicted first) | both | groups (S3) | all
+    reserve_quantile: float = (
+        0.9  # groups: reserve each response's predicted-bucket bound at this quantile (0, 1]
+    )
     length_predictor: str | None = None  # scripts/train_length_predictor.py file (scheduler=length)
     profile: bool = False  # per-phase time breakdown of the speculative loop (adds device syncs)
     plots: bool = True  # write PNG plots (accepted-length histogram, per-category speedup)

@@ -149,6 +149,28 @@ class LengthPredictor(nn.Module):
         """(N, F) features -> (N,) expected response length `softmax(logits) @ bucket_lengths` (tokens)."""
         return self(features).softmax(-1) @ self.bucket_lengths
 
+    def reserve_length(self, features: Tensor, max_new_tokens: int, quantile: float = 0.9) -> Tensor:
+        """KV tokens to reserve for each response: the upper edge of the first bucket whose cumulative
+        probability reaches `quantile` (the last bucket's edge is `max_new_tokens`), as S3 allocates a
+        predicted bucket's upper bound. A response that outgrows it is re-admitted (`eval.grouped`).
+
+        Args:
+            features: (N, F) from `prompt_features(..., self.signal)`.
+            max_new_tokens: the generation budget (>= 1); every reserve is clamped to it.
+            quantile: in (0, 1]; higher reserves more and overflows less.
+
+        Returns:
+            (N,) long reserves in [1, max_new_tokens].
+        """
+        if not 0.0 < quantile <= 1.0 or max_new_tokens < 1:
+            raise ValueError(
+                f"quantile={quantile} must be in (0, 1] and max_new_tokens={max_new_tokens} >= 1"
+            )
+        cdf = self(features).softmax(-1).cumsum(-1)  # (N, K)
+        k = (cdf < quantile - 1e-6).sum(-1).clamp(max=self.num_buckets - 1)  # (N,) first bucket reaching q
+        uppers = torch.tensor([*self.edges, max_new_tokens], dtype=torch.long)  # (K,) upper edge per bucket
+        return uppers[k].clamp(1, max_new_tokens)
+
     def save(self, path: str | Path) -> None:
         """Write one safetensors file (tensors + JSON config in its metadata), atomically."""
         meta = {"format_version": FORMAT_VERSION, "signal": self.signal, "edges": list(self.edges)}

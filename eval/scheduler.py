@@ -24,7 +24,9 @@ SCHEDULERS = (
     "fifo",
     "length",
     "oracle",
-)  # oracle: the true lengths (an upper bound, measured after the fact)
+    "groups",
+    "oracle_groups",
+)  # oracle*: the true lengths (an upper bound, measured after the fact); *groups: eval/grouped.py
 
 
 def fifo_order(n: int) -> list[int]:

@@ -3,10 +3,12 @@
 For every batch size B, `BatchDecoder(model, B)` serves all first turns of a benchmark with continuous
 batching, greedy, once as AR and once per drafter (one proposer per row), under each scheduler (`fifo`:
 arrival order; `length`: longest predicted response first, `eval/scheduler.py`; `oracle`: longest measured
-response first, an upper bound). Reported per (benchmark, B, method, scheduler): tokens/s over the whole call
-(`length` includes the time spent predicting), tokens per step and request, row utilisation, the speedup
-over batched AR at the same B and scheduler, over batch-1 AR (when B = 1 is measured) and over the same
-method under FIFO, and how many outputs equal batch-1 AR's.
+response first, an upper bound; `groups` / `oracle_groups`: S3's length groups under the KV memory that FIFO
+uses at batch B, B x (longest prompt + max_new_tokens) tokens, each group with its own batch size
+(`eval/grouped.py`), by the predicted reserve or by the measured lengths). Reported per (benchmark, B, method,
+scheduler): tokens/s over the whole call (`length` and `groups` include the time spent predicting), tokens per
+step and request, row utilisation, the speedup over batched AR at the same B and scheduler, over batch-1 AR
+(when B = 1 is measured) and over the same method under FIFO, and how many outputs equal batch-1 AR's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 import torch
 
 from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.budget import NodeBudget
 from specdraft.eval.decode import Proposer
+from specdraft.eval.grouped import serve_grouped
 from specdraft.eval.scheduler import SCHEDULERS, schedule_order
 
 Factory = Callable[[], Proposer] | None  # None: AR
@@ -36,6 +40,9 @@ def throughput_rows(
     schedulers: Sequence[str] = ("fifo",),
     predicted: Sequence[float] | None = None,
     predict_s: float = 0.0,
+    reserve: Sequence[int] | None = None,
+    node_budget: bool = False,
+    sample: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
 
@@ -50,32 +57,55 @@ def throughput_rows(
         schedulers: admission orders to measure, each on the same prompts (`fifo` | `length` | `oracle`);
             `oracle` follows the method's FIFO output lengths at the same B (so `fifo` must come first).
         predicted: (N,) predicted response lengths, needed by `length`.
-        predict_s: wall time spent predicting them, added to every `length` call's time.
+        predict_s: wall time spent predicting them, added to every `length` / `groups` call's time.
+        reserve: (N,) predicted response bounds (`LengthPredictor.reserve_length`), needed by `groups`.
+        node_budget: fit a `NodeBudget` per (B, drafter) on B's measured per-row cost curve
+            (`BatchDecoder.row_cost_curve`), shared by that drafter's scheduler runs at B (`eval.node_budget`).
+        sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
+            a generator seeded with `seed`, and `identical` is then None (outputs are samples, not AR's).
     """
     for s in schedulers:
         if s not in SCHEDULERS:
             raise ValueError(f"scheduler {s!r}: expected one of {', '.join(SCHEDULERS)}")
     if "length" in schedulers and (predicted is None or len(predicted) != len(prompts)):
         raise ValueError("the length scheduler needs one predicted length per prompt")
-    if "oracle" in schedulers and (not schedulers or schedulers[0] != "fifo"):
-        raise ValueError("the oracle scheduler reads the FIFO run's lengths: list fifo first")
+    if "groups" in schedulers and (reserve is None or len(reserve) != len(prompts)):
+        raise ValueError("the groups scheduler needs one reserve per prompt")
+    if {"oracle", "oracle_groups"} & set(schedulers) and schedulers[0] != "fifo":
+        raise ValueError("the oracle schedulers read the FIFO run's lengths: list fifo first")
+    worst = max((len(p) for p in prompts), default=0) + max_new_tokens  # FIFO's reserve per row
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] | None = None
     batch1_ar: float | None = None
     for b in batch_sizes:
-        dec = BatchDecoder(model, b)
+        dec = BatchDecoder(model, b, max_len=1)  # sized by the first call (a snug cache)
         dec.generate(prompts[:b], 4, stop_ids)  # warm-up (allocator, kernels)
         ar_rate: dict[str, float] = {}
+        curve = dec.row_cost_curve(log=log) if node_budget and any(f for _, f in methods) else None
         for name, factory in methods:
             fifo_rate, measured = 0.0, None
+            budget = NodeBudget(curve, label=f"{name} at batch {b}") if curve and factory else None
             for sched in schedulers:
-                lengths = measured if sched == "oracle" else predicted
-                order = schedule_order(sched, len(prompts), lengths)
-                out = dec.generate(prompts, max_new_tokens, stop_ids, factory, order=order)
-                toks = [t for t, _ in out]
-                stats = out[0][1].batch if out else None
-                extra = predict_s if sched == "length" else 0.0
-                rate = stats.new_tokens / max(stats.time_s + extra, 1e-9) if stats else 0.0
+                kw = _sample_kw(sample, model)
+                extra = predict_s if sched in ("length", "groups") else 0.0
+                groups = None
+                if sched.endswith("groups"):
+                    bound = reserve if sched == "groups" else measured
+                    toks, groups = serve_grouped(
+                        model, prompts, list(bound or []), max_new_tokens, b * worst, stop_ids, factory,
+                        budget=budget, sample=kw,
+                    )  # fmt: skip
+                    rate = groups.new_tokens / max(groups.time_s + extra, 1e-9)
+                    stats = None
+                else:
+                    lengths = measured if sched == "oracle" else predicted
+                    order = schedule_order(sched, len(prompts), lengths)
+                    out = dec.generate(
+                        prompts, max_new_tokens, stop_ids, factory, order=order, budget=budget, **kw
+                    )
+                    toks = [t for t, _ in out]
+                    stats = out[0][1].batch if out else None
+                    rate = stats.new_tokens / max(stats.time_s + extra, 1e-9) if stats else 0.0
                 if sched == "fifo":
                     fifo_rate, measured = rate, [len(t) for t in toks]
                 if factory is None:
@@ -83,7 +113,7 @@ def throughput_rows(
                     if b == 1 and sched == schedulers[0]:
                         batch1_ar = rate
                     reference = toks if reference is None or b == 1 else reference
-                steps = sum(st.steps for _, st in out)
+                steps = groups.request_steps if groups else sum(st.steps for _, st in out)
                 ar = ar_rate.get(sched)
                 rows.append(
                     {
@@ -93,14 +123,27 @@ def throughput_rows(
                         "scheduler": sched,
                         "tokens_per_s": rate,
                         "tokens_per_step": sum(len(t) for t in toks) / max(steps, 1),
-                        "batch_steps": stats.steps if stats else 0,
-                        "idle_row_steps": stats.idle_row_steps if stats else 0,
-                        "row_utilisation": stats.row_utilisation if stats else None,
+                        "batch_steps": groups.steps if groups else stats.steps if stats else 0,
+                        "idle_row_steps": groups.idle_row_steps
+                        if groups
+                        else stats.idle_row_steps
+                        if stats
+                        else 0,
+                        "row_utilisation": groups.row_utilisation
+                        if groups
+                        else stats.row_utilisation
+                        if stats
+                        else None,
+                        "kv_budget": b
+                        * worst,  # KV tokens: FIFO's B rows at the worst case; groups stay within it
+                        "group_batch_sizes": groups.batch_sizes if groups else [b],
+                        "overflows": groups.overflows if groups else 0,
                         "predict_s": extra,
+                        "node_cap": budget.cap if budget else None,  # after this call (1: no drafting)
                         "speedup_vs_ar_same_batch": rate / ar if ar else None,
                         "speedup_vs_batch1_ar": rate / batch1_ar if batch1_ar else None,
                         "speedup_vs_fifo": rate / fifo_rate if fifo_rate else None,
-                        "identical": sum(x == y for x, y in zip(toks, reference or toks)),
+                        "identical": None if sample else sum(x == y for x, y in zip(toks, reference or toks)),
                         "requests": len(prompts),
                         "output_lengths": [len(t) for t in toks],  # per request, in request order
                     }
@@ -110,6 +153,29 @@ def throughput_rows(
                     f"{rows[-1]['batch_steps']} steps, rows used {rows[-1]['row_utilisation'] or 0:.0%}"
                 )
     return rows
+
+
+def _sample_kw(sample: dict[str, Any] | None, model: torch.nn.Module) -> dict[str, Any]:
+    """`BatchDecoder.generate` keywords for one call: {} (greedy) or the sampling settings with a fresh
+    generator seeded with `sample["seed"]` on the model's device."""
+    if not sample or float(sample.get("temperature", 0.0)) <= 0:
+        return {}
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(int(sample.get("seed", 0)))
+    return {
+        "temperature": float(sample["temperature"]),
+        "top_k": int(sample.get("top_k", 0)),
+        "top_p": float(sample.get("top_p", 1.0)),
+        "generator": g,
+    }
+
+
+def _batches(r: dict[str, Any]) -> str:
+    """The table's batches cell: `B rows` for one continuous batch, else `n groups of lo-hi rows (k overflows)`."""
+    sizes = r.get("group_batch_sizes") or [r["batch"]]
+    if len(sizes) == 1 and not r.get("overflows"):
+        return f"{sizes[0]} rows"
+    return f"{len(sizes)} of {min(sizes)}-{max(sizes)} rows, {r.get('overflows', 0)} overflows"
 
 
 def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
@@ -130,6 +196,8 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
             "vs AR same batch",
             "vs batch-1 AR",
             "vs FIFO",
+            "batches",
+            "node cap",
             "same as AR",
         ):
             table.add_column(col)
@@ -140,14 +208,16 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
                 str(r["batch"]), r["method"], r.get("scheduler", "fifo"), f"{r['tokens_per_s']:.1f}",
                 f"{r['tokens_per_step']:.2f}", "-" if used is None else f"{used:.0%}",
                 fmt(r["speedup_vs_ar_same_batch"]), fmt(r["speedup_vs_batch1_ar"]), fmt(r.get("speedup_vs_fifo")),
-                f"{r['identical']}/{r['requests']}",
+                _batches(r), "-" if r.get("node_cap") is None else str(r["node_cap"]),
+                "sampled" if r["identical"] is None else f"{r['identical']}/{r['requests']}",
             )  # fmt: skip
         console.print(table)
 
 
 def plot_throughput(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """tokens/s against batch size, one line per (method, scheduler): one colour per method, one line style
-    per scheduler (solid FIFO, dashed length-aware, dotted oracle); one PNG per benchmark."""
+    per scheduler (solid FIFO, dashed length-aware, dotted oracle, dash-dot length groups, sparse dots oracle
+    groups); one PNG per benchmark."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +227,7 @@ def plot_throughput(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     for bench in dict.fromkeys(r["bench"] for r in rows):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         mine = [r for r in rows if r["bench"] == bench]
-        styles = {"fifo": "-", "length": "--", "oracle": ":"}
+        styles = {"fifo": "-", "length": "--", "oracle": ":", "groups": "-.", "oracle_groups": (0, (1, 4))}
         for i, m in enumerate(dict.fromkeys(r["method"] for r in mine)):
             for sched in dict.fromkeys(r.get("scheduler", "fifo") for r in mine):
                 pts = [

@@ -4,6 +4,8 @@
     python scripts/bench_batch.py --requests 16 --batch 1 4 16 --lookup 10
     # a trained drafter too (one proposer per row)
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16
+    # ... with each drafter's node budget fitted per batch size on that batch size's measured cost curve
+    python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --budget
     # FIFO vs length-aware admission (S3 predictor from scripts/train_length_predictor.py) vs the oracle order
     python scripts/bench_batch.py --requests 32 --batch 4 8 --max-new-tokens 128 --scheduler fifo length oracle \
         --length-predictor outputs/redrafter_smollm2/length_predictor.safetensors
@@ -12,7 +14,11 @@ Prints tokens/s (all requests' new tokens over the wall time of the batched call
 speedup over batched AR at the same batch size and over batch-1 AR; every output is checked against the
 batch-1 AR output of its request. Continuous batching: finished rows are refilled from the queue, in arrival
 order (`fifo`), longest predicted response first (`length`, timed including the prediction) or longest
-measured response first (`oracle`, the FIFO run's lengths: an upper bound for any predictor).
+measured response first (`oracle`, the FIFO run's lengths: an upper bound for any predictor). `groups` /
+`oracle_groups` serve S3's length groups within the KV memory FIFO uses at each batch size (eval/grouped.py):
+
+    python scripts/bench_batch.py --requests 64 --batch 4 16 --max-new-tokens 128 \
+        --scheduler fifo groups oracle_groups --length-predictor outputs/redrafter_smollm2/length_predictor.safetensors
 """
 
 from __future__ import annotations
@@ -60,8 +66,23 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    p.add_argument("--scheduler", nargs="+", default=["fifo"], choices=["fifo", "length", "oracle"])
-    p.add_argument("--length-predictor", default=None, help="predictor file (needed by --scheduler length)")
+    p.add_argument(
+        "--scheduler",
+        nargs="+",
+        default=["fifo"],
+        choices=["fifo", "length", "oracle", "groups", "oracle_groups"],
+    )
+    p.add_argument(
+        "--length-predictor", default=None, help="predictor file (needed by --scheduler length/groups)"
+    )
+    p.add_argument(
+        "--reserve-quantile", type=float, default=0.9, help="groups: bucket bound at this quantile"
+    )
+    p.add_argument(
+        "--budget",
+        action="store_true",
+        help="fit a node budget per (batch size, drafter) (eval.node_budget=auto)",
+    )
     a = p.parse_args()
 
     from rich.console import Console
@@ -89,21 +110,24 @@ def main() -> None:
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     print(f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}")
-    predicted, predict_s = None, 0.0
-    if "length" in a.scheduler:
+    predicted, reserve, predict_s = None, None, 0.0
+    if {"length", "groups"} & set(a.scheduler):
         if not a.length_predictor:
-            p.error("--scheduler length needs --length-predictor")
+            p.error("--scheduler length/groups needs --length-predictor")
         from specdraft.eval.length_predictor import load_length_predictor, prompt_features
 
         predictor = load_length_predictor(a.length_predictor)
         t0 = time.perf_counter()
         feats = prompt_features(model, requests, predictor.signal)  # (N, F)
         predicted = predictor.expected_length(feats).clamp(max=a.max_new_tokens).tolist()
+        reserve = predictor.reserve_length(feats, a.max_new_tokens, a.reserve_quantile).tolist()
         predict_s = time.perf_counter() - t0
         print(f"predicted lengths ({predictor.signal}, {predict_s:.2f} s): {[round(x) for x in predicted]}")
+        print(f"reserves at quantile {a.reserve_quantile}: {reserve}")
     rows = throughput_rows(
         model, "mt_bench", requests, methods, a.batch, a.max_new_tokens, stop,
-        schedulers=a.scheduler, predicted=predicted, predict_s=predict_s,
+        schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
+        node_budget=a.budget,
     )  # fmt: skip
     print_throughput(rows, Console(width=160))
     if predicted is not None:

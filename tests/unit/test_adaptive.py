@@ -209,6 +209,27 @@ def test_adaptive_equals_ar(arch, family, shape):
     assert sizes <= set(BUDGETS)  # every verify is one of the fixed budgets
 
 
+@pytest.mark.parametrize("family", ["redrafter", "lookup"])
+def test_adaptive_in_batches_equals_batch1_ar(family):
+    """One adaptive wrapper per row of the batched decoder (it reads acceptance from the positions the
+    decoder hands it, so it needs no batch coupling): every request's output equals its batch-1 AR output."""
+    from specdraft.eval.batch_decode import BatchDecoder
+    from specdraft.testing import random_prompts
+
+    model = tiny_target("llama")
+    prompts = random_prompts([5, 12, 3, 9, 7])
+    budgets = [14, 6, 18, 10, 12]
+    refs = [ar_generate(model, None, p, m, stop_ids=set())[0] for p, m in zip(prompts, budgets, strict=True)]
+
+    def make() -> AdaptiveProposer:
+        inner = _redrafter(model) if family == "redrafter" else PromptLookupProposer(6, 2)
+        return AdaptiveProposer(inner, threshold=0.3, controller=AcceptanceController(6, 16, patience=2))
+
+    out = BatchDecoder(model, 3).generate(prompts, budgets, set(), make)
+    assert [t for t, _ in out] == refs
+    assert {n for _, st in out for n in st.tree_sizes} <= set(BUDGETS)
+
+
 def _eagle(target: torch.nn.Module):
     """A randomly initialised EAGLE-2 head behind its dynamic-tree proposer (10 nodes, depth 4, top-3)."""
     torch.manual_seed(1)

@@ -14,6 +14,7 @@ from transformers import (
 )
 
 import specdraft.eval.decode as decode
+from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import sample_verify
@@ -196,14 +197,65 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_model):
     assert _chi2_p(counts, expected, n) > 1e-3
 
 
-def test_model_level_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
-    def broken(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
-        path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
-        return path, int(
-            torch.multinomial((logits[path[-1]] / temperature).softmax(-1), 1, generator=generator)
-        )
+def _broken_rule(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
+    """`sample_verify` with the bonus drawn from p instead of the residual: not lossless."""
+    path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
+    return path, int(torch.multinomial((logits[path[-1]] / temperature).softmax(-1), 1, generator=generator))
 
-    monkeypatch.setattr(decode, "sample_verify", broken)  # bonus from p instead of the residual
+
+def _batched_first2_counts(model, prompt, calls, temperature, monkeypatch=None):
+    """First two tokens of 6 identical requests per `BatchDecoder` call (3 rows, so rows are refilled)."""
+    g = torch.Generator().manual_seed(11)
+    dec = BatchDecoder(model, 3)
+    counts = Counter()
+    for _ in range(calls):
+        out = dec.generate(
+            [prompt.tolist()] * 6, 2, set(), FixedTreeProposer, temperature=temperature, generator=g
+        )
+        counts.update(tuple(t) for t, _ in out)
+    return counts
+
+
+def test_batched_sampling_matches_target_distribution(small_vocab_model):
+    """Every row of the batched decoder (refills included) samples the target's distribution."""
+    prompt = torch.tensor([1, 4, 2])
+    expected = _exact_first2(small_vocab_model, prompt, 0.8)
+    counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8)
+    assert _chi2_p(counts, expected, 1200) > 1e-3
+
+
+def test_batched_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
+    import specdraft.eval.batch_decode as batch_decode
+
+    monkeypatch.setattr(batch_decode, "sample_verify", _broken_rule)  # bonus from p, not the residual
+    prompt = torch.tensor([1, 4, 2])
+    expected = _exact_first2(small_vocab_model, prompt, 0.8)
+    counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8)
+    assert _chi2_p(counts, expected, 1200) < 1e-4
+
+
+def test_batch1_sampling_draws_as_the_dynamic_path():
+    """One row, one generator seed: the batched decoder draws exactly what `speculative_generate` draws."""
+    from specdraft.eval.proposers import PromptLookupProposer
+
+    model = _tiny("llama")
+    prompt = torch.tensor([3, 9, 3, 9, 5, 3, 9, 12, 40, 3])
+    dec = BatchDecoder(model, 1)
+    for seed in range(4):
+        kw = dict(temperature=0.9, top_k=16, top_p=0.95)
+        ref, _ = speculative_generate(
+            model, None, prompt, PromptLookupProposer(3), 16, stop_ids=set(),
+            generator=torch.Generator().manual_seed(seed), **kw,
+        )  # fmt: skip
+        out = dec.generate(
+            [prompt.tolist()], 16, set(), lambda: PromptLookupProposer(3),
+            generator=torch.Generator().manual_seed(seed), **kw,
+        )  # fmt: skip
+        assert out[0][0] == ref, seed
+
+
+def test_model_level_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
+    monkeypatch.setattr(decode, "sample_verify", _broken_rule)  # bonus from p instead of the residual
     prompt = torch.tensor([1, 4, 2])
     expected = _exact_first2(small_vocab_model, prompt, 0.8)
     n = 1200

@@ -1,16 +1,19 @@
 """Length-aware scheduling (eval/scheduler.py, `BatchDecoder.generate(order=...)`): decreasing first fit keeps
 every request exactly once within the KV budget; admission order never changes a request's output (each equals
 its batch-1 AR output, fp64 tiny targets); longest-first cuts idle row-steps on a tail-heavy workload; the
-throughput table carries FIFO, length-aware and oracle rows for the same prompts."""
+throughput table carries FIFO, length-aware and oracle rows for the same prompts; S3 length groups stay within
+FIFO's KV memory, and requests that outgrow their reserve resume losslessly."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.decode import ar_generate
+from specdraft.eval.grouped import fifo_rows, serve_fifo_budget, serve_grouped
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.scheduler import fifo_order, first_fit_decreasing, longest_first, schedule_order
 from specdraft.eval.throughput import plot_throughput, print_throughput, throughput_rows
@@ -111,3 +114,65 @@ def test_throughput_rows_fifo_length_oracle(tmp_path) -> None:
     assert plot_throughput(rows, tmp_path)[0].exists()
     with pytest.raises(ValueError, match="predicted length"):
         throughput_rows(model, "toy", prompts, [("ar", None)], [1], 4, set(), schedulers=("length",))
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["ar", "lookup"])
+def test_grouped_serving_stays_in_budget_and_equals_batch1_ar_with_overflows(spec: bool) -> None:
+    """Reserves [2, 2, 12, 2, 12, 3] against true lengths up to 12 (no stop tokens): the too-short reserves
+    overflow, resume from what they emitted and still end equal to batch-1 AR; no group exceeds the budget;
+    FIFO under the same budget affords budget // (longest prompt + max_new) rows."""
+    model = tiny_target("llama")
+    prompts = random_prompts([3, 8, 5, 2, 6, 4])
+    max_new = 12
+    refs = [ar_generate(model, None, p, max_new, stop_ids=set())[0] for p in prompts]
+    factory = (lambda: PromptLookupProposer(3)) if spec else None
+    budget = 2 * (8 + max_new)
+    out, stats = serve_grouped(model, prompts, [2, 2, 12, 2, 12, 3], max_new, budget, set(), factory)
+    assert out == refs
+    assert stats.overflows == 4  # every reserve below 12 (no request stops early)
+    assert stats.peak_kv_tokens <= budget and stats.new_tokens == 6 * max_new
+    assert max(stats.batch_sizes) > fifo_rows([len(p) for p in prompts], max_new, budget) == 2
+    fifo, fstats = serve_fifo_budget(model, prompts, max_new, budget, set(), factory)
+    assert fifo == refs and fstats.batch_sizes == [2] and fstats.peak_kv_tokens <= budget
+    exact, estats = serve_grouped(model, prompts, [max_new] * 6, max_new, budget, set(), factory)
+    assert exact == refs and estats.overflows == 0
+    with pytest.raises(ValueError, match="less than one row"):
+        fifo_rows([5, 30], 10, 39)
+
+
+def test_reserve_length_is_the_bucket_bound_at_the_quantile() -> None:
+    from specdraft.eval.length_predictor import LengthPredictor
+
+    k = 4  # edges (32, 64, 128): buckets [0,32) [32,64) [64,128) [128,inf)
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05], [0.05, 0.05, 0.1, 0.8]]))  # (2, K)
+    pred = LengthPredictor(
+        "length", (32, 64, 128), torch.zeros(1), torch.ones(1), torch.zeros(k, 1), torch.zeros(k),
+        torch.tensor([16.0, 48.0, 96.0, 200.0]),
+    )  # fmt: skip
+    pred.bias.copy_(logits[0])
+    assert pred.reserve_length(torch.zeros(1, 1), 256, 0.5).tolist() == [32]
+    assert pred.reserve_length(torch.zeros(1, 1), 256, 0.9).tolist() == [64]  # 0.7 + 0.2 reaches 0.9
+    assert pred.reserve_length(torch.zeros(1, 1), 100, 0.99).tolist() == [100]  # the last bound is max_new
+    pred.bias.copy_(logits[1])
+    assert pred.reserve_length(torch.zeros(1, 1), 256, 0.1).tolist() == [64]
+    with pytest.raises(ValueError, match="quantile"):
+        pred.reserve_length(torch.zeros(1, 1), 256, 0.0)
+
+
+def test_throughput_rows_groups_under_fifos_memory() -> None:
+    model = tiny_target()
+    prompts = random_prompts([4, 9, 6, 3, 5, 7, 2, 8])
+    rows = throughput_rows(
+        model, "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [2], 8, set(),
+        log=lambda _: None, schedulers=("fifo", "groups", "oracle_groups"), predicted=[8.0] * 8,
+        predict_s=0.01, reserve=[2, 8, 2, 8, 2, 8, 2, 8],
+    )  # fmt: skip
+    assert [r["scheduler"] for r in rows] == ["fifo", "groups", "oracle_groups"] * 2
+    assert all(r["identical"] == len(prompts) for r in rows)
+    assert all(r["kv_budget"] == 2 * (9 + 8) for r in rows)
+    groups = [r for r in rows if r["scheduler"] == "groups"]
+    assert all(r["overflows"] == 4 and r["predict_s"] == 0.01 for r in groups)  # reserves of 2 overflow
+    assert all(r["overflows"] == 0 for r in rows if r["scheduler"] == "oracle_groups")
+    print_throughput(rows)
+    with pytest.raises(ValueError, match="one reserve per prompt"):
+        throughput_rows(model, "toy", prompts, [("ar", None)], [1], 4, set(), schedulers=("fifo", "groups"))

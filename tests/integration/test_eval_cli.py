@@ -265,3 +265,21 @@ def test_throughput_table_against_batch_size(assets, tmp_path, capsys):
         )
     with pytest.raises(ValueError, match="eval.batch_sizes"):
         evaluate(bad)
+
+
+def test_throughput_table_sampled_and_grouped(assets, tmp_path, capsys):
+    """`eval.temperature > 0` samples every row (no AR comparison); `eval.scheduler=groups` without a
+    predictor keeps FIFO and the oracle groups (the FIFO run's lengths) under FIFO's memory."""
+    GlobalHydra.instance().clear()
+    register_configs()
+    args = [f"eval.benches=[{assets / 'mini_mt.jsonl'}]", "eval.limit=3", "eval.batch_sizes=[2]",
+            "eval.scheduler=groups", "eval.temperature=0.7", "eval.node_budget=off"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path, *args))
+    rows = json.loads(evaluate(cfg).read_text())["throughput"]
+    assert [(r["method"], r["scheduler"]) for r in rows] == [
+        (m, s) for m in ("ar", "redrafter:drafter") for s in ("fifo", "oracle_groups")
+    ]
+    assert all(r["identical"] is None and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["kv_budget"] > 0 for r in rows)  # (sampled lengths differ between runs: oracle may overflow)
+    assert "predicted-length rows skipped" in capsys.readouterr().out

@@ -31,11 +31,13 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
-from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, machine_key
+from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
 from specdraft.eval.decode import DecodeStats, Proposer, _emit, default_stop_ids, sync_device
 from specdraft.eval.tree import DraftTree
 from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
+
+Sampling = tuple[float, int, float, torch.Generator | None]  # (temperature, top_k, top_p, generator)
 
 
 @dataclass
@@ -99,9 +101,6 @@ class BatchDecoder:
         self.batch_size = batch_size
         self.cache = BatchKVCache(model, batch_size, max_len)
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
-        self._sampling: tuple[float, int, float, torch.Generator | None] | None = (
-            None  # this call's (T, k, p, g)
-        )
 
     def _forward(
         self,
@@ -163,8 +162,7 @@ class BatchDecoder:
         if prefix + max(sizes) > self.cache.max_len:
             self.cache = BatchKVCache(self.model, B, prefix + max(sizes))
         for r in range(B):
-            self.cache.set_length(r, 0)
-            self.committed[r] = []
+            self._release(r)
         ids = torch.randint(0, vocab, (B, prefix), generator=g).to(dev)  # (B, P)
         causal = torch.ones(prefix, prefix, dtype=torch.bool, device=dev).tril()[None].expand(B, -1, -1)
         self._forward(
@@ -172,21 +170,18 @@ class BatchDecoder:
         )
         for r in range(B):
             self.cache.set_length(r, prefix)
-        times: dict[int, list[float]] = {b: [] for b in sizes}
-        for rep in range(reps + 1):  # rep 0 warms up
-            for b in sizes:
-                toks = torch.randint(0, vocab, (B, b), generator=g).to(dev)  # (B, b)
-                chain = torch.ones(b, b, dtype=torch.bool, device=dev).tril()[None].expand(B, -1, -1)
-                depth = torch.arange(b, device=dev)[None].expand(B, -1)  # (B, b)
-                sync_device(dev)
-                t = time.perf_counter()
-                logits, _ = self._forward(slice(0, B), toks, chain, depth, (), False)
-                logits.float().argmax(-1).tolist()  # the step's host sync, as in `generate`
-                if rep:
-                    times[b].append(time.perf_counter() - t)
+        toks = {b: torch.randint(0, vocab, (B, b), generator=g).to(dev) for b in sizes}  # (B, b) each
+
+        def verify(b: int) -> None:
+            chain = torch.ones(b, b, dtype=torch.bool, device=dev).tril()[None].expand(B, -1, -1)  # (B, b, b)
+            depth = torch.arange(b, device=dev)[None].expand(B, -1)  # (B, b)
+            logits, _ = self._forward(slice(0, B), toks[b], chain, depth, (), False)
+            logits.float().argmax(-1).tolist()  # the step's host sync, as in `generate`
+
+        ms = time_round_robin(verify, sizes, reps, dev)
         for r in range(B):
-            self.cache.set_length(r, 0)
-        return {b: sorted(ts)[len(ts) // 2] * 1e3 for b, ts in times.items()}
+            self._release(r)
+        return ms
 
     def row_cost_curve(self, refresh: bool = False, log: Callable[[str], None] = print) -> CostCurve:
         """This batch size's verify cost per row (ms of a B-row forward / B), cached per machine and B: with it
@@ -196,11 +191,24 @@ class BatchDecoder:
         curve = CostCurve.load_or_measure(key, self.measure_costs, refresh=refresh, log=log)
         return CostCurve({b: ms / self.batch_size for b, ms in curve.ms.items()})
 
+    def _release(self, row: int) -> None:
+        """Empty `row` (no committed positions): an idle row's dummy writes land at its start, and it never
+        widens the attention span."""
+        self.cache.set_length(row, 0)
+        self.committed[row] = []
+
     def _start(
-        self, row: int, request: int, prompt: list[int], st: _Row, layers: tuple[int, ...], keep_last: bool
+        self,
+        row: int,
+        request: int,
+        prompt: list[int],
+        st: _Row,
+        layers: tuple[int, ...],
+        keep_last: bool,
+        sampling: Sampling | None,
     ) -> None:
-        """Prefill `prompt` (P,) into `row` alone (the other rows keep their caches); set `st`'s root and
-        the proposer inputs: hidden (P, H') and next tokens (P,)."""
+        """Prefill `prompt` (P,) into `row` alone (the other rows keep their caches); set `st`'s root (argmax,
+        or drawn with `sampling`) and the proposer inputs: hidden (P, H') and next tokens (P,)."""
         p = len(prompt)
         if p == 0:
             raise ValueError(f"request {request}: empty prompt")
@@ -211,11 +219,7 @@ class BatchDecoder:
         logits, hidden = self._forward(slice(row, row + 1), ids, causal, depth, layers, keep_last)
         self.cache.set_length(row, p)
         self.committed[row] = list(prompt)
-        st.root = (
-            sample_token(logits[0, -1], *self._sampling)
-            if self._sampling
-            else int(logits[0, -1].float().argmax())
-        )
+        st.root = sample_token(logits[0, -1], *sampling) if sampling else int(logits[0, -1].float().argmax())
         st.stats.prefill_s = time.perf_counter() - st.t0
         st.new_hidden = hidden[0]  # (P, H')
         st.new_tokens = torch.tensor([*prompt[1:], st.root], device=self.device)  # (P,)
@@ -272,14 +276,12 @@ class BatchDecoder:
         if needed > self.cache.max_len:  # exactly what this call needs
             self.cache = BatchKVCache(self.model, B, needed)
         for r in range(B):
-            self.cache.set_length(r, 0)
-            self.committed[r] = []
+            self._release(r)
         batch = BatchStats(rows=B, requests=len(requests))
         results: list[tuple[list[int], RequestStats] | None] = [None] * len(requests)
         rows: list[_Row | None] = [None] * B
         queue = deque(range(len(requests)) if order is None else order)
-        sampling = (temperature, top_k, top_p, generator) if temperature > 0 else None
-        self._sampling = sampling
+        sampling: Sampling | None = (temperature, top_k, top_p, generator) if temperature > 0 else None
         fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
         if budget is not None and budget.cap is not None:
             for p in proposers:
@@ -288,7 +290,8 @@ class BatchDecoder:
         sync_device(dev)
         t_call = time.perf_counter()
 
-        def finish(st: _Row) -> None:
+        def finish(st: _Row, row: int) -> None:
+            self._release(row)  # its K/V are not needed any more
             sync_device(dev)
             st.stats.time_s = time.perf_counter() - st.t0
             st.stats.new_tokens = len(st.out)
@@ -306,12 +309,12 @@ class BatchDecoder:
                         time.perf_counter(),
                     )
                     if st.max_new > 0:
-                        self._start(r, i, requests[i], st, layers, keep_last)
+                        self._start(r, i, requests[i], st, layers, keep_last, sampling)
                         batch.prefills += 1
                         if proposers:
                             proposers[r].reset()
                     if st.max_new <= 0 or _emit(st.out, [st.root], stops, st.max_new):
-                        finish(st)
+                        finish(st, r)
                     else:
                         rows[r] = st
             active = [r for r in range(B) if rows[r] is not None]
@@ -335,10 +338,6 @@ class BatchDecoder:
             )  # room left in the fullest row
             trees = {r: t.truncated(cap) for r, t in trees.items()}
             b = max(t.num_nodes for t in trees.values())
-            for r in range(B):  # an idle row's dummy writes must fit too: drop its stale cache
-                if rows[r] is None and self.cache.lengths[r] + b > self.cache.max_len:
-                    self.cache.set_length(r, 0)
-                    self.committed[r] = []
             # every row starts as b dummies (children of node 0 that see only node 0 and themselves)
             eye = torch.eye(b, dtype=torch.bool, device=dev)
             anc = (eye | (torch.arange(b, device=dev) == 0)[None]).repeat(B, 1, 1)  # (B, b, b)
@@ -406,10 +405,8 @@ class BatchDecoder:
                 st.new_tokens = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
                 st.root = bonus
                 if _emit(st.out, [*path_tokens[1:], bonus], stops, st.max_new):
-                    finish(st)
+                    finish(st, r)
                     rows[r] = None
-                    self.cache.set_length(r, 0)  # an idle row must not widen the attention span
-                    self.committed[r] = []
             if on_step is not None:
                 on_step(self)
         sync_device(dev)

@@ -31,6 +31,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedModel
 
+from specdraft.eval.decode import sync_device
 from specdraft.hardware import cpu_model
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
@@ -63,6 +64,24 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
         layout,
     ]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def time_round_robin(
+    run: Callable[[int], object], sizes: tuple[int, ...], reps: int, device: torch.device
+) -> dict[int, float]:
+    """Median ms of `run(b)` for each size b, timed round-robin: every rep visits every size (rep 0 warms up,
+    e.g. captures CUDA graphs), so a machine's drift or a noisy neighbour shifts all sizes alike instead of
+    skewing their ratios. The device is synchronised around each call."""
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    for rep in range(reps + 1):
+        for b in sizes:
+            sync_device(device)
+            t = time.perf_counter()
+            run(b)
+            sync_device(device)
+            if rep:
+                times[b].append(time.perf_counter() - t)
+    return {b: sorted(ts)[len(ts) // 2] * 1e3 for b, ts in times.items()}
 
 
 @dataclass

@@ -34,7 +34,7 @@ from specdraft.eval.scheduler import first_fit_decreasing
 
 @dataclass
 class GroupedStats:
-    """What one `serve_grouped` / `serve_fifo_budget` call did."""
+    """What one `serve_grouped` / `serve_fifo_budget` call (or any `BatchDecoder` calls, `add_call`) did."""
 
     groups: int = 0  # BatchDecoder calls (FIFO: 1)
     batch_sizes: list[int] = field(default_factory=list)  # rows of each call
@@ -70,8 +70,9 @@ def fifo_rows(prompt_lens: Sequence[int], max_new_tokens: int, kv_budget: int) -
     return kv_budget // worst
 
 
-def _account(stats: GroupedStats, out: list, rows: int, reserved: int) -> None:
-    """Add one BatchDecoder call's batch stats to `stats`."""
+def add_call(stats: GroupedStats, out: list, rows: int, reserved: int) -> None:
+    """Add one `BatchDecoder.generate` call's output (its batch stats; `rows` rows of `reserved` KV tokens
+    each) to `stats`; time and new tokens are the caller's to set."""
     if not out:
         return
     b = out[0][1].batch
@@ -111,7 +112,7 @@ def serve_fifo_budget(
         prompts, max_new_tokens, stop_ids, proposer_factory, budget=budget, **(sample or {})
     )
     stats.time_s = time.perf_counter() - t0
-    _account(stats, out, rows, max((len(p) for p in prompts), default=0) + max_new_tokens)
+    add_call(stats, out, rows, max((len(p) for p in prompts), default=0) + max_new_tokens)
     toks = [t for t, _ in out]
     stats.new_tokens = sum(len(t) for t in toks)
     return toks, stats
@@ -172,7 +173,7 @@ def serve_grouped(
                 budget=budget,
                 **(sample or {}),
             )
-            _account(stats, out, len(g), reserved)
+            add_call(stats, out, len(g), reserved)
             for j, (toks, st) in zip(g, out, strict=True):
                 i = todo[j]
                 outputs[i] += toks

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdraft.eval.budget import SIZES, NodeBudget
+from specdraft.eval.budget import SIZES, NodeBudget, time_round_robin
 from specdraft.eval.decode import (
     DecodeStats,
     Proposer,
@@ -196,9 +196,8 @@ class StaticDecoder:
         self, sizes: tuple[int, ...] = SIZES, prefix: int = 256, reps: int = 7
     ) -> dict[int, float]:
         """Median ms of one verify forward of b nodes (a chain) after a `prefix`-token cache, for each size,
-        on this decoder's path (eager / fixed / graph); nothing is committed. For `eval.budget.CostCurve`.
-        The sizes are timed round-robin (every rep visits every size), so a machine's drift or a noisy
-        neighbour shifts all sizes alike instead of skewing their ratios."""
+        on this decoder's path (eager / fixed / graph); nothing is committed. For `eval.budget.CostCurve`
+        (sizes timed round-robin, `budget.time_round_robin`)."""
         g = torch.Generator(device="cpu").manual_seed(0)
         vocab = int(cast(PreTrainedModel, self.model).config.get_text_config(decoder=True).vocab_size)
         ids = torch.randint(0, vocab, (1, prefix), generator=g).to(self.device)
@@ -211,16 +210,7 @@ class StaticDecoder:
             )
             for b in sizes
         }
-        times: dict[int, list[float]] = {b: [] for b in sizes}
-        for rep in range(reps + 1):  # rep 0 warms up (and captures the graphs)
-            for b, tree in trees.items():
-                sync_device(self.device)
-                t = time.perf_counter()
-                self._forward_tree(tree, (), False)
-                sync_device(self.device)
-                if rep:
-                    times[b].append(time.perf_counter() - t)
-        return {b: sorted(ts)[len(ts) // 2] * 1e3 for b, ts in times.items()}
+        return time_round_robin(lambda b: self._forward_tree(trees[b], (), False), sizes, reps, self.device)
 
     def path_name(self) -> str:
         """ "eager" | "fixed" | "graph": the shape of this decoder's verify (a cost-curve cache key)."""

@@ -22,7 +22,7 @@ import torch
 from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.budget import NodeBudget
 from specdraft.eval.decode import Proposer
-from specdraft.eval.grouped import serve_grouped
+from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
 from specdraft.eval.scheduler import SCHEDULERS, schedule_order
 
 Factory = Callable[[], Proposer] | None  # None: AR
@@ -88,15 +88,12 @@ def throughput_rows(
             for sched in schedulers:
                 kw = _sample_kw(sample, model)
                 extra = predict_s if sched in ("length", "groups") else 0.0
-                groups = None
                 if sched.endswith("groups"):
                     bound = reserve if sched == "groups" else measured
-                    toks, groups = serve_grouped(
+                    toks, gs = serve_grouped(
                         model, prompts, list(bound or []), max_new_tokens, b * worst, stop_ids, factory,
                         budget=budget, sample=kw,
                     )  # fmt: skip
-                    rate = groups.new_tokens / max(groups.time_s + extra, 1e-9)
-                    stats = None
                 else:
                     lengths = measured if sched == "oracle" else predicted
                     order = schedule_order(sched, len(prompts), lengths)
@@ -104,8 +101,11 @@ def throughput_rows(
                         prompts, max_new_tokens, stop_ids, factory, order=order, budget=budget, **kw
                     )
                     toks = [t for t, _ in out]
-                    stats = out[0][1].batch if out else None
-                    rate = stats.new_tokens / max(stats.time_s + extra, 1e-9) if stats else 0.0
+                    gs = GroupedStats(
+                        time_s=out[0][1].batch.time_s if out else 0.0, new_tokens=sum(map(len, toks))
+                    )
+                    add_call(gs, out, b, worst)  # one continuous batch of b rows
+                rate = gs.new_tokens / max(gs.time_s + extra, 1e-9)
                 if sched == "fifo":
                     fifo_rate, measured = rate, [len(t) for t in toks]
                 if factory is None:
@@ -113,7 +113,6 @@ def throughput_rows(
                     if b == 1 and sched == schedulers[0]:
                         batch1_ar = rate
                     reference = toks if reference is None or b == 1 else reference
-                steps = groups.request_steps if groups else sum(st.steps for _, st in out)
                 ar = ar_rate.get(sched)
                 rows.append(
                     {
@@ -122,22 +121,14 @@ def throughput_rows(
                         "method": name,
                         "scheduler": sched,
                         "tokens_per_s": rate,
-                        "tokens_per_step": sum(len(t) for t in toks) / max(steps, 1),
-                        "batch_steps": groups.steps if groups else stats.steps if stats else 0,
-                        "idle_row_steps": groups.idle_row_steps
-                        if groups
-                        else stats.idle_row_steps
-                        if stats
-                        else 0,
-                        "row_utilisation": groups.row_utilisation
-                        if groups
-                        else stats.row_utilisation
-                        if stats
-                        else None,
+                        "tokens_per_step": sum(len(t) for t in toks) / max(gs.request_steps, 1),
+                        "batch_steps": gs.steps,
+                        "idle_row_steps": gs.idle_row_steps,
+                        "row_utilisation": gs.row_utilisation if gs.groups else None,
                         "kv_budget": b
-                        * worst,  # KV tokens: FIFO's B rows at the worst case; groups stay within it
-                        "group_batch_sizes": groups.batch_sizes if groups else [b],
-                        "overflows": groups.overflows if groups else 0,
+                        * worst,  # KV tokens: FIFO's B rows at the worst case; groups stay within
+                        "group_batch_sizes": gs.batch_sizes or [b],
+                        "overflows": gs.overflows,
                         "predict_s": extra,
                         "node_cap": budget.cap if budget else None,  # after this call (1: no drafting)
                         "speedup_vs_ar_same_batch": rate / ar if ar else None,

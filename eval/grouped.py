@@ -34,7 +34,7 @@ from specdraft.eval.scheduler import first_fit_decreasing
 
 @dataclass
 class GroupedStats:
-    """What one `serve_grouped` / `serve_fifo_budget` call (or any `BatchDecoder` calls, `add_call`) did."""
+    """What one `serve_grouped` call (or any `BatchDecoder` calls, `add_call`) did."""
 
     groups: int = 0  # BatchDecoder calls (FIFO: 1)
     batch_sizes: list[int] = field(default_factory=list)  # rows of each call
@@ -83,39 +83,6 @@ def add_call(stats: GroupedStats, out: list, rows: int, reserved: int) -> None:
     stats.idle_row_steps += b.idle_row_steps
     stats.row_steps += b.rows * b.steps
     stats.peak_kv_tokens = max(stats.peak_kv_tokens, rows * reserved)
-
-
-def serve_fifo_budget(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    kv_budget: int,
-    stop_ids: set[int],
-    proposer_factory: Callable[[], Proposer] | None = None,
-    budget: NodeBudget | None = None,
-    sample: dict[str, Any] | None = None,
-) -> tuple[list[list[int]], GroupedStats]:
-    """FIFO continuous batching with as many rows as the budget affords at the worst-case reserve.
-
-    Args:
-        model: the target; prompts: (N,) prompt ids; max_new_tokens: per request; kv_budget: KV tokens;
-        stop_ids: end tokens; proposer_factory: one proposer per row (None: AR); budget: `NodeBudget`;
-        sample: `BatchDecoder.generate` sampling keywords (temperature, top_k, top_p, generator); None: greedy.
-
-    Returns:
-        (new tokens per request in request order, stats).
-    """
-    rows = min(fifo_rows([len(p) for p in prompts], max_new_tokens, kv_budget), max(len(prompts), 1))
-    stats = GroupedStats()
-    t0 = time.perf_counter()
-    out = BatchDecoder(model, rows, max_len=1).generate(
-        prompts, max_new_tokens, stop_ids, proposer_factory, budget=budget, **(sample or {})
-    )
-    stats.time_s = time.perf_counter() - t0
-    add_call(stats, out, rows, max((len(p) for p in prompts), default=0) + max_new_tokens)
-    toks = [t for t, _ in out]
-    stats.new_tokens = sum(len(t) for t in toks)
-    return toks, stats
 
 
 def serve_grouped(

@@ -15,27 +15,15 @@ adaptive variants that only prune and shrink (never switch drafting off), to sep
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
-from types import SimpleNamespace
-
-import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Parse the arguments, run AR, every fixed tree and its adaptive variants per prompt, print the table."""
+    from specdraft.eval.bench_common import add_target_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
-    p.add_argument(
-        "--layout",
-        default="auto",
-        choices=["auto", "transposed", "native"],
-        help="target Linear weights: auto | transposed | native (eval.linear_layout)",
-    )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--drafter", nargs="*", default=[], help="exported ReDrafter / EAGLE folders")
-    p.add_argument("--lookup", type=int, default=0, help="> 0: also prompt lookup with this many tokens")
+    add_target_args(p)
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.05, 0.3])
     p.add_argument(
         "--no-fallback", type=float, nargs="*", default=[], help="also these thresholds without the fallback"
@@ -44,40 +32,25 @@ def main() -> None:
     p.add_argument("--int8-head", action=argparse.BooleanOptionalAction, default=True, help="as eval default")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = p.parse_args(argv)
 
     from rich.console import Console
     from rich.table import Table
 
-    from specdraft.data.benchmarks import load_benchmark
-    from specdraft.data.chat import prompt_ids
     from specdraft.eval.adaptive import AdaptiveProposer
-    from specdraft.eval.decode import DecodeStats, Proposer, default_stop_ids
-    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.bench_common import first_turns, load_bench, write_json
+    from specdraft.eval.decode import DecodeStats, Proposer
+    from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.models.base_llm import load_target, target_fingerprint
-    from specdraft.models.hub import load_drafter
-    from specdraft.models.linear_layout import apply_layout
 
-    model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
-    apply_layout(model, a.layout)  # as evaluate.py does
+    bench = load_bench(a)
+    model, tok, stop = bench.model, bench.tokenizer, bench.stop_ids
     dec = make_decoder(model, "static", "auto")
     assert dec is not None
-    stop = default_stop_ids(tok, model)
-    print(
-        f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()} path={dec.path_name()}"
-    )
-
-    families: list[tuple[str, Callable[[], Proposer]]] = []  # (name, fresh fixed-tree proposer)
-    for path in a.drafter:
-        d = load_drafter(path, model, target_fingerprint(model, tok))
-        where = Path(path)
-        name = f"{drafter_family(d)}:{where.parent.name if where.name == 'export' else where.name}"
-        families.append((name, lambda d=d: make_proposer(d, int8_head=a.int8_head)))
+    print(f"decode path {dec.path_name()}")
+    families: list[tuple[str, Callable[[], Proposer]]] = [  # (name, fresh fixed-tree proposer)
+        (name, lambda d=d: make_proposer(d, int8_head=a.int8_head)) for name, d in bench.drafters
+    ]
     if a.lookup:
         families.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
     Run = Callable[[list[int], int], tuple[list[int], DecodeStats]]
@@ -98,8 +71,7 @@ def main() -> None:
                     lambda ids, n, q=prop: dec.speculative_generate(tok, ids, q, n, stop_ids=stop),
                 )
             )
-    items = load_benchmark("mt_bench", a.prompts + 1)
-    prompts = [prompt_ids(tok, [{"role": "user", "content": i.turns[0]}]) for i in items]
+    prompts = first_turns(tok, a.bench, a.prompts + 1)
     for _, _, fn in methods:  # warm-up on the extra prompt
         fn(prompts[0], a.warmup_tokens)
     tot: dict[tuple[str, str], dict] = {}
@@ -120,7 +92,7 @@ def main() -> None:
     ar_rate = tot[("ar", "-")]["n"] / tot[("ar", "-")]["time"]
     table = Table(
         title=f"confidence-adaptive vs fixed trees on {model.device} ({str(model.dtype).replace('torch.', '')}),"
-        f" {a.prompts} MT-Bench prompts x {a.max_new_tokens} tokens"
+        f" {a.prompts} {a.bench} prompts x {a.max_new_tokens} tokens"
     )
     cols = ("method", "tree", "tok/step", "nodes/step", "tok/s", "vs AR", "1-node steps", "same as AR")
     for col in cols:
@@ -139,9 +111,7 @@ def main() -> None:
             f"{row['vs_ar']:.2f}x", f"{row['target_frac']:.0%}", row["same"],
         )  # fmt: skip
     Console(width=200).print(table)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, model, {"rows": rows})
 
 
 if __name__ == "__main__":

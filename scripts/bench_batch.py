@@ -24,10 +24,9 @@ measured response first (`oracle`, the FIFO run's lengths: an upper bound for an
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from functools import partial
-from types import SimpleNamespace
+from pathlib import Path
 
 import torch
 
@@ -49,23 +48,15 @@ def report_predictions(predicted: list[float], actual: list[int], edges: tuple[i
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Parse the arguments, run every method at every batch size and scheduler, print (and save) the table."""
+    from specdraft.eval.bench_common import add_target_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
-    p.add_argument(
-        "--layout",
-        default="auto",
-        choices=["auto", "transposed", "native"],
-        help="target Linear weights: auto | transposed | native (eval.linear_layout)",
-    )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders")
-    p.add_argument("--lookup", type=int, default=0, help="> 0: prompt lookup with this many tokens")
+    add_target_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument(
         "--scheduler",
         nargs="+",
@@ -83,33 +74,21 @@ def main() -> None:
         action="store_true",
         help="fit a node budget per (batch size, drafter) (eval.node_budget=auto)",
     )
-    a = p.parse_args()
+    a = p.parse_args(argv)
 
     from rich.console import Console
 
-    from specdraft.data.benchmarks import load_benchmark
-    from specdraft.data.chat import prompt_ids
-    from specdraft.eval.decode import default_stop_ids
-    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.bench_common import first_turns, load_bench, write_json
+    from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.throughput import Factory, print_throughput, throughput_rows
-    from specdraft.models.base_llm import load_target, target_fingerprint
-    from specdraft.models.hub import load_drafter
-    from specdraft.models.linear_layout import apply_layout
 
-    model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
-    apply_layout(model, a.layout)  # as evaluate.py does
-    stop = default_stop_ids(tok, model)
-    requests = [
-        prompt_ids(tok, [{"role": "user", "content": i.turns[0]}])
-        for i in load_benchmark("mt_bench", a.requests)
-    ]
+    bench = load_bench(a)
+    model, stop = bench.model, bench.stop_ids
+    requests = first_turns(bench.tokenizer, a.bench, a.requests)
     methods: list[tuple[str, Factory]] = [("ar", None)]
-    for path in a.drafter:
-        d = load_drafter(path, model, target_fingerprint(model, tok))
-        methods.append((f"{drafter_family(d)}:{path}", partial(make_proposer, d)))
+    methods += [(name, partial(make_proposer, d)) for name, d in bench.drafters]
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
-    print(f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}")
     predicted, reserve, predict_s = None, None, 0.0
     if {"length", "groups"} & set(a.scheduler):
         if not a.length_predictor:
@@ -125,20 +104,14 @@ def main() -> None:
         print(f"predicted lengths ({predictor.signal}, {predict_s:.2f} s): {[round(x) for x in predicted]}")
         print(f"reserves at quantile {a.reserve_quantile}: {reserve}")
     rows = throughput_rows(
-        model, "mt_bench", requests, methods, a.batch, a.max_new_tokens, stop,
+        model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
         schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
         node_budget=a.budget,
     )  # fmt: skip
     print_throughput(rows, Console(width=160))
     if predicted is not None:
         report_predictions(predicted, rows[0]["output_lengths"], predictor.edges, a.max_new_tokens)
-    if a.json:
-        from specdraft.eval.cli import machine_info
-        from specdraft.utils import atomic_write_json
-
-        atomic_write_json(
-            a.json, {"command": " ".join(sys.argv), "machine": machine_info(model), "rows": rows}
-        )
+    write_json(a.json, model, {"rows": rows})
 
 
 if __name__ == "__main__":

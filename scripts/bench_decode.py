@@ -19,56 +19,37 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from types import SimpleNamespace
-
-import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Parse the arguments, measure the cost curves, run every method on every path, print the table."""
+    from specdraft.eval.bench_common import add_target_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders / Hub ids")
-    p.add_argument("--lookup", type=int, default=0, help="> 0: also prompt lookup with this many tokens")
+    add_target_args(p, layouts=("native", "transposed", "both"), layout_default="native")
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
-    p.add_argument(
-        "--layout",
-        default="native",
-        choices=["native", "transposed", "both"],
-        help="target Linear weights (models/linear_layout.py); both: the static path again on a transposed copy",
-    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = p.parse_args(argv)
 
     from rich.console import Console
     from rich.table import Table
 
-    from specdraft.data.benchmarks import load_benchmark
-    from specdraft.data.chat import prompt_ids
+    from specdraft.eval.bench_common import first_turns, load_bench, write_json
     from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
-    from specdraft.eval.decode import ar_generate, default_stop_ids, speculative_generate
-    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.decode import ar_generate, speculative_generate
+    from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.models.base_llm import load_target, target_fingerprint
-    from specdraft.models.hub import load_drafter
     from specdraft.models.linear_layout import transpose_linears
 
-    model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
+    bench = load_bench(a, layout=False)  # native, or transposed here; `both` adds a transposed copy below
+    model, tok, stop = bench.model, bench.tokenizer, bench.stop_ids
     if a.layout == "transposed":
         transpose_linears(model)
     dec = make_decoder(model, "static", a.graphs)
     assert dec is not None
-    print(
-        f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()} path={dec.path_name()}"
-    )
+    print(f"decode path {dec.path_name()}")
     cost = CostCurve.load_or_measure(machine_key(model, dec.path_name()), dec.measure_costs, refresh=True)
     print("verify ms per node count:", {b: round(ms, 1) for b, ms in cost.ms.items()})
     # static paths: (label, decoder, cost curve); "static-T" = the same path over transposed Linear weights
@@ -84,14 +65,9 @@ def main() -> None:
         print("verify ms per node count, transposed:", {b: round(ms, 1) for b, ms in cost_t.ms.items()})
         paths.append(("static-T", dec_t, cost_t))
     # (name, factory): each method gets its own proposer (a fitted budget may shrink the one it drives)
-    proposers = [
-        (f"{drafter_family(d)}:{path}", lambda d=d: make_proposer(d))
-        for path in a.drafter
-        for d in [load_drafter(path, model, target_fingerprint(model, tok))]
-    ]
+    proposers = [(name, lambda d=d: make_proposer(d)) for name, d in bench.drafters]
     if a.lookup:
         proposers.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
-    stop = default_stop_ids(tok, model)
     # (name, path, fn(ids) -> (tokens, stats))
     methods = [
         ("ar", "dynamic", lambda ids: ar_generate(model, tok, ids, a.max_new_tokens, stop_ids=stop)),
@@ -133,10 +109,7 @@ def main() -> None:
                         ),
                     )
                 )
-    prompts = [
-        prompt_ids(tok, [{"role": "user", "content": i.turns[0]}])
-        for i in load_benchmark("mt_bench", a.prompts + 1)
-    ]
+    prompts = first_turns(tok, a.bench, a.prompts + 1)
     for (
         _,
         _,
@@ -162,7 +135,7 @@ def main() -> None:
             t["same"] += out == ref[k]
     rate = {key: t["n"] / t["time"] for key, t in tot.items()}
     table = Table(
-        title=f"decode paths on {model.device} ({str(model.dtype).replace('torch.', '')}), {a.prompts} MT-Bench prompts"
+        title=f"decode paths on {model.device} ({str(model.dtype).replace('torch.', '')}), {a.prompts} {a.bench} prompts"
     )
     for col in (
         "method",
@@ -206,13 +179,8 @@ def main() -> None:
             row["same"],
         )
     Console(width=200).print(table)
-    if a.json:
-        from specdraft.eval.cli import machine_info
-        from specdraft.utils import atomic_write_json
-
-        info = {"command": " ".join(sys.argv), "machine": machine_info(model), "path": dec.path_name()}
-        costs = {"cost_ms": cost.ms, **({"cost_ms_transposed": cost_t.ms} if a.layout == "both" else {})}
-        atomic_write_json(a.json, {**info, "layout": a.layout, **costs, "rows": rows})
+    costs = {"cost_ms": cost.ms, **({"cost_ms_transposed": cost_t.ms} if a.layout == "both" else {})}
+    write_json(a.json, model, {"path": dec.path_name(), "layout": a.layout, **costs, "rows": rows})
 
 
 if __name__ == "__main__":

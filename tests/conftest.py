@@ -50,3 +50,32 @@ def tiny_llama():
 def tiny_llama64():
     """The same tiny Llama in fp64, for exact-equality decoding checks."""
     return _tiny_llama(dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def eval_assets(tmp_path_factory):
+    """A folder with a tiny target (`target/`: model + tokenizer), a randomly initialised ReDrafter export
+    (`drafter/`) and mini benchmarks (`mini_mt.jsonl`, 3 questions of 2 turns; `mini_alpaca.jsonl`)."""
+    import json
+
+    from specdraft.models import redrafter
+    from specdraft.models.base_llm import target_fingerprint
+    from specdraft.models.hub import export_drafter
+    from specdraft.train.config import ReDrafterSchema
+
+    root = tmp_path_factory.mktemp("eval_assets")
+    target, tok = _tiny_llama(), _tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    schema = ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, init_from_lm_head=True)
+    drafter = redrafter.build(schema, target, target_fingerprint(target, tok))
+    export_drafter(drafter, root / "drafter", {"steps": 0})
+    rows = [  # short MT-Bench-style questions (the char-level tokenizer makes real prompts long)
+        {"question_id": i, "category": c, "turns": [f"Say {w}.", "Again, shorter."]}
+        for i, (c, w) in enumerate([("writing", "hello"), ("math", "one two"), ("writing", "yes")])
+    ]
+    (root / "mini_mt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "mini_alpaca.jsonl").write_text(
+        json.dumps({"instruction": "List two colors.", "dataset": "x"}) + "\n"
+    )
+    return root

@@ -15,11 +15,6 @@ from hydra.core.global_hydra import GlobalHydra
 
 from specdraft.conf.schema import register_configs
 from specdraft.eval.cli import evaluate
-from specdraft.models import redrafter
-from specdraft.models.base_llm import target_fingerprint
-from specdraft.models.hub import export_drafter
-from specdraft.testing import tiny_llama, tiny_tokenizer
-from specdraft.train.config import ReDrafterSchema
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {
@@ -34,24 +29,9 @@ SUMMARY_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    """Tiny target folder + a randomly initialised ReDrafter exported next to it."""
-    root = tmp_path_factory.mktemp("eval_assets")
-    target, tok = tiny_llama(), tiny_tokenizer()
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    schema = ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, init_from_lm_head=True)
-    drafter = redrafter.build(schema, target, target_fingerprint(target, tok))
-    export_drafter(drafter, root / "drafter", {"steps": 0})
-    rows = [  # short MT-Bench-style questions (the char-level tokenizer makes real prompts long)
-        {"question_id": i, "category": c, "turns": [f"Say {w}.", "Again, shorter."]}
-        for i, (c, w) in enumerate([("writing", "hello"), ("math", "one two"), ("writing", "yes")])
-    ]
-    (root / "mini_mt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "mini_alpaca.jsonl").write_text(
-        json.dumps({"instruction": "List two colors.", "dataset": "x"}) + "\n"
-    )
-    return root
+def assets(eval_assets: Path) -> Path:
+    """Tiny target folder + a random ReDrafter export + mini benchmarks (tests/conftest.py)."""
+    return eval_assets
 
 
 def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:

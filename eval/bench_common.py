@@ -1,0 +1,108 @@
+"""What the benchmark scripts (`scripts/bench_decode.py`, `bench_batch.py`, `bench_adaptive.py`) share: the
+target / drafter / prompt arguments, loading them as evaluate.py does, and the results JSON.
+
+    p = argparse.ArgumentParser(...)
+    add_target_args(p)                      # --target --dtype --device --layout --drafter --lookup --bench ...
+    a = p.parse_args(argv)
+    b = load_bench(a)                       # threads, target (+ Linear layout), stop ids, labelled drafters
+    prompts = first_turns(b.tokenizer, a.bench, n)
+    write_json(a.json, b.model, {"rows": rows})   # + the command line and the machine, atomically
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+LAYOUTS = ("auto", "transposed", "native")  # eval.linear_layout values
+
+
+@dataclass
+class Bench:
+    """A loaded benchmark setup: the target, its tokenizer and stop ids, the drafters with their labels."""
+
+    model: nn.Module
+    tokenizer: Any
+    stop_ids: set[int]
+    drafters: list[tuple[str, nn.Module]]  # (label "family:run", drafter)
+
+
+def add_target_args(
+    p: argparse.ArgumentParser, layouts: tuple[str, ...] = LAYOUTS, layout_default: str = "auto"
+) -> None:
+    """The arguments every benchmark script takes: target, precision, device, Linear layout, drafters, prompt
+    lookup, benchmark, threads and the JSON output."""
+    p.add_argument("--target", default="smollm2-135m", help="target: a preset name, HF folder or Hub id")
+    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--layout",
+        default=layout_default,
+        choices=list(layouts),
+        help="target Linear weights (eval.linear_layout; models/linear_layout.py)",
+    )
+    p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders / Hub ids")
+    p.add_argument("--lookup", type=int, default=0, help="> 0: also prompt lookup with this many tokens")
+    p.add_argument("--bench", default="mt_bench", help="prompts: mt_bench | alpaca_eval | a .jsonl file")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", default=None, help="also write the rows (+ command, machine) to this JSON file")
+
+
+def drafter_label(drafter: nn.Module, path: str) -> str:
+    """`family:name`, the name being the run's folder for `<run>/export`, else the path's last part."""
+    from specdraft.eval.proposers import drafter_family
+
+    where = Path(path)
+    name = where.parent.name if where.name == "export" and where.parent.name else where.name or path
+    return f"{drafter_family(drafter)}:{name}"
+
+
+def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
+    """Threads, the target (`--layout` applied unless `layout=False`: the script lays it out itself), its
+    tokenizer and stop ids, and every `--drafter` checked against the target's fingerprint."""
+    from specdraft.eval.decode import default_stop_ids
+    from specdraft.models.base_llm import load_target, target_fingerprint
+    from specdraft.models.hub import load_drafter
+    from specdraft.models.linear_layout import apply_layout
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
+    if layout:
+        apply_layout(model, a.layout)  # as evaluate.py does
+    fingerprint = target_fingerprint(model, tok)
+    drafters: list[tuple[str, nn.Module]] = []
+    for path in a.drafter:
+        d = load_drafter(path, model, fingerprint)
+        drafters.append((drafter_label(d, path), d))
+    print(f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}", flush=True)
+    return Bench(model, tok, default_stop_ids(tok, model), drafters)
+
+
+def first_turns(tokenizer: Any, bench: str, n: int) -> list[list[int]]:
+    """The chat-templated first user turn of the first `n` questions of `bench` (round-robin over its
+    categories, as `eval.limit`), as token ids."""
+    from specdraft.data.benchmarks import load_benchmark
+    from specdraft.data.chat import prompt_ids
+
+    return [
+        prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in load_benchmark(bench, n)
+    ]
+
+
+def write_json(path: str | None, model: nn.Module, payload: dict[str, Any]) -> None:
+    """Write `payload` with the command line and the machine (`eval.cli.machine_info`) to `path`, atomically;
+    nothing when `path` is None."""
+    if path is None:
+        return
+    from specdraft.eval.cli import machine_info
+    from specdraft.utils import atomic_write_json
+
+    atomic_write_json(path, {"command": " ".join(sys.argv), "machine": machine_info(model), **payload})

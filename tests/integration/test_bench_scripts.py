@@ -1,0 +1,69 @@
+"""The benchmark scripts (scripts/bench_decode.py, bench_batch.py, bench_adaptive.py) end to end on a tiny
+target, a random ReDrafter and prompt lookup: their tables, their JSON (command, machine, rows), and every
+method's output equal to AR's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _main(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def _common(assets: Path, out: Path) -> list[str]:
+    return [
+        "--target", str(assets / "target"), "--dtype", "fp32", "--device", "cpu", "--threads", "1",
+        "--drafter", str(assets / "drafter"), "--lookup", "3", "--bench", str(assets / "mini_mt.jsonl"),
+        "--json", str(out),
+    ]  # fmt: skip
+
+
+def _load(out: Path) -> dict:
+    res = json.loads(out.read_text())
+    assert res["command"] and res["machine"]["device"] == "cpu" and res["machine"]["dtype"] == "float32"
+    return res
+
+
+def test_bench_decode(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "decode.json"
+    _main("bench_decode")([*_common(eval_assets, out), "--prompts", "2", "--max-new-tokens", "8", "--budget"])
+    res = _load(out)
+    methods = {(r["method"], r["path"]) for r in res["rows"]}
+    assert {("ar", "dynamic"), ("ar", "static"), ("redrafter:drafter", "static")} <= methods
+    assert ("redrafter:drafter+budget", "static") in methods and ("lookup:3", "dynamic") in methods
+    assert all(r["same"] == "2/2" for r in res["rows"])  # every path and method equals AR
+    assert set(res["cost_ms"]) >= {"1", "2", "4"} and "decode paths on cpu" in capsys.readouterr().out
+
+
+def test_bench_batch(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "batch.json"
+    _main("bench_batch")(
+        [*_common(eval_assets, out), "--requests", "3", "--batch", "1", "2", "--max-new-tokens", "6"]
+    )
+    rows = _load(out)["rows"]
+    assert {(r["method"], r["batch"]) for r in rows} == {
+        (m, b) for m in ("ar", "redrafter:drafter", "lookup:3") for b in (1, 2)
+    }
+    assert all(r["identical"] == r["requests"] == 3 for r in rows)  # batched outputs equal batch-1 AR
+    assert "mini_mt" in capsys.readouterr().out
+
+
+def test_bench_adaptive(eval_assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "adaptive.json"
+    argv = [*_common(eval_assets, out), "--prompts", "2", "--max-new-tokens", "8", "--thresholds", "0.2"]
+    _main("bench_adaptive")([*argv, "--warmup-tokens", "4", "--no-fallback", "0.2"])
+    rows = _load(out)["rows"]
+    assert {(r["method"], r["tree"]) for r in rows} >= {
+        ("ar", "-"), ("redrafter:drafter", "fixed"), ("redrafter:drafter", "adaptive@0.2"),
+        ("lookup:3", "adaptive@0.2 no fallback"),
+    }  # fmt: skip
+    assert all(r["same"] == "2/2" for r in rows)

@@ -1,6 +1,6 @@
 """Issue 23's long recipes in one command: one self-distilled set, the four families trained on it, one eval run.
 
-    # everything not done yet, on this machine (CPU: hours; an H100: ~20 min, see README "Results")
+    # everything not done yet, from the checkout root (hours on a 2-core CPU; the GPU command: README "Results")
     python scripts/long_runs.py
     # a subset, or fewer steps (the same overrides go to every family's train.py)
     python scripts/long_runs.py --families redrafter eagle3 --train-args train.max_steps=400
@@ -225,6 +225,12 @@ def run_stages(a: argparse.Namespace) -> int:
 
     from specdraft.utils import atomic_write_json
 
+    if not Path("distill.py").is_file():
+        print(
+            f"[long_runs] run it from the specdraft checkout's root (no distill.py in {os.getcwd()})",
+            file=sys.stderr,
+        )
+        return 2
     root = Path(a.output_root)
     data_dir = root / DATA_PRESET / "distilled"
     record_path = Path(a.record or root / "long_runs" / "record.json")
@@ -289,10 +295,10 @@ def run_stages(a: argparse.Namespace) -> int:
             checkpoints += sorted(str(c) for c in (run_dir / "checkpoints").glob("step-*"))
         save()
 
+    if {"eval", "simvs"} & set(a.stages) and not exports:
+        print("[long_runs] eval/simvs: no trained export yet (run the train stage)", file=sys.stderr)
+        return 1
     if "eval" in a.stages:
-        if not exports:
-            print("[long_runs] eval: no trained export yet (run the train stage)", file=sys.stderr)
-            return 1
         out = root / "long_runs" / "eval"
         cmd = [*common, "evaluate.py", f"conf={DATA_PRESET}", *base, f"eval.drafters=[{','.join(exports)}]",
                f"eval.out_dir={out}", *shlex.split(a.eval_args)]  # fmt: skip
@@ -308,9 +314,6 @@ def run_stages(a: argparse.Namespace) -> int:
         }
         save()
     if "simvs" in a.stages:
-        if not exports:
-            print("[long_runs] simvs: no trained export yet (run the train stage)", file=sys.stderr)
-            return 1
         out_json = root / "long_runs" / "sim_vs_served.json"
         val = "0.04"  # the long presets' data.val_fraction: the held-out conversations
         cmd = [*common, "scripts/sim_vs_served.py", "--data", str(data_dir), "--exports", *exports, *checkpoints,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, cast
 
 import torch
@@ -22,6 +24,16 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+
+
+def load_script(path: Path) -> ModuleType:
+    """Import a file of `scripts/` (not part of the package) as a module, e.g. to call its `main(argv)`."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -4,19 +4,16 @@ method's output equal to AR's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from specdraft.testing import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def _main(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return load_script(SCRIPTS / f"{name}.py").main
 
 
 def _common(assets: Path, out: Path) -> list[str]:

@@ -4,7 +4,6 @@ the save/load round trip, one clear error for a bad predictor file, and the scri
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from specdraft.eval.length_predictor import (
     prompt_features,
 )
 from specdraft.models.base_llm import forward_with_hidden
-from specdraft.testing import tiny_target
+from specdraft.testing import load_script, tiny_target
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_length_predictor.py"
 
@@ -122,11 +121,7 @@ def test_bad_predictor_files_fail_in_one_clear_line(tmp_path: Path) -> None:
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_length_predictor", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_script_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 from pathlib import Path
 
 import pytest
 
+from specdraft.testing import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "long_runs.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("long_runs", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 class FakeStages:
@@ -96,6 +93,7 @@ def fake(tmp_path: Path, monkeypatch):
         return procs[-1]
 
     monkeypatch.setattr(mod.subprocess, "Popen", popen)
+    monkeypatch.chdir(SCRIPT.parents[1])  # the stage scripts are named relative to the checkout's root
     stages.procs = procs
     return mod, stages, tmp_path / "out"
 
@@ -177,3 +175,10 @@ def test_an_interrupted_stage_is_terminated_and_recorded(fake) -> None:
     record = json.loads((root / "long_runs" / "record.json").read_text())
     calls = [e["wall_s"] for e in record["stages"] if e.get("family") == "medusa"]
     assert len(calls) == 2 and record["train"]["medusa"]["train_s_all_calls"] == pytest.approx(sum(calls))
+
+
+def test_refuses_to_run_outside_the_checkout_root(fake, tmp_path: Path, monkeypatch, capsys) -> None:
+    mod, stages, root = fake
+    monkeypatch.chdir(tmp_path)
+    assert mod.main(["--output-root", str(root)]) == 2 and stages.calls == []
+    assert "run it from the specdraft checkout's root" in capsys.readouterr().err

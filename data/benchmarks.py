@@ -102,6 +102,14 @@ def load_benchmark(name_or_path: str, limit: int | None = None, split: str = "tr
     return round_robin(items, limit)
 
 
+def first_turn_ids(tokenizer: Any, items: list[BenchmarkItem]) -> list[list[int]]:
+    """Each item's first user turn as chat-templated prompt ids (the throughput table's and the benchmark
+    scripts' requests, the warm-up prompts)."""
+    from specdraft.data.chat import prompt_ids
+
+    return [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in items]
+
+
 def round_robin(items: list[BenchmarkItem], limit: int) -> list[BenchmarkItem]:
     """The first `limit` items taking one per category in turn (category order = first appearance)."""
     by_cat: dict[str, list[BenchmarkItem]] = {}

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdraft.models.base_llm import forward_with_hidden, lm_logits
+from specdraft.models.base_llm import forward_with_hidden, lm_logits, teacher_topk
 
 FEATURE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -127,12 +127,6 @@ def feature_columns(spec: FeatureSpec) -> list[str]:
 def has_features(row: dict[str, Any], spec: FeatureSpec) -> bool:
     """True when `row` already holds every column `spec` enables."""
     return all(c in row for c in feature_columns(spec))
-
-
-def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k log-probs and ids of logits (..., V), softmax in fp32. Returns ((..., k) values, (..., k) ids)."""
-    vals, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return vals, idx
 
 
 def feature_tensors(

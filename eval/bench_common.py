@@ -89,12 +89,9 @@ def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
 def first_turns(tokenizer: Any, bench: str, n: int) -> list[list[int]]:
     """The chat-templated first user turn of the first `n` questions of `bench` (round-robin over its
     categories, as `eval.limit`), as token ids."""
-    from specdraft.data.benchmarks import load_benchmark
-    from specdraft.data.chat import prompt_ids
+    from specdraft.data.benchmarks import first_turn_ids, load_benchmark
 
-    return [
-        prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in load_benchmark(bench, n)
-    ]
+    return first_turn_ids(tokenizer, load_benchmark(bench, n))
 
 
 def write_json(path: str | None, model: nn.Module, payload: dict[str, Any]) -> None:

@@ -9,7 +9,6 @@ plus PNG plots. Returns the results path.
 from __future__ import annotations
 
 import os
-import platform
 import tempfile
 import time
 from functools import partial
@@ -21,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.validate import validate_config
-from specdraft.hardware import cpu_model, cpu_native_bf16, log_environment, resolve_placement
+from specdraft.hardware import host_info, log_environment, resolve_placement
 from specdraft.utils import atomic_write_json, seed_everything
 
 NEAR_TIE_GAP = {"float64": 1e-6, "float32": 1e-2, "bfloat16": 0.5, "float16": 0.25}  # default by dtype
@@ -206,23 +205,11 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
 
 
 def machine_info(model) -> dict[str, Any]:
-    """Where the numbers were measured."""
-    import transformers
-
+    """Where the numbers were measured: `hardware.host_info()` plus the model's device and dtype (and the
+    GPU it runs on)."""
     dev = model.device
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
-        "cpu_native_bf16": cpu_native_bf16()[0],
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(dev),
-        "dtype": str(model.dtype).replace("torch.", ""),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
+    info = {**host_info(), "device": str(dev), "dtype": str(model.dtype).replace("torch.", "")}
+    info.pop("gpu", None)
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
     return info
@@ -273,7 +260,7 @@ def publish(out_dir: Path, results: dict[str, Any], plots: bool) -> tuple[Path, 
 def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer, stop_ids: set[int]) -> list:
     """`eval.batch_sizes`: the batched throughput table over each benchmark's first turns (greedy, or sampled
     at `eval.temperature` > 0)."""
-    from specdraft.data.chat import prompt_ids
+    from specdraft.data.benchmarks import first_turn_ids
     from specdraft.eval.throughput import print_throughput, throughput_rows
 
     e = cfg.eval
@@ -303,7 +290,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             predictor = load_length_predictor(str(e.length_predictor))
     rows: list = []
     for bench, items in benches.items():
-        prompts = [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in items]
+        prompts = first_turn_ids(tokenizer, items)
         predicted, reserve, predict_s = None, None, 0.0
         if predictor is not None:
             from specdraft.eval.length_predictor import prompt_features
@@ -364,13 +351,9 @@ def evaluate(cfg: DictConfig) -> Path:
     gap = float(e.near_tie_gap) if e.near_tie_gap is not None else NEAR_TIE_GAP.get(dtype, 0.5)
     warm = [i for items in benches.values() for i in items][: int(e.warmup)]
     if warm:
-        from specdraft.data.chat import prompt_ids
+        from specdraft.data.benchmarks import first_turn_ids
 
-        warm_up(
-            methods,
-            [prompt_ids(tokenizer, [{"role": "user", "content": i.turns[0]}]) for i in warm],
-            int(e.warmup_tokens),
-        )
+        warm_up(methods, first_turn_ids(tokenizer, warm), int(e.warmup_tokens))
     check = bool(e.check_lossless)
     if check and e.temperature > 0:  # sampled outputs differ run to run; exactness is tested in distribution
         print("eval.check_lossless: skipped for temperature > 0 (token-for-token equality is a greedy check)")

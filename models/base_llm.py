@@ -325,6 +325,13 @@ def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return torch.tanh(out / cap) * cap if cap else out
 
 
+def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probs and ids of logits (..., V), softmax in fp32 (the soft targets of `train.loss=ce+kl`,
+    cached by distill or computed online). Returns ((..., k) log-probs, (..., k) ids)."""
+    vals, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return vals, idx
+
+
 def clear_cache(cache_dir: str | None = None) -> None:
     """Delete specdraft's dequantised-GGUF cache."""
     shutil.rmtree(_cache_root(cache_dir), ignore_errors=True)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specdraft.models.base_llm import teacher_topk
 from specdraft.models.layers import scatter_to_vocab
 
 
@@ -104,8 +105,9 @@ def compute_loss(
                 batch["topk_logprobs"][b[:, None], pos],
             )  # (N, D, k)
         else:
-            full = torch.log_softmax(target_out.logits[b[:, None], pos].float(), dim=-1)  # (N, D, V)
-            lps, ids = full.topk(int(opts.get("kl_topk", 20)), dim=-1)
+            lps, ids = teacher_topk(
+                target_out.logits[b[:, None], pos], int(opts.get("kl_topk", 20))
+            )  # (N, D, k)
         if reduced:  # teacher mass on tokens the drafter cannot draft is dropped (renormalised in the loss)
             ids = inner.to_draft_ids(ids, missing=-1)  # (N, D, k)
             lps = lps.float().masked_fill(ids < 0, float("-inf"))

@@ -34,10 +34,10 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import Popen, TimeoutExpired
 from typing import Any
 
 FAMILIES = {  # family -> its long preset (conf/conf/<preset>.yaml)
@@ -48,24 +48,6 @@ FAMILIES = {  # family -> its long preset (conf/conf/<preset>.yaml)
 }
 DATA_PRESET = "redrafter_smollm2_long"  # owns the distilled set every long preset trains on
 STAGES = ("distill", "train", "eval", "simvs")
-
-
-def machine() -> dict[str, Any]:
-    """Where the record was made: CPU model, cores, native bf16, torch, GPU (if any)."""
-    import torch
-
-    from specdraft.hardware import cpu_model, cpu_native_bf16
-
-    info: dict[str, Any] = {
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpu_native_bf16": cpu_native_bf16()[0],
-        "torch": torch.__version__,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 def distill_complete(data_dir: Path) -> tuple[bool, int]:
@@ -130,7 +112,7 @@ def run(cmd: list[str], entry: dict[str, Any], record: dict[str, Any], save) -> 
     print(f"\n[long_runs] $ {shlex.join(cmd)}", flush=True)
     entry.update(command=shlex.join(cmd), started_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
     t0 = time.time()
-    proc = subprocess.Popen(cmd)
+    proc = Popen(cmd)
     code: int | str = "interrupted"
     try:
         code = proc.wait()
@@ -138,7 +120,7 @@ def run(cmd: list[str], entry: dict[str, Any], record: dict[str, Any], save) -> 
         proc.terminate()
         try:
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        except TimeoutExpired:
             proc.kill()
             proc.wait()
         raise
@@ -223,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_stages(a: argparse.Namespace) -> int:
     """The stages `a` asks for, in order (module docstring); 0 when all ran, 1 when one failed or lacks input."""
 
+    from specdraft.hardware import host_info
     from specdraft.utils import atomic_write_json
 
     if not Path("distill.py").is_file():
@@ -237,7 +220,7 @@ def run_stages(a: argparse.Namespace) -> int:
     record: dict[str, Any] = (
         json.loads(record_path.read_text()) if record_path.is_file() else {"stages": [], "train": {}}
     )
-    record["machine"] = machine()
+    record["machine"] = {**host_info(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     common = [sys.executable]
     base = [f"output_root={a.output_root}"]
 

@@ -17,6 +17,7 @@ import os
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -59,6 +60,27 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def host_info() -> dict[str, Any]:
+    """Where numbers are measured, without a model: platform, CPU (model, cores, native bf16), torch threads,
+    torch and transformers versions, load average, and the first GPU's name when CUDA is available."""
+    import transformers
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_native_bf16": cpu_native_bf16()[0],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def cpu_native_bf16() -> tuple[bool, str]:

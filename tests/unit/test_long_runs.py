@@ -92,7 +92,7 @@ def fake(tmp_path: Path, monkeypatch):
         procs.append(FakeProc(stages(cmd), interrupt=cmd[1] == stages.interrupt))
         return procs[-1]
 
-    monkeypatch.setattr(mod.subprocess, "Popen", popen)
+    monkeypatch.setattr(mod, "Popen", popen)  # the stages only: platform.* still runs real processes
     monkeypatch.chdir(SCRIPT.parents[1])  # the stage scripts are named relative to the checkout's root
     stages.procs = procs
     return mod, stages, tmp_path / "out"

@@ -136,10 +136,17 @@ class EagleDrafter(PreTrainedModel):
         return ids
 
     def forward(
-        self, feats: Tensor, tokens: Tensor, steps: int = 1, grad_steps: int | None = None, noise: float = 0.0
+        self,
+        feats: Tensor,
+        tokens: Tensor,
+        steps: int = 1,
+        grad_steps: int | None = None,
+        noise: float = 0.0,
+        at: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """Training-time-test unroll over whole sequences: see `unroll`; (B, L, H), (B, L+S-1) -> (B, L, S, H)."""
-        return unroll(self, feats, tokens, steps, grad_steps, noise)
+        """Training-time-test unroll over whole sequences: see `unroll`; (B, L, H), (B, L+S-1) -> (B, L, S, H);
+        with `at` = (b, t), (N,) each: only those positions past step 0, (N, S, H)."""
+        return unroll(self, feats, tokens, steps, grad_steps, noise, at)
 
 
 # ---- family protocol: `FAMILY` (models/family.py) at the end of the module; MODEL, CONFIG for older callers ---
@@ -197,15 +204,16 @@ def compute_loss(
     lk = "lk" in str(opts.get("loss", "ce"))
     steps = 1 if inner.training and not lk else d
     f = target_out.hidden  # (B, L, H)
+    b, t = select_positions(batch, opts)
     outs = model(
         f,
         next_tokens(batch["input_ids"], steps),
         steps=steps,
         grad_steps=None if lk else 1,
         noise=cfg.noise if inner.training else 0.0,
-    )  # (B, L, S, H)
-    b, t = select_positions(batch, opts)
-    pred = outs[b, t, 0]  # (N, H) predicts f_{t+1}
+        at=(b, t),
+    )  # (N, S, H)
+    pred = outs[:, 0]  # (N, H) predicts f_{t+1}
     true = f[b, t + 1].to(pred.dtype)  # (N, H)
     logits0 = inner.draft_logits(pred)  # (N, V)
     with torch.no_grad():
@@ -214,14 +222,14 @@ def compute_loss(
         logits0, teacher
     )
     if lk:  # the D-slot chain with autograd: + lk_weight * -E[accepted length]
-        chain = torch.stack([logits0] + [inner.draft_logits(outs[b, t, i]) for i in range(1, steps)], dim=1)
+        chain = torch.stack([logits0] + [inner.draft_logits(outs[:, i]) for i in range(1, steps)], dim=1)
         loss = loss + float(opts.get("lk_weight", 1.0)) * expected_accept_loss(
             chain, chain_labels(batch, b, t, steps)
         )  # chain: (N, D, V)
         steps = 1 if inner.training else d
         return loss, {"logits": chain[:, :steps].detach(), "targets": batch["targets"][b, t, :steps]}
     with torch.no_grad():
-        logits = torch.stack([logits0] + [inner.draft_logits(outs[b, t, i]) for i in range(1, steps)], dim=1)
+        logits = torch.stack([logits0] + [inner.draft_logits(outs[:, i]) for i in range(1, steps)], dim=1)
     return loss, {"logits": logits.detach(), "targets": batch["targets"][b, t, :steps]}
 
 

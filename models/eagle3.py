@@ -172,10 +172,17 @@ class Eagle3Drafter(PreTrainedModel):
         return ids + self.d2t[ids]
 
     def forward(
-        self, feats: Tensor, tokens: Tensor, steps: int = 1, grad_steps: int | None = None, noise: float = 0.0
+        self,
+        feats: Tensor,
+        tokens: Tensor,
+        steps: int = 1,
+        grad_steps: int | None = None,
+        noise: float = 0.0,
+        at: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """Training-time-test unroll (`models.eagle.unroll`): (B, L, m*H), (B, L+S-1) -> (B, L, S, H)."""
-        return unroll(self, feats, tokens, steps, grad_steps, noise)
+        """Training-time-test unroll (`models.eagle_common.unroll`): (B, L, m*H), (B, L+S-1) -> (B, L, S, H);
+        with `at` = (b, t), (N,) each: only those positions past step 0, (N, S, H)."""
+        return unroll(self, feats, tokens, steps, grad_steps, noise, at)
 
 
 # ---- family protocol: `FAMILY` (models/family.py) at the end of the module; MODEL, CONFIG for older callers ---
@@ -264,8 +271,8 @@ def compute_loss(
         )
     steps = int(opts.get("draft_len") or inner.config.draft_len)
     feats = target_out.layers.flatten(2)  # (B, L, m*H)
-    outs = model(feats, next_tokens(batch["input_ids"], steps), steps=steps)  # (B, L, S, H)
     b, t = select_positions(batch, opts)
+    outs = model(feats, next_tokens(batch["input_ids"], steps), steps=steps, at=(b, t))  # (N, S, H)
     targets = batch["targets"][b, t, :steps]  # (N, S)
     f, ids = target_out.hidden, inner.draft_ids()  # (B, L, H), (Vd,)
     w_teacher = inner.borrowed.weight("lm_head", f)  # (V, H) target LM head, cast once
@@ -278,7 +285,7 @@ def compute_loss(
     for i in range(steps):
         p = t + 1 + i  # (N,) position whose target distribution step i imitates
         valid = (p < length) & (targets[:, i] != -100)
-        q = inner.draft_logits(outs[b, t, i])  # (N, Vd)
+        q = inner.draft_logits(outs[:, i])  # (N, Vd)
         with torch.no_grad():
             teacher = torch.softmax(
                 F.linear(f[b, p.clamp_max(length - 1)], w_teacher).float(), dim=-1

@@ -176,6 +176,24 @@ class Borrowed:
         return hit
 
 
+def row_slots(b: Tensor, bsz: int) -> tuple[Tensor, int]:
+    """Slot of every selected position within its row, and the most positions any row has.
+
+    Args:
+        b: (N,) long row of each selected position (any order).
+        bsz: B, the number of rows.
+
+    Returns:
+        slot: (N,) long, 0..count(row)-1 in the order the positions appear; M: max count over rows.
+    """
+    counts = torch.bincount(b, minlength=bsz)  # (B,)
+    order = torch.sort(b, stable=True).indices  # (N,) grouped by row, original order inside a row
+    starts = torch.cumsum(counts, 0) - counts  # (B,)
+    slot = torch.empty_like(b)
+    slot[order] = torch.arange(b.shape[0], device=b.device) - starts[b[order]]
+    return slot, int(counts.max()) if b.numel() else 0
+
+
 def unroll(
     head: EagleDrafter | Eagle3Drafter,
     feats: Tensor,
@@ -183,6 +201,7 @@ def unroll(
     steps: int = 1,
     grad_steps: int | None = None,
     noise: float = 0.0,
+    at: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Training-time-test unroll of an EAGLE head over whole sequences (see the module docstring).
 
@@ -193,10 +212,14 @@ def unroll(
         steps: unroll steps S (1 = teacher forcing only).
         grad_steps: steps run with autograd (None: all); later ones run under no_grad (metrics only).
         noise: uniform noise half-width added to the step-0 input features.
+        at: (b, t), (N,) long each: unroll only these positions past step 0 (`unroll_at`), same values.
 
     Returns:
-        (B, L, S, H): the output of step i at position t predicts the feature at t + 1 + i.
+        (B, L, S, H): the output of step i at position t predicts the feature at t + 1 + i;
+        with `at`: (N, S, H), row n = position (b[n], t[n]).
     """
+    if at is not None:
+        return unroll_at(head, feats, tokens, at, steps, grad_steps, noise)
     bsz, length = feats.shape[:2]
     h = head.encode_target(feats)  # (B, L, H)
     if noise > 0:
@@ -209,6 +232,58 @@ def unroll(
             h = head.step(h, tokens[:, i : i + length], cache, pos + i, mask)  # (B, L, H)
         outs.append(h)
     return torch.stack(outs, dim=2)
+
+
+def unroll_at(
+    head: EagleDrafter | Eagle3Drafter,
+    feats: Tensor,
+    tokens: Tensor,
+    at: tuple[Tensor, Tensor],
+    steps: int = 1,
+    grad_steps: int | None = None,
+    noise: float = 0.0,
+) -> Tensor:
+    """`unroll(...)[b, t]` without unrolling the positions nobody scores.
+
+    Step 0 runs causally over whole sequences (every later step reads its keys). Under the TTT mask a step
+    i >= 1 query at t sees step 0's keys <= t and only its own keys of steps 1..i, so steps >= 1 run on the
+    selected positions alone: per row its M query slots (padded; a pad query sits at t = 0 and is dropped),
+    keys [step 0: L | step 1: M | ... | step i: M] under a (B, 1, M, L + M*i) mask. Attention and MLP cost
+    of those steps falls from L to M queries per row and the keys from L*(i+1) to L + M*i.
+
+    Args:
+        at: (b, t), (N,) long each: the selected positions; other arguments as `unroll`.
+
+    Returns:
+        (N, S, H): row n = `unroll(...)[b[n], t[n]]` (equal up to floating-point summation order).
+    """
+    b, t = at
+    bsz, length = feats.shape[:2]
+    dev = feats.device
+    h = head.encode_target(feats)  # (B, L, H)
+    if noise > 0:
+        h = h + (torch.rand_like(h) * 2 - 1) * noise
+    cache = DynamicCache()
+    pos = torch.arange(length, device=dev)[None].expand(bsz, -1)  # (B, L)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and (grad_steps is None or grad_steps > 0)):
+        h = head.step(h, tokens[:, :length], cache, pos, unroll_mask(length, 0, dev))  # (B, L, H)
+    outs = [h[b, t]]  # (N, H) each
+    if steps == 1:
+        return torch.stack(outs, dim=1)
+    slot, m = row_slots(b, bsz)  # (N,), M
+    qt = torch.zeros(bsz, m, dtype=torch.long, device=dev)  # (B, M) query positions (pads: 0)
+    qt[b, slot] = t
+    rows = torch.arange(bsz, device=dev)[:, None]  # (B, 1)
+    past = torch.arange(length, device=dev)[None, None, :] <= qt[:, :, None]  # (B, M, L) step 0, causal
+    eye = torch.eye(m, dtype=torch.bool, device=dev)[None].expand(bsz, -1, -1)  # (B, M, M)
+    h = h[rows, qt]  # (B, M, H) step 0's outputs at the query positions: step 1's inputs
+    for i in range(1, steps):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (grad_steps is None or i < grad_steps)):
+            mask = torch.cat([past] + [eye] * i, dim=2)[:, None]  # (B, 1, M, L + M*i)
+            tok = tokens.gather(1, qt + i)  # (B, M) column t + i = x_{t+1+i}
+            h = head.step(h, tok, cache, qt + i, mask)  # (B, M, H)
+        outs.append(h[b, slot])
+    return torch.stack(outs, dim=1)
 
 
 def common_config(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any]) -> dict[str, Any]:

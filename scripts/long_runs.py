@@ -146,8 +146,14 @@ def summary_line(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cell(x: Any, spec: str) -> str:
-    """A table cell: `x` formatted, or '-' when missing."""
-    return "-" if x is None else format(x, spec)
+    """A table cell: `x` formatted by `spec` (e.g. '>6', '>9.1f'), or '-' at the same width when missing."""
+    width = "".join(c for c in spec.split(".")[0] if c.isdigit()) or "0"
+    return f"{'-':>{width}}" if x is None else format(x, spec)
+
+
+def _speedup(x: float | None) -> str:
+    """The speedup cell (8 wide): `1.23x`, or '-' when the family has not been evaluated."""
+    return f"{'-':>8}" if x is None else f"{x:>7.2f}x"
 
 
 def print_table(record: dict[str, Any]) -> None:
@@ -164,7 +170,7 @@ def print_table(record: dict[str, Any]) -> None:
         print(
             f"{fam:<14} {_cell(t.get('rows'), '>6')} {_cell(t.get('steps'), '>6')} {_cell(minutes, '>9.1f')} "
             f"{_cell(t.get('sim_accept_len'), '>10.3f')} {_cell(s.get('tokens_per_step'), '>11.2f')} "
-            f"{_cell(s.get('speedup'), '>7.2f')}x"
+            f"{_speedup(s.get('speedup'))}"
         )
     sv = record.get("simvs")
     if sv:
@@ -173,7 +179,7 @@ def print_table(record: dict[str, Any]) -> None:
     for s in served:
         if s.get("kind") == "hf":  # transformers' baselines, against their own AR
             print(f"{s['method']:<14} {'':>6} {'':>6} {'':>9} {'':>10} {_cell(s.get('tokens_per_step'), '>11.2f')} "
-                  f"{_cell(s.get('speedup'), '>7.2f')}x")  # fmt: skip
+                  f"{_speedup(s.get('speedup'))}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

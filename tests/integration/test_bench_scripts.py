@@ -1,6 +1,6 @@
-"""The benchmark scripts (scripts/bench_decode.py, bench_batch.py, bench_adaptive.py) end to end on a tiny
-target, a random ReDrafter and prompt lookup: their tables, their JSON (command, machine, rows), and every
-method's output equal to AR's."""
+"""The benchmark scripts (scripts/bench_decode.py, bench_batch.py, bench_adaptive.py, bench_ttt.py) end to
+end on a tiny target, a random ReDrafter and prompt lookup: their tables, their JSON (command, machine, rows),
+every method's output equal to AR's, and both EAGLE unrolls agreeing."""
 
 from __future__ import annotations
 
@@ -64,3 +64,15 @@ def test_bench_adaptive(eval_assets: Path, tmp_path: Path) -> None:
         ("lookup:3", "adaptive@0.2 no fallback"),
     }  # fmt: skip
     assert all(r["same"] == "2/2" for r in rows)
+
+
+def test_bench_ttt_unrolls_agree(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "ttt.json"
+    tiny = ["--hidden", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "128", "--batch", "2", "--length", "12",
+            "--steps", "3", "--positions", "6", "--repeats", "1", "--threads", "1"]  # fmt: skip
+    for family in ("eagle3", "eagle"):
+        res = _main("bench_ttt")([*tiny, "--family", family, "--draft-vocab", "64", "--json", str(out)])
+        assert res["max_abs_diff"] < 1e-4 and res["whole_s"] > 0 and res["selected_s"] > 0
+        saved = json.loads(out.read_text())
+        assert saved["settings"]["family"] == family and saved["results"]["ratio"] == res["ratio"]
+    assert "selected-positions unroll" in capsys.readouterr().out

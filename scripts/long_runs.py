@@ -254,7 +254,7 @@ def run_stages(a: argparse.Namespace) -> int:
 
     train_args = shlex.split(a.train_args)
     exports: list[str] = []
-    checkpoints: list[str] = []  # the kept training checkpoints (train.keep_last per family), for simvs
+    checkpoints: list[str] = []  # kept checkpoints (train.keep_last) but the final one, for simvs
     for fam in a.families:
         run_dir = root / FAMILIES[fam]
         args = family_args(train_args, fam)
@@ -281,7 +281,8 @@ def run_stages(a: argparse.Namespace) -> int:
                 "export": str(run_dir / "export"),
             }
             exports.append(str(run_dir / "export"))
-            checkpoints += sorted(str(c) for c in (run_dir / "checkpoints").glob("step-*"))
+            final = f"step-{int(s.get('steps') or 0):08d}"  # the export's weights: served once, as the export
+            checkpoints += sorted(str(c) for c in (run_dir / "checkpoints").glob("step-*") if c.name != final)
         save()
 
     if {"eval", "simvs"} & set(a.stages) and not exports:

@@ -41,8 +41,9 @@ class FakeStages:
             run = self.root / args["conf"]
             (run / "export").mkdir(parents=True, exist_ok=True)
             (run / "export" / "config.json").write_text("{}")
-            (run / "checkpoints" / "step-00000005").mkdir(parents=True, exist_ok=True)
             steps = int(args.get("train.max_steps", 100))
+            for step in (5, steps):  # the last kept checkpoint is the export's weights
+                (run / "checkpoints" / f"step-{step:08d}").mkdir(parents=True, exist_ok=True)
             summary = {"steps": steps, "wall_time_s": 60.0, "data": f"distilled x ({self.rows} rows)",
                        "final_eval": {"eval/sim_accept_len": 1.5}}  # fmt: skip
             (run / "summary.json").write_text(json.dumps(summary))
@@ -109,6 +110,10 @@ def test_all_stages_then_nothing_left_to_do(fake, capsys) -> None:
     record = json.loads((root / "long_runs" / "record.json").read_text())
     assert [s["stage"] for s in record["stages"]] == ["distill", "train", "train", "eval", "simvs"]
     assert record["simvs"]["pearson_simulated_served"] == 0.97 and len(record["simvs"]["rows"]) == 4
+    served = [r["export"] for r in record["simvs"]["rows"]]  # 2 exports + step 5 of each, not step 100 again
+    assert sum(e.endswith("step-00000005") for e in served) == 2 and not any(
+        "step-00000100" in e for e in served
+    )
     assert all(s["exit_code"] == 0 and "wall_s" in s for s in record["stages"])
     assert record["data"] == {
         "dir": str(root / "redrafter_smollm2_long" / "distilled"),

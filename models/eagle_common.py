@@ -194,6 +194,18 @@ def row_slots(b: Tensor, bsz: int) -> tuple[Tensor, int]:
     return slot, int(counts.max()) if b.numel() else 0
 
 
+def _step0_inputs(head: EagleDrafter | Eagle3Drafter, feats: Tensor, noise: float) -> Tensor:
+    """(B, L, F) target features -> (B, L, H) step-0 inputs: `encode_target`, plus uniform noise of half-width
+    `noise` when > 0."""
+    h = head.encode_target(feats)  # (B, L, H)
+    return h + (torch.rand_like(h) * 2 - 1) * noise if noise > 0 else h
+
+
+def _grad_for_step(i: int, grad_steps: int | None) -> torch.autograd.grad_mode.set_grad_enabled:
+    """Autograd for unroll step i: on when it is on outside and i < grad_steps (None: every step)."""
+    return torch.set_grad_enabled(torch.is_grad_enabled() and (grad_steps is None or i < grad_steps))
+
+
 def unroll(
     head: EagleDrafter | Eagle3Drafter,
     feats: Tensor,
@@ -221,13 +233,11 @@ def unroll(
     if at is not None:
         return unroll_at(head, feats, tokens, at, steps, grad_steps, noise)
     bsz, length = feats.shape[:2]
-    h = head.encode_target(feats)  # (B, L, H)
-    if noise > 0:
-        h = h + (torch.rand_like(h) * 2 - 1) * noise
+    h = _step0_inputs(head, feats, noise)  # (B, L, H)
     cache, outs = DynamicCache(), []
     pos = torch.arange(length, device=h.device)[None].expand(bsz, -1)  # (B, L)
     for i in range(steps):
-        with torch.set_grad_enabled(torch.is_grad_enabled() and (grad_steps is None or i < grad_steps)):
+        with _grad_for_step(i, grad_steps):
             mask = unroll_mask(length, i, h.device)  # (L, L*(i+1))
             h = head.step(h, tokens[:, i : i + length], cache, pos + i, mask)  # (B, L, H)
         outs.append(h)
@@ -260,12 +270,10 @@ def unroll_at(
     b, t = at
     bsz, length = feats.shape[:2]
     dev = feats.device
-    h = head.encode_target(feats)  # (B, L, H)
-    if noise > 0:
-        h = h + (torch.rand_like(h) * 2 - 1) * noise
+    h = _step0_inputs(head, feats, noise)  # (B, L, H)
     cache = DynamicCache()
     pos = torch.arange(length, device=dev)[None].expand(bsz, -1)  # (B, L)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and (grad_steps is None or grad_steps > 0)):
+    with _grad_for_step(0, grad_steps):
         h = head.step(h, tokens[:, :length], cache, pos, unroll_mask(length, 0, dev))  # (B, L, H)
     outs = [h[b, t]]  # (N, H) each
     if steps == 1:
@@ -278,7 +286,7 @@ def unroll_at(
     eye = torch.eye(m, dtype=torch.bool, device=dev)[None].expand(bsz, -1, -1)  # (B, M, M)
     h = h[rows, qt]  # (B, M, H) step 0's outputs at the query positions: step 1's inputs
     for i in range(1, steps):
-        with torch.set_grad_enabled(torch.is_grad_enabled() and (grad_steps is None or i < grad_steps)):
+        with _grad_for_step(i, grad_steps):
             mask = torch.cat([past] + [eye] * i, dim=2)[:, None]  # (B, 1, M, L + M*i)
             tok = tokens.gather(1, qt + i)  # (B, M) column t + i = x_{t+1+i}
             h = head.step(h, tok, cache, qt + i, mask)  # (B, M, H)

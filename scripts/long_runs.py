@@ -212,6 +212,7 @@ def run_stages(a: argparse.Namespace) -> int:
     """The stages `a` asks for, in order (module docstring); 0 when all ran, 1 when one failed or lacks input."""
 
     from specdraft.hardware import host_info
+    from specdraft.train.checkpoint import PREFIX, checkpoint_dir, list_checkpoints
     from specdraft.utils import atomic_write_json
 
     if not Path("distill.py").is_file():
@@ -281,8 +282,10 @@ def run_stages(a: argparse.Namespace) -> int:
                 "export": str(run_dir / "export"),
             }
             exports.append(str(run_dir / "export"))
-            final = f"step-{int(s.get('steps') or 0):08d}"  # the export's weights: served once, as the export
-            checkpoints += sorted(str(c) for c in (run_dir / "checkpoints").glob("step-*") if c.name != final)
+            final = (
+                f"{PREFIX}{int(s.get('steps') or 0):08d}"  # the export's weights: served once, as the export
+            )
+            checkpoints += [str(c) for c in list_checkpoints(checkpoint_dir(run_dir)) if c.name != final]
         save()
 
     if {"eval", "simvs"} & set(a.stages) and not exports:

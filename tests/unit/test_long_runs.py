@@ -43,7 +43,9 @@ class FakeStages:
             (run / "export" / "config.json").write_text("{}")
             steps = int(args.get("train.max_steps", 100))
             for step in (5, steps):  # the last kept checkpoint is the export's weights
-                (run / "checkpoints" / f"step-{step:08d}").mkdir(parents=True, exist_ok=True)
+                ckpt = run / "checkpoints" / f"step-{step:08d}"
+                ckpt.mkdir(parents=True, exist_ok=True)
+                (ckpt / "meta.json").write_text(json.dumps({"step": step}))  # a complete checkpoint
             summary = {"steps": steps, "wall_time_s": 60.0, "data": f"distilled x ({self.rows} rows)",
                        "final_eval": {"eval/sim_accept_len": 1.5}}  # fmt: skip
             (run / "summary.json").write_text(json.dumps(summary))

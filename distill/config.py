@@ -31,5 +31,5 @@ class DistillConfig:
     max_disk_gb: float = 20.0  # refuse to start when the projected feature size exceeds this
     seed: int = 0  # sampling seed
     linear_layout: str = (
-        "auto"  # target Linear weights: auto (transposed on a CPU in fp32) | transposed | native
+        "auto"  # target Linear weights: auto (CPU fp32: packed on Intel+MKL, else transposed) | transposed | native | packed
     )

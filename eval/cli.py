@@ -342,8 +342,9 @@ def evaluate(cfg: DictConfig) -> Path:
     base = cast(dict[str, Any], OmegaConf.to_container(cfg.base_model, resolve=True))  # a DictConfig
     base.update({k: v for k, v in (("dtype", e.dtype), ("device", e.device)) if v})
     model, tokenizer = load_target(SimpleNamespace(**base))
-    if apply_layout(model, str(e.linear_layout)):  # small-M products (verify trees) ~2x cheaper on a CPU
-        print("eval.linear_layout: target Linear weights stored transposed (CPU decode layout)")
+    layout = apply_layout(model, str(e.linear_layout))  # small-M products (verify trees) cheaper on a CPU
+    if layout != "native":
+        print(f"eval.linear_layout: target Linear weights {layout} (CPU decode layout)")
     log_environment("evaluate", resolve_placement(base["device"], base["dtype"]))
     stop_ids = default_stop_ids(tokenizer, model)
     methods, skipped = _methods(cfg, model, tokenizer, stop_ids)

@@ -1,4 +1,4 @@
-"""The target's Linear weights stored transposed for decoding on a CPU.
+"""The target's Linear weights laid out for decoding on a CPU: transposed, or MKL-packed per row count.
 
 `nn.Linear` keeps its weight as (out, in) and computes `x @ W.T`. On the CPUs we measured (2-core Xeon, fp32,
 torch's MKL/oneDNN GEMM), that layout is slow for the few rows a decode step feeds the target: a verify forward
@@ -15,11 +15,23 @@ token for token). A tied LM head gets its own transposed copy (the input embeddi
 One exception, measured on the same Xeon: the vocabulary-sized LM head over 2-3 rows is faster in the native
 layout (7.5 ms against 11.1 ms for 2 rows, 49,152 x 576), so the LM head keeps its native weight too (the
 input embedding's, when tied: no copy) and uses it for 2-3 rows; every other row count uses the transposed copy.
+
+`packed` (the `auto` choice on an Intel CPU in fp32 with MKL, when the copies fit in memory) goes one step further:
+a tree verify of 2-16 nodes still streamed every weight at about half the one-row speed, because the GEMM packs
+its operand on every call. `PackedLinear` packs the weight once per row count in `PACK_ROWS` (MKL's
+`cblas_sgemm_pack`, through `torch.ops.mkl._mkl_reorder_linear_weight`), pads a product's rows up to the next
+packed count and runs `cblas_sgemm_compute`; one row (AR) and more rows than the largest pack (prefill) use the
+transposed copy. Streaming microbenchmark on the Xeon (100 different 576x1536 weights, us per product at
+1 / 2 / 4 / 8 / 16 rows): transposed 209 / 375 / 398 / 420 / 505, packed for the row count 237 / 229 / 241 / 269 /
+349; a SmolLM2-135M verify forward of 2 / 4 / 8 / 16 nodes went from 1.42 / 1.49 / 1.66 / 2.02x a one-token
+step to ~1.1 / 1.2 / 1.3 / 1.6x (docs/experiments.md, "Session 19"). The cost: one packed copy of every weight
+per entry of `PACK_ROWS` (4 x 540 MB for SmolLM2-135M in fp32), which is why `auto` checks the free memory.
 Decode-time only: training and distillation keep the native layout (large-M products, gradients).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
@@ -27,7 +39,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-Layout = Literal["auto", "transposed", "native"]
+from specdraft.hardware import cpu_model
+
+Layout = Literal["auto", "transposed", "native", "packed"]
+LAYOUTS: tuple[str, ...] = ("auto", "transposed", "native", "packed")
+PACK_ROWS: tuple[int, ...] = (2, 4, 8, 16)  # row counts with a packed weight: tree budgets, small batches
+PACK_MEMORY_SHARE = 0.25  # `auto` packs only when the copies take at most this share of the free memory
 
 
 class TransposedLinear(nn.Module):
@@ -63,6 +80,88 @@ class TransposedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, layout=(in, out)"
 
 
+def mkl_packing_available() -> bool:
+    """Whether this torch has MKL's packed fp32 GEMM (`torch.ops.mkl._mkl_linear`; x86 builds)."""
+    try:
+        return bool(torch.backends.mkl.is_available()) and callable(torch.ops.mkl._mkl_reorder_linear_weight)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` for CPU decode steps: the weight packed by MKL once per row count in `rows`.
+
+    A product over r rows runs against the pack of the smallest count >= r (rows zero-padded up to it); one row
+    and more rows than the largest pack run `x @ wt` on the transposed copy (`TransposedLinear`'s fast cases).
+    fp32 only (MKL's sgemm). The packs are plain attributes: not in `state_dict`, never moved by `.to()`.
+
+    Args:
+        linear: the fp32 layer to replace; its weight is copied transposed and packed, its bias shared.
+        rows: the row counts to pack for (sorted, each >= 2).
+    """
+
+    def __init__(self, linear: nn.Linear, rows: tuple[int, ...] = PACK_ROWS) -> None:
+        super().__init__()
+        if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
+            raise ValueError(
+                f"PackedLinear needs an fp32 CPU weight, got {linear.weight.dtype} on {linear.weight.device}"
+            )
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()  # (out, in)
+        self.wt = nn.Parameter(w.t().contiguous(), requires_grad=False)  # (in, out)
+        self.bias = linear.bias
+        self.rows = tuple(sorted(set(rows)))
+        self.packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in self.rows}  # opaque buffers
+
+    @property
+    def weight(self) -> Tensor:
+        """(out, in) weight as `nn.Linear.weight` reads (a view of the transposed copy)."""
+        return self.wt.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., in) -> (..., out)."""
+        r = x.numel() // self.in_features
+        m = next((m for m in self.rows if m >= r), 0)
+        if r <= 1 or m == 0:  # one row (a GEMV) or a prefill: the transposed copy
+            y = torch.matmul(x, self.wt)  # (..., out)
+            return y if self.bias is None else y + self.bias
+        x2 = x.reshape(r, self.in_features)  # (r, in)
+        if m > r:
+            x2 = torch.cat([x2, x2.new_zeros(m - r, self.in_features)])  # (m, in)
+        y = torch.ops.mkl._mkl_linear(x2.contiguous(), self.packs[m], self.wt.t(), self.bias, m)  # (m, out)
+        return y[:r].reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed_rows={self.rows}"
+
+
+def pack_linears(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
+    """Replace every `nn.Linear` under `model` (fp32, CPU) by a `PackedLinear`, in place; returns how many."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child, rows))
+                done += 1
+    return done
+
+
+def pack_bytes(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
+    """The memory `pack_linears(model, rows)` adds: one copy of every Linear weight per packed row count."""
+    weights = sum(
+        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear)
+    )
+    return weights * len(rows)
+
+
+def free_memory_bytes() -> int:
+    """Physical memory available now (Linux `sysconf`; 0 where it cannot be read, which turns `auto` packing off)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def transpose_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` under `model` by a `TransposedLinear`, in place.
 
@@ -85,25 +184,40 @@ def transpose_linears(model: nn.Module) -> int:
     return done
 
 
-def resolve_layout(layout: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `layout` means transposed weights for a target on `device` in `dtype`.
+def resolve_layout(layout: str, device: torch.device, dtype: torch.dtype, packs: int = 0) -> str:
+    """What `layout` means for a target on `device` in `dtype`: "native", "transposed" or "packed".
 
-    `auto` transposes on a CPU in fp32, where it was measured to pay; `transposed` / `native` force.
+    `auto`: packed on an Intel CPU in fp32 with MKL when the packs (`packs` bytes, `pack_bytes`) take at most
+    `PACK_MEMORY_SHARE` of the free memory; else transposed on a CPU in fp32 (both measured to pay there);
+    native elsewhere. `transposed` / `native` / `packed` force.
 
     Raises:
-        ValueError: an unknown layout name.
+        ValueError: an unknown layout name, or `packed` where MKL's packed fp32 GEMM cannot run.
     """
-    if layout not in ("auto", "transposed", "native"):
-        raise ValueError(f"linear layout {layout!r}: expected auto, transposed or native")
-    if layout == "auto":
-        return device.type == "cpu" and dtype == torch.float32
-    return layout == "transposed"
+    if layout not in LAYOUTS:
+        raise ValueError(f"linear layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    if layout == "packed" and not (cpu_fp32 and mkl_packing_available()):
+        raise ValueError(
+            f"linear layout 'packed' needs an fp32 target on a CPU and a torch with MKL (got {dtype} on "
+            f"{device.type}, MKL {mkl_packing_available()}): use linear_layout=transposed or auto"
+        )
+    if layout != "auto":
+        return layout
+    if not cpu_fp32:
+        return "native"
+    intel = "intel" in cpu_model().lower()
+    if intel and mkl_packing_available() and packs <= PACK_MEMORY_SHARE * free_memory_bytes():
+        return "packed"
+    return "transposed"
 
 
-def apply_layout(model: nn.Module, layout: str) -> bool:
-    """`transpose_linears(model)` when `resolve_layout` says so; returns whether the model is transposed."""
+def apply_layout(model: nn.Module, layout: str) -> str:
+    """Lay out the target's Linear weights as `resolve_layout` says (in place); returns the layout applied."""
     p = next(model.parameters())
-    if not resolve_layout(layout, p.device, p.dtype):
-        return False
-    transpose_linears(model)
-    return True
+    chosen = resolve_layout(layout, p.device, p.dtype, pack_bytes(model) if layout == "auto" else 0)
+    if chosen == "transposed":
+        transpose_linears(model)
+    elif chosen == "packed":
+        pack_linears(model)
+    return chosen

@@ -6,6 +6,8 @@
     python scripts/bench_decode.py --lookup 10 --prompts 3
     # CPU: the static path again over the target's Linear weights stored transposed (eval.linear_layout)
     python scripts/bench_decode.py --drafter outputs/redrafter_smollm2/export --layout both --budget --prompts 4
+    # CPU: native, transposed and MKL-packed weights side by side (cost curves and decoding, one run)
+    python scripts/bench_decode.py --lookup 10 --layout all --budget --prompts 3
     # on a GPU: the static path captures CUDA graphs (--graphs auto is on exactly when the target is on CUDA)
     python scripts/bench_decode.py --device cuda --dtype bf16 --drafter <export> --prompts 8
 
@@ -20,13 +22,16 @@ from __future__ import annotations
 import argparse
 import copy
 
+LAYOUT_SETS = {"both": ("native", "transposed"), "all": ("native", "transposed", "packed")}
+SUFFIX = {"native": "", "transposed": "-T", "packed": "-P"}  # path labels per weight layout
+
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, measure the cost curves, run every method on every path, print the table."""
     from specdraft.eval.bench_common import add_target_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_target_args(p, layouts=("native", "transposed", "both"), layout_default="native")
+    add_target_args(p, layouts=("native", "transposed", "packed", "both", "all"), layout_default="native")
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
     p.add_argument("--prompts", type=int, default=3)
@@ -41,29 +46,26 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.decode import ar_generate, speculative_generate
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.models.linear_layout import transpose_linears
+    from specdraft.models.linear_layout import apply_layout
 
-    bench = load_bench(a, layout=False)  # native, or transposed here; `both` adds a transposed copy below
+    layouts = LAYOUT_SETS.get(a.layout, (a.layout,))
+    bench = load_bench(a, layout=False)  # native; every layout below gets its own copy of the target
     model, tok, stop = bench.model, bench.tokenizer, bench.stop_ids
-    if a.layout == "transposed":
-        transpose_linears(model)
-    dec = make_decoder(model, "static", a.graphs)
-    assert dec is not None
-    print(f"decode path {dec.path_name()}")
-    cost = CostCurve.load_or_measure(machine_key(model, dec.path_name()), dec.measure_costs, refresh=True)
-    print("verify ms per node count:", {b: round(ms, 1) for b, ms in cost.ms.items()})
-    # static paths: (label, decoder, cost curve); "static-T" = the same path over transposed Linear weights
-    paths = [("static", dec, cost)]
-    if a.layout == "both":
-        model_t = copy.deepcopy(model)
-        transpose_linears(model_t)
-        dec_t = make_decoder(model_t, "static", a.graphs)
-        assert dec_t is not None
-        cost_t = CostCurve.load_or_measure(
-            machine_key(model_t, dec_t.path_name()), dec_t.measure_costs, refresh=True
+    native = copy.deepcopy(model) if len(layouts) > 1 else model
+    # static paths: (label, decoder, cost curve); "static" over native weights, "-T" transposed, "-P" packed
+    paths = []
+    for k, layout in enumerate(layouts):
+        m = model if k == 0 else copy.deepcopy(native)
+        apply_layout(m, layout)
+        dec = make_decoder(m, "static", a.graphs)
+        assert dec is not None
+        cost = CostCurve.load_or_measure(machine_key(m, dec.path_name()), dec.measure_costs, refresh=True)
+        print(
+            f"decode path {dec.path_name()}, {layout} weights: verify ms per node count",
+            {b: round(ms, 1) for b, ms in cost.ms.items()},
         )
-        print("verify ms per node count, transposed:", {b: round(ms, 1) for b, ms in cost_t.ms.items()})
-        paths.append(("static-T", dec_t, cost_t))
+        paths.append(("static" + SUFFIX[layout], dec, cost))
+    del native
     # (name, factory): each method gets its own proposer (a fitted budget may shrink the one it drives)
     proposers = [(name, lambda d=d: make_proposer(d)) for name, d in bench.drafters]
     if a.lookup:
@@ -179,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
             row["same"],
         )
     Console(width=200).print(table)
-    costs = {"cost_ms": cost.ms, **({"cost_ms_transposed": cost_t.ms} if a.layout == "both" else {})}
-    write_json(a.json, model, {"path": dec.path_name(), "layout": a.layout, **costs, "rows": rows})
+    costs = {"cost_ms": paths[0][2].ms}
+    costs.update({f"cost_ms_{layout}": c.ms for layout, (_, _, c) in list(zip(layouts, paths))[1:]})
+    write_json(a.json, model, {"path": paths[0][1].path_name(), "layout": a.layout, **costs, "rows": rows})
 
 
 if __name__ == "__main__":

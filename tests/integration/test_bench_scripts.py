@@ -31,14 +31,31 @@ def _load(out: Path) -> dict:
 
 
 def test_bench_decode(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    from specdraft.models.linear_layout import mkl_packing_available
+
     out = tmp_path / "decode.json"
-    _main("bench_decode")([*_common(eval_assets, out), "--prompts", "2", "--max-new-tokens", "8", "--budget"])
+    layout = "all" if mkl_packing_available() else "both"  # native, transposed (and MKL-packed) weights
+    argv = [
+        *_common(eval_assets, out),
+        "--prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--budget",
+        "--layout",
+        layout,
+    ]
+    _main("bench_decode")(argv)
     res = _load(out)
     methods = {(r["method"], r["path"]) for r in res["rows"]}
-    assert {("ar", "dynamic"), ("ar", "static"), ("redrafter:drafter", "static")} <= methods
-    assert ("redrafter:drafter+budget", "static") in methods and ("lookup:3", "dynamic") in methods
-    assert all(r["same"] == "2/2" for r in res["rows"])  # every path and method equals AR
-    assert set(res["cost_ms"]) >= {"1", "2", "4"} and "decode paths on cpu" in capsys.readouterr().out
+    paths = ["static", "static-T", "static-P"][: 3 if layout == "all" else 2]
+    assert {("ar", "dynamic"), ("lookup:3", "dynamic")} <= methods
+    for path in paths:
+        assert {("ar", path), ("redrafter:drafter", path), ("redrafter:drafter+budget", path)} <= methods
+    assert all(r["same"] == "2/2" for r in res["rows"])  # every path, layout and method equals AR
+    assert set(res["cost_ms"]) >= {"1", "2", "4"} and set(res["cost_ms_transposed"]) >= {"1", "2", "4"}
+    assert layout == "both" or set(res["cost_ms_packed"]) >= {"1", "2", "4"}
+    assert "decode paths on cpu" in capsys.readouterr().out
 
 
 def test_bench_batch(eval_assets: Path, tmp_path: Path, capsys) -> None:

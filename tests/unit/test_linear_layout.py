@@ -10,7 +10,17 @@ import torch
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_decode import StaticDecoder
-from specdraft.models.linear_layout import TransposedLinear, apply_layout, resolve_layout, transpose_linears
+from specdraft.models import linear_layout
+from specdraft.models.linear_layout import (
+    PackedLinear,
+    TransposedLinear,
+    apply_layout,
+    mkl_packing_available,
+    pack_bytes,
+    pack_linears,
+    resolve_layout,
+    transpose_linears,
+)
 from specdraft.testing import OracleBeamProposer, RandomTreeProposer, check_static_equals_ar, tiny_target
 
 CPU = torch.device("cpu")
@@ -81,19 +91,91 @@ def test_static_decode_lossless_on_transposed_target(shape: str) -> None:
     check_static_equals_ar(dec, model, PromptLookupProposer(4))
 
 
-def test_resolve_layout() -> None:
-    assert resolve_layout("auto", CPU, torch.float32)
-    assert not resolve_layout("auto", CPU, torch.bfloat16)  # not measured to pay: native
-    assert not resolve_layout("auto", torch.device("cuda"), torch.float32)
-    assert resolve_layout("transposed", torch.device("cuda"), torch.bfloat16)
-    assert not resolve_layout("native", CPU, torch.float32)
+def test_resolve_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_layout, "cpu_model", lambda: "Intel(R) Xeon(R) CPU @ 2.50GHz")
+    monkeypatch.setattr(linear_layout, "mkl_packing_available", lambda: True)
+    monkeypatch.setattr(linear_layout, "free_memory_bytes", lambda: 8 << 30)
+    assert resolve_layout("auto", CPU, torch.float32, packs=1 << 30) == "packed"
+    assert resolve_layout("auto", CPU, torch.float32, packs=3 << 30) == "transposed"  # > 1/4 of free memory
+    assert resolve_layout("auto", CPU, torch.bfloat16) == "native"  # not measured to pay
+    assert resolve_layout("auto", torch.device("cuda"), torch.float32) == "native"
+    assert resolve_layout("transposed", torch.device("cuda"), torch.bfloat16) == "transposed"
+    assert resolve_layout("native", CPU, torch.float32) == "native"
     with pytest.raises(ValueError, match="linear layout 'sideways'"):
         resolve_layout("sideways", CPU, torch.float32)
+    with pytest.raises(ValueError, match="'packed' needs an fp32 target on a CPU"):
+        resolve_layout("packed", CPU, torch.float64)
+    monkeypatch.setattr(linear_layout, "cpu_model", lambda: "AMD EPYC 7B13")  # packing measured on Intel only
+    assert resolve_layout("auto", CPU, torch.float32, packs=1) == "transposed"
+    assert resolve_layout("packed", CPU, torch.float32) == "packed"  # forced
+    monkeypatch.setattr(linear_layout, "mkl_packing_available", lambda: False)  # e.g. an ARM build
+    with pytest.raises(ValueError, match="MKL False"):
+        resolve_layout("packed", CPU, torch.float32)
 
 
-def test_apply_layout_follows_the_model_dtype() -> None:
+def test_apply_layout_follows_the_model_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_target("llama", CPU)  # fp64: auto keeps the native layout
-    assert not apply_layout(model, "auto")
+    assert apply_layout(model, "auto") == "native"
     assert isinstance(model.get_output_embeddings(), torch.nn.Linear)
-    assert apply_layout(model.float(), "auto")
-    assert isinstance(model.get_output_embeddings(), TransposedLinear)
+    monkeypatch.setattr(linear_layout, "free_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(linear_layout, "cpu_model", lambda: "AMD EPYC 7B13")
+    amd = copy.deepcopy(model).float()
+    assert apply_layout(amd, "auto") == "transposed"
+    assert isinstance(amd.get_output_embeddings(), TransposedLinear)
+    if mkl_packing_available():
+        monkeypatch.setattr(linear_layout, "cpu_model", lambda: "Intel(R) Xeon(R) CPU @ 2.50GHz")
+        intel = copy.deepcopy(model).float()
+        assert apply_layout(intel, "auto") == "packed"
+        assert isinstance(intel.get_output_embeddings(), PackedLinear)
+        assert not any(isinstance(m, torch.nn.Linear) for m in intel.modules())
+
+
+needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="torch without MKL's packed GEMM")
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear_for_every_row_count(bias: bool) -> None:
+    """Rows 0..20 cover one row (transposed copy), exact packs, padded packs and more rows than any pack."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40, bias=bias)
+    p = PackedLinear(lin, rows=(2, 4, 8))
+    assert sorted(p.packs) == [2, 4, 8] and "packs" not in dict(p.state_dict())
+    assert torch.equal(p.weight, lin.weight)  # (out, in) view, as borrowers of an LM head read it
+    for rows in range(21):
+        x = torch.randn(2, rows, 24)  # (B, L, in): 2 * rows rows in all
+        torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p(x[0]), lin(x[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="needs an fp32 CPU weight"):
+        PackedLinear(torch.nn.Linear(4, 4).double())
+
+
+@needs_mkl
+def test_packed_target_decodes_losslessly_on_both_paths() -> None:
+    """fp32 tiny target with packed weights: same logits as native to float rounding, and greedy speculative
+    decoding equal to its own AR on the eager and the fixed-shape paths (trees of 1..32 nodes: packs, padding and
+    the fallback)."""
+    model = tiny_target("llama", CPU).float()
+    native = copy.deepcopy(model)
+    assert pack_bytes(model) == 4 * sum(
+        m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+    assert pack_linears(model) > 0 and pack_linears(model) == 0
+    ids = torch.randint(5, 128, (1, 19), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(ids).logits, native(ids).logits, rtol=1e-4, atol=1e-4)
+    for shape in ("eager", "fixed"):
+        dec = StaticDecoder(model, 64, static=shape == "fixed")
+        for prompt_len in (1, 9):
+            prompt = torch.randint(0, 96, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+            ref, _ = dec.ar_generate(None, prompt, 30, stop_ids=set())
+            out, _ = dec.speculative_generate(
+                None, prompt, RandomTreeProposer(96, seed=prompt_len), 30, stop_ids=set()
+            )
+            assert out == ref
+            out, stats = dec.speculative_generate(
+                None, prompt, OracleBeamProposer(ref, prompt_len, vocab=96), 30, stop_ids=set()
+            )
+            assert out == ref and stats.tokens_per_step > 1.8

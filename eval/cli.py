@@ -205,14 +205,11 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
 
 
 def machine_info(model) -> dict[str, Any]:
-    """Where the numbers were measured: `hardware.host_info()` plus the model's device and dtype (and the
-    GPU it runs on)."""
-    dev = model.device
-    info = {**host_info(), "device": str(dev), "dtype": str(model.dtype).replace("torch.", "")}
-    info.pop("gpu", None)
-    if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(dev)
-    return info
+    """Where the numbers were measured: `hardware.host_info` of the model's device (its GPU, if any), the
+    device, dtype and the target's Linear layout (`models.linear_layout`: the LM head's class)."""
+    layout = type(model.get_output_embeddings()).__name__ if hasattr(model, "get_output_embeddings") else None
+    dtype = str(model.dtype).replace("torch.", "")
+    return {**host_info(model.device), "device": str(model.device), "dtype": dtype, "linear_layout": layout}
 
 
 def load_benches(cfg: DictConfig) -> dict[str, list]:

@@ -62,9 +62,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host_info() -> dict[str, Any]:
-    """Where numbers are measured, without a model: platform, CPU (model, cores, native bf16), torch threads,
-    torch and transformers versions, load average, and the first GPU's name when CUDA is available."""
+def host_info(device: torch.device | None = None) -> dict[str, Any]:
+    """Where numbers are measured: platform, CPU (model, cores, native bf16), torch threads, torch and
+    transformers versions, load average, and the GPU's name: `device`'s when it is a CUDA device, none for
+    another device, the first GPU's (when CUDA is available) without one."""
     import transformers
 
     info: dict[str, Any] = {
@@ -78,7 +79,9 @@ def host_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
-    if torch.cuda.is_available():
+    if device is not None and device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    elif device is None and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
 

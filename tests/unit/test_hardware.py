@@ -121,3 +121,12 @@ def test_load_target_resolves_auto(cpu_with, tmp_path, monkeypatch):
     cpu_with("avx512f", "avx512_bf16")
     model = load_target(cfg)[0]
     assert model.dtype == torch.bfloat16 and model.device == CPU
+
+
+def test_host_info_names_the_gpu_of_the_device_it_is_given(cuda_gpu):
+    from specdraft.hardware import host_info
+
+    cuda_gpu(True)
+    assert host_info()["gpu"] == "FakeGPU"  # no device: the first GPU
+    assert host_info(torch.device("cuda", 0))["gpu"] == "FakeGPU"
+    assert "gpu" not in host_info(torch.device("cpu"))  # a CPU model on a GPU host: no GPU in its numbers

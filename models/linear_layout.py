@@ -21,11 +21,12 @@ a tree verify of 2-16 nodes still streamed every weight at about half the one-ro
 its operand on every call. `PackedLinear` packs the weight once per row count in `PACK_ROWS` (MKL's
 `cblas_sgemm_pack`, through `torch.ops.mkl._mkl_reorder_linear_weight`), pads a product's rows up to the next
 packed count and runs `cblas_sgemm_compute`; one row (AR) and more rows than the largest pack (prefill) use the
-transposed copy. Streaming microbenchmark on the Xeon (100 different 576x1536 weights, us per product at
+transposed copy, and 2-3 rows the native weight (as fast as a pack there, and no copy). Streaming microbenchmark on the Xeon (100 different 576x1536 weights, us per product at
 1 / 2 / 4 / 8 / 16 rows): transposed 209 / 375 / 398 / 420 / 505, packed for the row count 237 / 229 / 241 / 269 /
 349; a SmolLM2-135M verify forward of 2 / 4 / 8 / 16 nodes went from 1.42 / 1.49 / 1.66 / 2.02x a one-token
 step to ~1.1 / 1.2 / 1.3 / 1.6x (docs/experiments.md, "Session 19"). The cost: one packed copy of every weight
-per entry of `PACK_ROWS` (4 x 540 MB for SmolLM2-135M in fp32), which is why `auto` checks the free memory.
+per entry of `PACK_ROWS` plus the transposed copy (4 x 540 MB for SmolLM2-135M in fp32), which is why `auto`
+checks the free memory.
 Decode-time only: training and distillation keep the native layout (large-M products, gradients).
 """
 
@@ -43,7 +44,7 @@ from specdraft.hardware import cpu_model
 
 Layout = Literal["auto", "transposed", "native", "packed"]
 LAYOUTS: tuple[str, ...] = ("auto", "transposed", "native", "packed")
-PACK_ROWS: tuple[int, ...] = (2, 4, 8, 16)  # row counts with a packed weight: tree budgets, small batches
+PACK_ROWS: tuple[int, ...] = (4, 8, 16)  # row counts with a packed weight: tree budgets, small batches
 PACK_MEMORY_SHARE = 0.25  # `auto` packs only when the copies take at most this share of the free memory
 
 
@@ -91,14 +92,18 @@ def mkl_packing_available() -> bool:
 class PackedLinear(nn.Module):
     """`nn.Linear` for CPU decode steps: the weight packed by MKL once per row count in `rows`.
 
-    A product over r rows runs against the pack of the smallest count >= r (rows zero-padded up to it); one row
-    and more rows than the largest pack run `x @ wt` on the transposed copy (`TransposedLinear`'s fast cases).
-    fp32 only (MKL's sgemm). The packs are plain attributes: not in `state_dict`, never moved by `.to()`.
+    A product over r rows runs against the native weight for r in `NATIVE_ROWS`, else against the pack of the
+    smallest count >= r (rows zero-padded up to it); one row and more rows than the largest pack run `x @ wt` on
+    the transposed copy (`TransposedLinear`'s fast cases). fp32 only (MKL's sgemm). The packs are plain
+    attributes: not in `state_dict`, never moved by `.to()`.
 
     Args:
-        linear: the fp32 layer to replace; its weight is copied transposed and packed, its bias shared.
-        rows: the row counts to pack for (sorted, each >= 2).
+        linear: the fp32 layer to replace; its weight is kept (shared), copied transposed and packed, its bias
+            shared.
+        rows: the row counts to pack for (each > 3).
     """
+
+    NATIVE_ROWS = TransposedLinear.NATIVE_ROWS  # row counts computed against the (out, in) weight
 
     def __init__(self, linear: nn.Linear, rows: tuple[int, ...] = PACK_ROWS) -> None:
         super().__init__()
@@ -108,6 +113,7 @@ class PackedLinear(nn.Module):
             )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()  # (out, in)
+        self.native = w  # shared with the original (the input embedding's, for a tied LM head)
         self.wt = nn.Parameter(w.t().contiguous(), requires_grad=False)  # (in, out)
         self.bias = linear.bias
         self.rows = tuple(sorted(set(rows)))
@@ -115,12 +121,14 @@ class PackedLinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """(out, in) weight as `nn.Linear.weight` reads (a view of the transposed copy)."""
-        return self.wt.t()
+        """(out, in) weight as `nn.Linear.weight` reads (the native one, shared)."""
+        return self.native
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) -> (..., out)."""
         r = x.numel() // self.in_features
+        if r in self.NATIVE_ROWS:
+            return F.linear(x, self.native, self.bias)  # (..., out)
         m = next((m for m in self.rows if m >= r), 0)
         if r <= 1 or m == 0:  # one row (a GEMV) or a prefill: the transposed copy
             y = torch.matmul(x, self.wt)  # (..., out)
@@ -128,7 +136,7 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(r, self.in_features)  # (r, in)
         if m > r:
             x2 = torch.cat([x2, x2.new_zeros(m - r, self.in_features)])  # (m, in)
-        y = torch.ops.mkl._mkl_linear(x2.contiguous(), self.packs[m], self.wt.t(), self.bias, m)  # (m, out)
+        y = torch.ops.mkl._mkl_linear(x2.contiguous(), self.packs[m], self.native, self.bias, m)  # (m, out)
         return y[:r].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -147,11 +155,12 @@ def pack_linears(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
 
 
 def pack_bytes(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
-    """The memory `pack_linears(model, rows)` adds: one copy of every Linear weight per packed row count."""
+    """The memory `pack_linears(model, rows)` adds: a copy of every Linear weight per packed row count, plus the
+    transposed copy."""
     weights = sum(
         m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear)
     )
-    return weights * len(rows)
+    return weights * (len(rows) + 1)
 
 
 def free_memory_bytes() -> int:

@@ -136,11 +136,13 @@ needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="torch withou
 @needs_mkl
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_linear_for_every_row_count(bias: bool) -> None:
-    """Rows 0..20 cover one row (transposed copy), exact packs, padded packs and more rows than any pack."""
+    """Rows 0..20 cover one row (transposed copy), 2-3 rows (native weight), exact packs, padded packs and more
+    rows than any pack."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(24, 40, bias=bias)
-    p = PackedLinear(lin, rows=(2, 4, 8))
-    assert sorted(p.packs) == [2, 4, 8] and "packs" not in dict(p.state_dict())
+    p = PackedLinear(lin, rows=(4, 8))
+    assert sorted(p.packs) == [4, 8] and "packs" not in dict(p.state_dict())
+    assert p.native is lin.weight or p.native.data_ptr() == lin.weight.data_ptr()  # shared, not copied
     assert torch.equal(p.weight, lin.weight)  # (out, in) view, as borrowers of an LM head read it
     for rows in range(21):
         x = torch.randn(2, rows, 24)  # (B, L, in): 2 * rows rows in all
@@ -160,7 +162,7 @@ def test_packed_target_decodes_losslessly_on_both_paths() -> None:
     the fallback)."""
     model = tiny_target("llama", CPU).float()
     native = copy.deepcopy(model)
-    assert pack_bytes(model) == 4 * sum(
+    assert pack_bytes(model) == 4 * sum(  # 3 packs + the transposed copy
         m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear)
     )
     assert pack_linears(model) > 0 and pack_linears(model) == 0

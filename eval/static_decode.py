@@ -198,6 +198,12 @@ class StaticDecoder:
         """Median ms of one verify forward of b nodes (a chain) after a `prefix`-token cache, for each size,
         on this decoder's path (eager / fixed / graph); nothing is committed. For `eval.budget.CostCurve`
         (sizes timed round-robin, `budget.time_round_robin`)."""
+        return time_round_robin(self.cost_probe(sizes, prefix), sizes, reps, self.device)
+
+    @torch.inference_mode()
+    def cost_probe(self, sizes: tuple[int, ...], prefix: int = 256) -> Callable[[int], object]:
+        """Fill the cache with a random `prefix`-token prompt; return `run(b)`, one verify forward of a b-node
+        chain (b in `sizes`) after it that commits nothing (call it under `torch.inference_mode()`)."""
         g = torch.Generator(device="cpu").manual_seed(0)
         vocab = int(cast(PreTrainedModel, self.model).config.get_text_config(decoder=True).vocab_size)
         ids = torch.randint(0, vocab, (1, prefix), generator=g).to(self.device)
@@ -210,7 +216,7 @@ class StaticDecoder:
             )
             for b in sizes
         }
-        return time_round_robin(lambda b: self._forward_tree(trees[b], (), False), sizes, reps, self.device)
+        return lambda b: self._forward_tree(trees[b], (), False)
 
     def path_name(self) -> str:
         """ "eager" | "fixed" | "graph": the shape of this decoder's verify (a cost-curve cache key)."""

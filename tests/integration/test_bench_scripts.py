@@ -93,3 +93,20 @@ def test_bench_ttt_unrolls_agree(tmp_path: Path, capsys) -> None:
         saved = json.loads(out.read_text())
         assert saved["settings"]["family"] == family and saved["results"]["ratio"] == res["ratio"]
     assert "selected-positions unroll" in capsys.readouterr().out
+
+
+def test_bench_layouts(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    from specdraft.models.linear_layout import mkl_packing_available
+
+    out = tmp_path / "layouts.json"
+    layouts = ["native", "transposed"] + (["packed"] if mkl_packing_available() else [])
+    argv = ["--target", str(eval_assets / "target"), "--dtype", "fp32", "--device", "cpu", "--threads", "1"]
+    _main("bench_layouts")(
+        [*argv, "--layouts", *layouts, "--sizes", "1", "2", "5", "--reps", "1", "--json", str(out)]
+    )
+    res = _load(out)
+    assert res["layouts"] == layouts and all(set(res["ms"][la]) == {"1", "2", "5"} for la in layouts)
+    assert all(ms > 0 for la in layouts for ms in res["ms"][la].values())
+    assert res["added_bytes"]["native"] == 0 and res["added_bytes"]["transposed"] >= 0
+    assert "packed" not in layouts or res["added_bytes"]["packed"] > res["added_bytes"]["transposed"]
+    assert "memory added" in capsys.readouterr().out

@@ -1,0 +1,99 @@
+"""Verify-forward cost per node count under each Linear weight layout of the target, interleaved in one run.
+
+    # native, transposed and MKL-packed weights (models/linear_layout.py), 1..32 nodes after a 256-token prefix
+    python scripts/bench_layouts.py --layouts native transposed packed --sizes 1 2 3 4 6 8 12 16 32 --reps 11
+
+Each layout gets its own copy of the target and its own decoder (the static path in the shape evaluate.py
+uses on this device); every repetition times each node count under every layout back to back (round robin,
+`eval.budget.time_round_robin`), so the machine's drift hits all layouts alike. Prints, per layout, the median ms
+per node count, its ratio to that layout's one-token step, its speedup over the first layout and the memory the
+layout adds to the target; `--json` writes them with the command and the machine, atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the arguments, lay out one copy of the target per layout, time them round robin, print the table."""
+    from specdraft.eval.bench_common import add_target_args
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(p)
+    p.add_argument(
+        "--layouts", nargs="+", default=["native", "transposed", "packed"], help="layouts to compare"
+    )
+    p.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 3, 4, 6, 8, 12, 16, 32], help="node counts")
+    p.add_argument("--prefix", type=int, default=256, help="cached tokens before the verified nodes")
+    p.add_argument("--reps", type=int, default=11, help="timed repetitions (after one warm-up)")
+    a = p.parse_args(argv)
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdraft.eval.bench_common import load_bench, write_json
+    from specdraft.eval.budget import time_round_robin
+    from specdraft.eval.static_decode import make_decoder
+    from specdraft.models.linear_layout import apply_layout
+
+    model = load_bench(a, layout=False).model  # native weights; each layout below lays out its own copy
+    sizes = tuple(sorted(set(a.sizes)))
+    base = sum(t.numel() * t.element_size() for t in model.parameters())
+    probes, added = [], {}
+    for layout in a.layouts:
+        m = copy.deepcopy(model)
+        apply_layout(m, layout)
+        tensors = {t.data_ptr(): t.numel() * t.element_size() for t in m.parameters()}
+        packs = 0
+        for mod in m.modules():  # kept native weights and MKL packs are plain attributes
+            native = getattr(mod, "native", None)
+            if isinstance(native, torch.Tensor):
+                tensors.setdefault(native.data_ptr(), native.numel() * native.element_size())
+                packs += (
+                    len(getattr(mod, "packs", {})) * native.numel() * native.element_size()
+                )  # one per count
+        added[layout] = sum(tensors.values()) + packs - base
+        dec = make_decoder(m, "static", "auto")
+        assert dec is not None
+        probes.append(dec.cost_probe(sizes, a.prefix))
+    keys = [(k, b) for b in sizes for k in range(len(a.layouts))]  # round robin: every layout at each size
+    with torch.inference_mode():
+        med = time_round_robin(
+            lambda i: probes[keys[i][0]](keys[i][1]), tuple(range(len(keys))), a.reps, model.device
+        )
+    ms = {
+        layout: {b: med[i] for i, (k, b) in enumerate(keys) if k == j} for j, layout in enumerate(a.layouts)
+    }
+
+    table = Table(
+        title=f"verify forward after {a.prefix} tokens on {model.device} ({model.dtype}): ms (x one token)"
+    )
+    table.add_column("nodes")
+    for layout in a.layouts:
+        table.add_column(layout)
+        if layout != a.layouts[0]:
+            table.add_column(f"{layout} vs {a.layouts[0]}")
+    for b in sizes:
+        row = [str(b)]
+        for layout in a.layouts:
+            row.append(f"{ms[layout][b]:.1f} ({ms[layout][b] / ms[layout][sizes[0]]:.2f}x)")
+            if layout != a.layouts[0]:
+                row.append(f"{ms[a.layouts[0]][b] / ms[layout][b]:.2f}x")
+        table.add_row(*row)
+    mem = [f"{added[a.layouts[0]] / 2**20:.0f} MiB"]
+    for layout in a.layouts[1:]:
+        mem += [f"{added[layout] / 2**20:.0f} MiB", ""]
+    table.add_row("memory added", *mem)
+    Console(width=200).print(table)
+    write_json(
+        a.json,
+        model,
+        {"layouts": a.layouts, "prefix": a.prefix, "reps": a.reps, "ms": ms, "added_bytes": added},
+    )
+
+
+if __name__ == "__main__":
+    main()

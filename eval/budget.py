@@ -134,11 +134,14 @@ class CostCurve:
 class NodeBudget:
     """Fits the node cap of one proposer on this machine (see module docstring); state carries over calls.
 
-    Two phases, so that "do not draft" is only decided with the draft time of the tree actually kept:
+    Two phases, so that "do not draft" is only decided with the draft time of the trees actually kept:
     1. `fit_steps` drafted steps at full size record the gain curve and the draft time; the best cap b >= 2
        becomes provisional (`cap`), and the proposer is told (`Proposer.fit_budget`), so it may draft less;
-    2. `check_steps` drafted steps at that cap re-measure the draft time; the final cap is the best of
-       b <= cap and 1 (no drafting) with that time (`settled`).
+    2. `check_steps` drafted steps at that cap measure its tokens per ms with the draft time it really has;
+       then the next smaller size is checked the same way, as long as its phase-1 gain over its verify cost
+       alone (no draft time: the best it could do) beats every rate so far, because a proposer told a smaller
+       cap drafts less (fewer beams, fewer head passes) and phase 1 charged it the full-size draft time. The
+       final cap is the best of the checked caps and 1 (no drafting) (`settled`).
 
     Args:
         cost: the target's verify cost curve on this decode path.
@@ -159,7 +162,10 @@ class NodeBudget:
         default_factory=list
     )  # phase 1, per step: accepted+1 with the first b nodes
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
-    checks: list[tuple[float, int, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens, nodes)
+    checks: list[tuple[float, int, int]] = field(
+        default_factory=list
+    )  # phase 2 at this cap: (draft ms, tokens, nodes)
+    measured: dict[int, float] = field(default_factory=dict)  # phase 2: tokens per ms at each checked cap
 
     def observe(
         self, draft_s: float, accepted: int, nodes: int, prefix_accept: list[int] | None = None
@@ -183,14 +189,22 @@ class NodeBudget:
             k = len(self.checks)
             draft = sum(c[0] for c in self.checks) / k
             ms = sum(self.cost(c[2]) for c in self.checks) / k + draft
-            measured = {self.cap: sum(c[1] for c in self.checks) / k / ms}
-            self._settle(measured, [draft])
+            self.measured[self.cap] = sum(c[1] for c in self.checks) / k / ms
+            self.checks = []
+            best = max([1.0 / self.cost(1), *self.measured.values()])
+            bound = self.rates([0.0])  # no draft time: what each size could reach at best
+            smaller = [b for b in self.sizes if 1 < b < self.cap and bound[b] > best]
+            if smaller:
+                self.cap = max(smaller)  # check it next (the decoder tells the proposer)
+            else:
+                self._settle(self.measured, [draft])
 
     def _settle(self, measured: dict[int, float], draft_ms: list[float] | None = None) -> None:
-        """Final cap among 1 and b <= the provisional cap: measured rates where there are some (the cap, in
-        phase 2), else the phase-1 model with the draft time `draft_ms` (default: phase 1's)."""
+        """Final cap among 1 and b <= the provisional cap: measured rates where there are some (the checked
+        caps, in phase 2), else the phase-1 model with the draft time `draft_ms` (default: phase 1's)."""
         assert self.cap is not None
-        rates = {b: r for b, r in self.rates(draft_ms or self.draft_ms).items() if b <= self.cap}
+        top = max(measured, default=self.cap)
+        rates = {b: r for b, r in self.rates(draft_ms or self.draft_ms).items() if b <= top}
         rates.update(measured)
         self.cap, self.settled = max(sorted(rates), key=lambda b: (rates[b], -b)), True
         if self.label:

@@ -83,6 +83,24 @@ def test_off_is_decided_with_the_draft_time_at_the_cap():
     assert dear.settled and dear.cap == 1
 
 
+def test_phase_two_walks_down_while_a_smaller_cap_could_pay():
+    """A proposer told a smaller cap drafts less: phase 1 charged every size the full-size draft time (12 ms),
+    so it keeps 8 nodes provisionally; at 8 the measured rate is 4 tok / 26 ms, 4 nodes could reach 3 / 12 ms
+    with no drafting at all, so 4 is checked: 2 ms of drafting, 3 tok / 14 ms wins; 2 nodes (2 / 11 ms at best)
+    cannot beat that and are not checked."""
+    budget = _budget({1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}, check_steps=3)
+    for _ in range(10):
+        budget.observe(0.012, 4, 8, [1, 2, 2, 3, 3, 3, 3, 4])
+    assert budget.cap == 8 and not budget.settled
+    for _ in range(3):
+        budget.observe(0.012, 4, 8)
+    assert budget.cap == 4 and not budget.settled  # checked next
+    for _ in range(3):
+        budget.observe(0.002, 3, 4)
+    assert budget.settled and budget.cap == 4
+    assert budget.measured == pytest.approx({8: 4 / 26, 4: 3 / 14})
+
+
 def test_machine_key_changes_with_path_and_dtype():
     model = tiny_llama(num_layers=1)
     assert machine_key(model, "eager") != machine_key(model, "fixed")

@@ -70,7 +70,7 @@ def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
     from specdraft.eval.decode import default_stop_ids
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
-    from specdraft.models.linear_layout import apply_layout
+    from specdraft.models.linear_layout import apply_layout, match_target_layout
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -81,6 +81,8 @@ def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
     drafters: list[tuple[str, nn.Module]] = []
     for path in a.drafter:
         d = load_drafter(path, model, fingerprint)
+        if layout:
+            match_target_layout(d, model)  # as evaluate.py does
         drafters.append((drafter_label(d, path), d))
     print(f"device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}", flush=True)
     return Bench(model, tok, default_stop_ids(tok, model), drafters)

@@ -92,6 +92,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     from specdraft.hardware import resolve_dtype
     from specdraft.models.base_llm import target_fingerprint
     from specdraft.models.hub import load_drafter
+    from specdraft.models.linear_layout import match_target_layout
 
     e = cfg.eval
     sampling = {"temperature": float(e.temperature), "top_k": int(e.top_k), "top_p": float(e.top_p)}
@@ -112,6 +113,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
         if e.draft_dtype:  # bf16 where native: small matmuls of a few beams run ~2x faster than fp32 on CPU
             dtype = resolve_dtype(e.draft_dtype, model.device, "eval.draft_dtype")
             torch.nn.Module.to(drafter, dtype)  # (PreTrainedModel.to is typed as a wrapper)
+        match_target_layout(drafter, model)  # packed Linear weights like the target's, where it has them
         base_name = f"{drafter_family(drafter)}:{Path(path).name or path}"
         variants = [(base_name, 0)]
         if e.lookup_tokens and drafter_family(drafter) == "redrafter":  # also with a prompt-lookup beam

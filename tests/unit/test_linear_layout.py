@@ -15,6 +15,7 @@ from specdraft.models.linear_layout import (
     PackedLinear,
     TransposedLinear,
     apply_layout,
+    match_target_layout,
     mkl_packing_available,
     pack_bytes,
     pack_linears,
@@ -166,6 +167,11 @@ def test_packed_target_decodes_losslessly_on_both_paths() -> None:
         m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear)
     )
     assert pack_linears(model) > 0 and pack_linears(model) == 0
+    twin = copy.deepcopy(model)  # the opaque packs are shared, everything else copied
+    assert (
+        twin.lm_head.packs is model.lm_head.packs
+        and twin.lm_head.wt.data_ptr() != model.lm_head.wt.data_ptr()
+    )
     ids = torch.randint(5, 128, (1, 19), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(ids).logits, native(ids).logits, rtol=1e-4, atol=1e-4)
     for shape in ("eager", "fixed"):
@@ -181,3 +187,30 @@ def test_packed_target_decodes_losslessly_on_both_paths() -> None:
                 None, prompt, OracleBeamProposer(ref, prompt_len, vocab=96), 30, stop_ids=set()
             )
             assert out == ref and stats.tokens_per_step > 1.8
+
+
+@needs_mkl
+def test_a_drafter_is_packed_like_its_target_and_decodes_the_same() -> None:
+    """A ReDrafter over a packed fp32 target: its own Linear layers get packed too, the output stays AR's."""
+    from specdraft.eval.proposers import ReDrafterProposer
+    from specdraft.models import redrafter
+    from specdraft.models.base_llm import target_fingerprint
+    from specdraft.testing import tiny_tokenizer
+    from specdraft.train.config import ReDrafterSchema
+
+    model = tiny_target("llama", CPU).float()
+    fp = target_fingerprint(model, tiny_tokenizer())
+    drafter = (
+        redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), model, fp).float().eval()
+    )
+    assert match_target_layout(drafter, model) == 0  # a native target: nothing to match
+    prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(3))
+    dec = StaticDecoder(model, 64)
+    before, _ = dec.speculative_generate(None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set())
+    pack_linears(model)
+    assert match_target_layout(drafter, model) > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in drafter.modules())
+    dec = StaticDecoder(model, 64)
+    ref, _ = dec.ar_generate(None, prompt, 24, stop_ids=set())
+    out, _ = dec.speculative_generate(None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set())
+    assert out == ref == before

@@ -110,3 +110,20 @@ def test_bench_layouts(eval_assets: Path, tmp_path: Path, capsys) -> None:
     assert res["added_bytes"]["native"] == 0 and res["added_bytes"]["transposed"] >= 0
     assert "packed" not in layouts or res["added_bytes"]["packed"] > res["added_bytes"]["transposed"]
     assert "memory added" in capsys.readouterr().out
+
+
+def test_bench_draft_layout(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    import pytest
+
+    from specdraft.models.linear_layout import mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("torch without MKL's packed GEMM")
+    out = tmp_path / "draft.json"
+    argv = [*_common(eval_assets, out), "--prompts", "2", "--max-new-tokens", "8", "--reps", "1"]
+    _main("bench_draft_layout")(argv)  # (--lookup is read and not used)
+    res = _load(out)
+    (row,) = res["rows"]
+    assert row["packed_layers"] > 0 and row["same"] == "4/4"  # both copies, both prompts: AR's output
+    assert len(row["draft_ms"]["as_loaded"]) == len(row["draft_ms"]["packed"]) == 1
+    assert "draft ms per step" in capsys.readouterr().out

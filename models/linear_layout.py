@@ -16,18 +16,19 @@ One exception, measured on the same Xeon: the vocabulary-sized LM head over 2-3 
 layout (7.5 ms against 11.1 ms for 2 rows, 49,152 x 576), so the LM head keeps its native weight too (the
 input embedding's, when tied: no copy) and uses it for 2-3 rows; every other row count uses the transposed copy.
 
-`packed` (the `auto` choice on an Intel CPU in fp32 with MKL, when the copies fit in memory) goes one step further:
-a tree verify of 2-16 nodes still streamed every weight at about half the one-row speed, because the GEMM packs
-its operand on every call. `PackedLinear` packs the weight once per row count in `PACK_ROWS` (MKL's
+`packed` (the `auto` choice on an Intel CPU in fp32 with MKL, when the copies fit in memory) goes one step
+further: a tree verify of 2-16 nodes still streamed every weight at about half the one-row speed, because the
+GEMM packs its operand on every call. `PackedLinear` packs the weight once per row count in `PACK_ROWS` (MKL's
 `cblas_sgemm_pack`, through `torch.ops.mkl._mkl_reorder_linear_weight`), pads a product's rows up to the next
 packed count and runs `cblas_sgemm_compute`; one row (AR) and more rows than the largest pack (prefill) use the
-transposed copy, and 2-3 rows the native weight (as fast as a pack there, and no copy). Streaming microbenchmark on the Xeon (100 different 576x1536 weights, us per product at
-1 / 2 / 4 / 8 / 16 rows): transposed 209 / 375 / 398 / 420 / 505, packed for the row count 237 / 229 / 241 / 269 /
-349; a SmolLM2-135M verify forward of 2 / 4 / 8 / 16 nodes went from 1.42 / 1.49 / 1.66 / 2.02x a one-token
-step to ~1.1 / 1.2 / 1.3 / 1.6x (docs/experiments.md, "Session 19"). The cost: one packed copy of every weight
+transposed copy, and 2-3 rows the native weight (as fast as a pack there, and no copy). Streaming
+microbenchmark on the Xeon (100 different 576x1536 weights, us per product at 1 / 2 / 4 / 8 / 16 rows):
+transposed 209 / 375 / 398 / 420 / 505, packed for the row count 237 / 229 / 241 / 269 / 349; a SmolLM2-135M
+verify forward of 2 / 4 / 8 / 16 nodes went from 78 / 90 / 96 / 107 ms transposed to 68 / 73 / 76 / 93 ms
+packed (scripts/bench_layouts.py; docs/experiments.md, "Session 19"). The cost: one packed copy of every weight
 per entry of `PACK_ROWS` plus the transposed copy (4 x 540 MB for SmolLM2-135M in fp32), which is why `auto`
-checks the free memory.
-Decode-time only: training and distillation keep the native layout (large-M products, gradients).
+checks the free memory. A drafter over a packed target is packed too (`match_target_layout`).
+For decoding only (evaluation, the benchmarks, distill's generation); training keeps `nn.Linear`.
 """
 
 from __future__ import annotations

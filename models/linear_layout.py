@@ -184,7 +184,15 @@ def pack_bytes(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
 
 
 def free_memory_bytes() -> int:
-    """Physical memory available now (Linux `sysconf`; 0 where it cannot be read, which turns `auto` packing off)."""
+    """Memory available to a new allocation now: Linux `MemAvailable` (free plus reclaimable page cache), else
+    the free pages from `sysconf`; 0 where neither can be read, which turns `auto` packing off."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):

@@ -214,3 +214,13 @@ def test_a_drafter_is_packed_like_its_target_and_decodes_the_same() -> None:
     ref, _ = dec.ar_generate(None, prompt, 24, stop_ids=set())
     out, _ = dec.speculative_generate(None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set())
     assert out == ref == before
+
+
+def test_free_memory_is_read_on_linux() -> None:
+    from pathlib import Path
+
+    from specdraft.models.linear_layout import free_memory_bytes
+
+    if not Path("/proc/meminfo").is_file():
+        pytest.skip("no /proc/meminfo")
+    assert 0 < free_memory_bytes() < 1 << 50

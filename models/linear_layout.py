@@ -174,6 +174,19 @@ def match_target_layout(drafter: nn.Module, target: nn.Module) -> int:
     return pack_linears(drafter) if isinstance(head, PackedLinear) else 0
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s weights as laid out: every parameter once, plus the plain-tensor weights of the layouts
+    (a `PackedLinear`'s native weight where it is not a parameter, and one weight-sized copy per pack)."""
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in model.parameters()}
+    packs = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            size = m.native.numel() * m.native.element_size()
+            seen.setdefault(m.native.data_ptr(), size)
+            packs += len(m.packs) * size
+    return sum(seen.values()) + packs
+
+
 def pack_bytes(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
     """The memory `pack_linears(model, rows)` adds: a copy of every Linear weight per packed row count, plus the
     transposed copy."""

@@ -37,25 +37,16 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import load_bench, write_json
     from specdraft.eval.budget import time_round_robin
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.models.linear_layout import apply_layout
+    from specdraft.models.linear_layout import apply_layout, weight_bytes
 
     model = load_bench(a, layout=False).model  # native weights; each layout below lays out its own copy
     sizes = tuple(sorted(set(a.sizes)))
-    base = sum(t.numel() * t.element_size() for t in model.parameters())
+    base = weight_bytes(model)
     probes, added = [], {}
     for layout in a.layouts:
         m = copy.deepcopy(model)
         apply_layout(m, layout)
-        tensors = {t.data_ptr(): t.numel() * t.element_size() for t in m.parameters()}
-        packs = 0
-        for mod in m.modules():  # kept native weights and MKL packs are plain attributes
-            native = getattr(mod, "native", None)
-            if isinstance(native, torch.Tensor):
-                tensors.setdefault(native.data_ptr(), native.numel() * native.element_size())
-                packs += (
-                    len(getattr(mod, "packs", {})) * native.numel() * native.element_size()
-                )  # one per count
-        added[layout] = sum(tensors.values()) + packs - base
+        added[layout] = weight_bytes(m) - base
         dec = make_decoder(m, "static", "auto")
         assert dec is not None
         probes.append(dec.cost_probe(sizes, a.prefix))

@@ -21,6 +21,7 @@ from specdraft.models.linear_layout import (
     pack_linears,
     resolve_layout,
     transpose_linears,
+    weight_bytes,
 )
 from specdraft.testing import OracleBeamProposer, RandomTreeProposer, check_static_equals_ar, tiny_target
 
@@ -167,6 +168,7 @@ def test_packed_target_decodes_losslessly_on_both_paths() -> None:
         m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear)
     )
     assert pack_linears(model) > 0 and pack_linears(model) == 0
+    assert weight_bytes(model) - weight_bytes(native) == pack_bytes(native)  # what `auto` budgets for
     twin = copy.deepcopy(model)  # the opaque packs are shared, everything else copied
     assert (
         twin.lm_head.packs is model.lm_head.packs

@@ -158,8 +158,9 @@ def pack_linears(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            w = child.weight if isinstance(child, nn.Linear) else None
-            if w is not None and w.dtype == torch.float32 and w.device.type == "cpu":
+            if not isinstance(child, nn.Linear):
+                continue
+            if child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
                 setattr(parent, name, PackedLinear(child, rows))
                 done += 1
     return done

@@ -162,9 +162,7 @@ class NodeBudget:
         default_factory=list
     )  # phase 1, per step: accepted+1 with the first b nodes
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
-    checks: list[tuple[float, int, int]] = field(
-        default_factory=list
-    )  # phase 2 at this cap: (draft ms, tokens, nodes)
+    checks: list[tuple[float, int, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens, nodes)
     measured: dict[int, float] = field(default_factory=dict)  # phase 2: tokens per ms at each checked cap
 
     def observe(

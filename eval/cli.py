@@ -209,7 +209,9 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
 def machine_info(model) -> dict[str, Any]:
     """Where the numbers were measured: `hardware.host_info` of the model's device (its GPU, if any), the
     device, dtype and the target's Linear layout (`models.linear_layout`: the LM head's class)."""
-    layout = type(model.get_output_embeddings()).__name__ if hasattr(model, "get_output_embeddings") else None
+    from transformers import PreTrainedModel
+
+    layout = type(model.get_output_embeddings()).__name__ if isinstance(model, PreTrainedModel) else None
     dtype = str(model.dtype).replace("torch.", "")
     return {**host_info(model.device), "device": str(model.device), "dtype": dtype, "linear_layout": layout}
 

@@ -98,6 +98,11 @@ class _Packs(dict):
         return self
 
 
+def packable(linear: nn.Linear) -> bool:
+    """Whether `PackedLinear` can take `linear`: an fp32 weight on the CPU (MKL's sgemm)."""
+    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` for CPU decode steps: the weight packed by MKL once per row count in `rows`.
 
@@ -116,7 +121,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rows: tuple[int, ...] = PACK_ROWS) -> None:
         super().__init__()
-        if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
+        if not packable(linear):
             raise ValueError(
                 f"PackedLinear needs an fp32 CPU weight, got {linear.weight.dtype} on {linear.weight.device}"
             )
@@ -158,9 +163,7 @@ def pack_linears(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if isinstance(child, nn.Linear) and packable(child):
                 setattr(parent, name, PackedLinear(child, rows))
                 done += 1
     return done

@@ -282,7 +282,7 @@ DISTILL: Table = {
     "topk": COUNT,
     "feature_dtype": one_of(*FEATURE_DTYPES),
     "capture_features": ANY,
-    "linear_layout": one_of("auto", "transposed", "native", "packed"),
+    "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "max_disk_gb": above(0),
     "seed": SEED,
 }
@@ -320,7 +320,7 @@ EVAL: Table = {
     "decode_path": one_of("static", "dynamic"),
     "cuda_graphs": one_of("auto", "on", "off"),
     "node_budget": one_of("off", "auto"),
-    "linear_layout": one_of("auto", "transposed", "native", "packed"),
+    "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),
     "scheduler": one_of("fifo", "length", "both", "groups", "all"),
     "length_predictor": ANY,  # a file path, checked when the throughput table loads it

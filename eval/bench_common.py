@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-LAYOUTS = ("auto", "transposed", "native", "packed")  # eval.linear_layout values
+LAYOUTS = ("auto", "transposed", "native", "packed", "panel")  # eval.linear_layout values
 
 
 @dataclass

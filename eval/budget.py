@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from specdraft.eval.decode import sync_device
 from specdraft.hardware import cpu_model
+from specdraft.utils import cache_root
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
 
@@ -41,7 +42,7 @@ def _cache_dir() -> Path:
     """`$SPECDRAFT_COST_CURVES`, else `$SPECDRAFT_CACHE/cost_curves` (default ~/.cache/specdraft/cost_curves)."""
     if os.environ.get("SPECDRAFT_COST_CURVES"):
         return Path(os.environ["SPECDRAFT_COST_CURVES"])
-    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "cost_curves"
+    return cache_root() / "cost_curves"
 
 
 def machine_key(model: torch.nn.Module, path: str) -> str:

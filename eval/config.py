@@ -45,7 +45,7 @@ class EvalConfig:
     cuda_graphs: str = (
         "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify as CUDA graphs
     )
-    linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: packed on Intel+MKL, else transposed) | transposed | native | packed
+    linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: packed on Intel+MKL, panel on other AVX2 CPUs, else transposed) | transposed | native | packed | panel
     node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
     scheduler: str = "fifo"  # throughput: fifo | length (longest predicted first) | both | groups (S3) | all

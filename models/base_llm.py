@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdraft.hardware import resolve_placement
-from specdraft.utils import atomic_dir, check_safetensors, hub_errors, local_or_hub, sha256_text
+from specdraft.utils import atomic_dir, cache_root, check_safetensors, hub_errors, local_or_hub, sha256_text
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ def _file_sha256(path: Path) -> str:
 def _cache_root(cache_dir: str | None) -> Path:
     if cache_dir:
         return Path(cache_dir)
-    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+    return cache_root()
 
 
 def dequantized_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> tuple[Path, str]:

@@ -28,6 +28,10 @@ verify forward of 2 / 4 / 8 / 16 nodes went from 78 / 90 / 96 / 107 ms transpose
 packed (scripts/bench_layouts.py; docs/experiments.md, "Session 19"). The cost: one packed copy of every weight
 per entry of `PACK_ROWS` plus the transposed copy (4 x 540 MB for SmolLM2-135M in fp32), which is why `auto`
 checks the free memory. A drafter over a packed target is packed too (`match_target_layout`).
+`panel` (the `auto` choice on other x86 CPUs with AVX2, e.g. AMD, in fp32) runs specdraft's own kernel
+(`models/panel_linear.py`): one copy of each weight in 16-column panels, read once per product whatever the
+row count; on a 2-core AMD EPYC (Zen 3), where MKL's few-row GEMM is slow, it is faster than every layout
+above at every row count (docs/experiments.md, "Session 20").
 For decoding only (evaluation, the benchmarks, distill's generation); training keeps `nn.Linear`.
 """
 
@@ -42,9 +46,16 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from specdraft.hardware import cpu_model
+from specdraft.models.panel_linear import (
+    PanelLinear,
+    panel_available,
+    panel_bytes,
+    panel_linears,
+    panel_status,
+)
 
-Layout = Literal["auto", "transposed", "native", "packed"]
-LAYOUTS: tuple[str, ...] = ("auto", "transposed", "native", "packed")
+Layout = Literal["auto", "transposed", "native", "packed", "panel"]
+LAYOUTS: tuple[str, ...] = ("auto", "transposed", "native", "packed", "panel")
 PACK_ROWS: tuple[int, ...] = (4, 8, 16)  # row counts with a packed weight: tree budgets, small batches
 PACK_MEMORY_SHARE = 0.25  # `auto` packs only when the copies take at most this share of the free memory
 
@@ -170,11 +181,13 @@ def pack_linears(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
 
 
 def match_target_layout(drafter: nn.Module, target: nn.Module) -> int:
-    """Pack the drafter's fp32 CPU Linear layers when the target's are packed: its draft steps are the same
-    few-row products (a beam, a tree level). On the 2-core Xeon, whole-tree draft time per step went 59-70 ->
-    39-43 ms (EAGLE-3) and 101-111 -> 53-60 ms (ReDrafter); EAGLE-1 and Medusa were within noise. Returns how
-    many layers were packed (0 when the target is not packed)."""
+    """Lay out the drafter's fp32 CPU Linear layers as the target's are, when those are packed or in panels:
+    its draft steps are the same few-row products (a beam, a tree level). On the 2-core Xeon, packing took
+    whole-tree draft time per step 59-70 -> 39-43 ms (EAGLE-3) and 101-111 -> 53-60 ms (ReDrafter); EAGLE-1 and
+    Medusa were within noise. Returns how many layers were laid out (0 for any other target layout)."""
     head = target.get_output_embeddings() if isinstance(target, PreTrainedModel) else None
+    if isinstance(head, PanelLinear):
+        return panel_linears(drafter)
     return pack_linears(drafter) if isinstance(head, PackedLinear) else 0
 
 
@@ -184,10 +197,10 @@ def weight_bytes(model: nn.Module) -> int:
     seen = {t.data_ptr(): t.numel() * t.element_size() for t in model.parameters()}
     packs = 0
     for m in model.modules():
-        if isinstance(m, PackedLinear):
+        if isinstance(m, (PackedLinear, PanelLinear)):
             size = m.native.numel() * m.native.element_size()
             seen.setdefault(m.native.data_ptr(), size)
-            packs += len(m.packs) * size
+            packs += len(m.packs) * size if isinstance(m, PackedLinear) else m.panels.numel() * 4
     return sum(seen.values()) + packs
 
 
@@ -238,15 +251,19 @@ def transpose_linears(model: nn.Module) -> int:
     return done
 
 
-def resolve_layout(layout: str, device: torch.device, dtype: torch.dtype, packs: int = 0) -> str:
-    """What `layout` means for a target on `device` in `dtype`: "native", "transposed" or "packed".
+def resolve_layout(
+    layout: str, device: torch.device, dtype: torch.dtype, packs: int = 0, panels: int = 0
+) -> str:
+    """What `layout` means for a target on `device` in `dtype`: "native", "transposed", "packed" or "panel".
 
-    `auto`: packed on an Intel CPU in fp32 with MKL when the packs (`packs` bytes, `pack_bytes`) take at most
-    `PACK_MEMORY_SHARE` of the free memory; else transposed on a CPU in fp32 (both measured to pay there);
-    native elsewhere. `transposed` / `native` / `packed` force.
+    `auto` on a CPU in fp32: packed on an Intel CPU with MKL when the packs (`packs` bytes, `pack_bytes`) take
+    at most `PACK_MEMORY_SHARE` of the free memory (measured on a Xeon); else panel where the panel kernel runs
+    and its copy (`panels` bytes, `panel_bytes`) fits the same share (measured on an AMD EPYC); else transposed.
+    Native elsewhere. `transposed` / `native` / `packed` / `panel` force.
 
     Raises:
-        ValueError: an unknown layout name, or `packed` where MKL's packed fp32 GEMM cannot run.
+        ValueError: an unknown layout name, `packed` where MKL's packed fp32 GEMM cannot run, or `panel` where
+            the panel kernel cannot (the reason named).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"linear layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
@@ -256,6 +273,9 @@ def resolve_layout(layout: str, device: torch.device, dtype: torch.dtype, packs:
             f"linear layout 'packed' needs an fp32 target on a CPU and a torch with MKL (got {dtype} on "
             f"{device.type}, MKL {mkl_packing_available()}): use linear_layout=transposed or auto"
         )
+    if layout == "panel" and not (cpu_fp32 and panel_available()):
+        why = panel_status()[1] if cpu_fp32 else f"it computes fp32 on a CPU, got {dtype} on {device.type}"
+        raise ValueError(f"linear layout 'panel': {why}; use linear_layout=transposed or auto")
     if layout != "auto":
         return layout
     if not cpu_fp32:
@@ -263,15 +283,22 @@ def resolve_layout(layout: str, device: torch.device, dtype: torch.dtype, packs:
     intel = "intel" in cpu_model().lower()
     if intel and mkl_packing_available() and packs <= PACK_MEMORY_SHARE * free_memory_bytes():
         return "packed"
+    if not intel and panel_available() and panels <= PACK_MEMORY_SHARE * free_memory_bytes():
+        return "panel"
     return "transposed"
 
 
 def apply_layout(model: nn.Module, layout: str) -> str:
     """Lay out the target's Linear weights as `resolve_layout` says (in place); returns the layout applied."""
     p = next(model.parameters())
-    chosen = resolve_layout(layout, p.device, p.dtype, pack_bytes(model) if layout == "auto" else 0)
+    auto = layout == "auto"
+    chosen = resolve_layout(
+        layout, p.device, p.dtype, pack_bytes(model) if auto else 0, panel_bytes(model) if auto else 0
+    )
     if chosen == "transposed":
         transpose_linears(model)
     elif chosen == "packed":
         pack_linears(model)
+    elif chosen == "panel":
+        panel_linears(model)
     return chosen

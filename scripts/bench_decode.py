@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 
-LAYOUT_SETS = {"both": ("native", "transposed"), "all": ("native", "transposed", "packed")}
+LAYOUT_SETS = {"both": ("native", "transposed"), "all": ("native", "transposed", "packed", "panel")}
 SUFFIX = {"native": "", "transposed": "-T", "packed": "-P"}  # path labels per weight layout
 
 
@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import add_target_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_target_args(p, layouts=("native", "transposed", "packed", "both", "all"), layout_default="native")
+    add_target_args(
+        p, layouts=("native", "transposed", "packed", "panel", "both", "all"), layout_default="native"
+    )
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
     p.add_argument("--prompts", type=int, default=3)

@@ -1,7 +1,7 @@
 """Verify-forward cost per node count under each Linear weight layout of the target, interleaved in one run.
 
-    # native, transposed and MKL-packed weights (models/linear_layout.py), 1..32 nodes after a 256-token prefix
-    python scripts/bench_layouts.py --layouts native transposed packed --sizes 1 2 3 4 6 8 12 16 32 --reps 11
+    # native, transposed, MKL-packed and panel weights (models/linear_layout.py), 1..32 nodes after a 256-token prefix
+    python scripts/bench_layouts.py --layouts native transposed packed panel --sizes 1 2 3 4 6 8 12 16 32 --reps 11
 
 Each layout gets its own copy of the target and its own decoder (the static path in the shape evaluate.py
 uses on this device); every repetition times each node count under every layout back to back (round robin,
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(p)
     p.add_argument(
-        "--layouts", nargs="+", default=["native", "transposed", "packed"], help="layouts to compare"
+        "--layouts", nargs="+", default=["native", "transposed", "packed", "panel"], help="layouts to compare"
     )
     p.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 3, 4, 6, 8, 12, 16, 32], help="node counts")
     p.add_argument("--prefix", type=int, default=256, help="cached tokens before the verified nodes")

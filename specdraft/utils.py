@@ -89,6 +89,12 @@ def clean_stale_tmp(parent: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
+def cache_root() -> Path:
+    """specdraft's cache folder: `$SPECDRAFT_CACHE`, else ~/.cache/specdraft (dequantised targets, cost curves,
+    compiled kernels)."""
+    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+
+
 def sha256_text(text: str) -> str:
     """Hex SHA-256 of a string."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

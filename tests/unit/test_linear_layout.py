@@ -108,6 +108,7 @@ def test_resolve_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="'packed' needs an fp32 target on a CPU"):
         resolve_layout("packed", CPU, torch.float64)
     monkeypatch.setattr(linear_layout, "cpu_model", lambda: "AMD EPYC 7B13")  # packing measured on Intel only
+    monkeypatch.setattr(linear_layout, "panel_available", lambda: False)  # (test_panel_linear: with the kernel)
     assert resolve_layout("auto", CPU, torch.float32, packs=1) == "transposed"
     assert resolve_layout("packed", CPU, torch.float32) == "packed"  # forced
     monkeypatch.setattr(linear_layout, "mkl_packing_available", lambda: False)  # e.g. an ARM build
@@ -121,6 +122,7 @@ def test_apply_layout_follows_the_model_dtype_and_cpu(monkeypatch: pytest.Monkey
     assert isinstance(model.get_output_embeddings(), torch.nn.Linear)
     monkeypatch.setattr(linear_layout, "free_memory_bytes", lambda: 8 << 30)
     monkeypatch.setattr(linear_layout, "cpu_model", lambda: "AMD EPYC 7B13")
+    monkeypatch.setattr(linear_layout, "panel_available", lambda: False)  # no kernel here: transposed
     amd = copy.deepcopy(model).float()
     assert apply_layout(amd, "auto") == "transposed"
     assert isinstance(amd.get_output_embeddings(), TransposedLinear)

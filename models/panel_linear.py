@@ -1,0 +1,183 @@
+"""specdraft's own fp32 CPU kernel for the products of a decode step (`eval.linear_layout=panel`).
+
+On a 2-core AMD EPYC (Zen 3: AVX2, no AVX-512) torch's MKL GEMM is slow for the few rows a decode step
+feeds the target: one 576x1536 product (weights streamed from DRAM) takes 301 / 429 / 713 / 1,104 us at
+1 / 2 / 4 / 16 rows (`x @ W.T`, transposed weight), MKL's packed GEMM 260 / 400 / 686 / 762, and a SmolLM2-135M
+verify forward of 2 nodes cost 1.6x a one-token step, 16 nodes 2.3x (docs/experiments.md, "Session 20").
+Nothing a drafter proposes can pay at those prices.
+
+`panel_linear.c` (next to this file) computes the same product with the weight packed once in 16-column panels
+(`pack_panels`: each panel K x 16 floats, contiguous), so every weight is read exactly once and in order, and
+up to 6 rows share each load (12 AVX2 accumulators); whole panels go to torch's OpenMP threads. Measured on
+the same EPYC: 172 / 202 / 249 / 361 us at 1 / 2 / 4 / 16 rows, and the 49,152 x 576 LM head 5.1 / 4.9 / 5.5 /
+9.0 ms against 6.3 / 12.8 / 36.0 / 38.0 ms transposed.
+
+Every output element is a sum over the input features in order, one FMA per term, so a row's result has the
+same bits whatever the row count and the other rows (`row-invariant`): an AR step, a tree verify and a
+batched step compute the same Linear outputs for the same row.
+
+The kernel is compiled on first use with the system C compiler (`$CC`, else `cc`; gcc or clang, x86-64 with
+AVX2 and FMA) and cached in `$SPECDRAFT_CACHE/kernels/` (written atomically, keyed by the source, flags and
+compiler). Where it cannot be built, `panel_status()` says why and `eval.linear_layout=auto` keeps the
+`transposed` layout. It links OpenMP by soname, so it runs on the libgomp torch already loaded.
+For decoding only (no autograd); training keeps `nn.Linear`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.hardware import cpu_flags
+from specdraft.utils import cache_root
+
+PANEL = 16  # output columns per packed panel (two AVX2 vectors); panel_linear.c's PW
+SOURCE = Path(__file__).with_name("panel_linear.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def _build(cc: str) -> Path:
+    """Compile `SOURCE` into the kernel cache (once per source, flags and compiler); returns the .so path.
+
+    Raises:
+        RuntimeError: the compiler failed (its first error line in the message).
+    """
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(CFLAGS), cc, version]).encode()).hexdigest()
+    out = cache_root() / "kernels" / f"panel_linear-{key[:16]}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run(
+            [cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False
+        )
+        if res.returncode != 0:
+            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:200])
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {first}")
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@lru_cache(maxsize=1)
+def panel_status() -> tuple[Callable[..., None] | None, str]:
+    """(the kernel's C function, "ok") where it runs here, else (None, why not): an x86-64 CPU with AVX2 and
+    FMA and a working C compiler with OpenMP. Builds (or loads the cached build) once per process."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the panel kernel is x86-64 AVX2 code; this machine is {platform.machine()}"
+    if cpu_flags() and not {"avx2", "fma"} <= cpu_flags():
+        return None, "the panel kernel needs AVX2 and FMA, which this CPU lacks"
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        return None, f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH to build the panel kernel"
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))  # after torch: its libgomp.so.1 serves the kernel's OpenMP
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    fn = lib.sd_panel_linear
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    fn.restype = None
+    return fn, "ok"
+
+
+def panel_available() -> bool:
+    """Whether the panel kernel runs on this machine (see `panel_status`)."""
+    return panel_status()[0] is not None
+
+
+def pack_panels(weight: Tensor) -> Tensor:
+    """(out, in) fp32 weight -> (panels, in, PANEL) contiguous, zero-padded past `out` (panel b holds output
+    columns PANEL*b .. PANEL*b + PANEL-1, each input feature's 16 weights side by side)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k)  # (panels * PANEL, in)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()  # (panels, in, PANEL)
+
+
+def panel_bytes(model: nn.Module) -> int:
+    """The memory `panel_linears(model)` adds: one panel copy of every fp32 CPU Linear weight."""
+    return sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear) and _takes(m))
+
+
+def _takes(linear: nn.Linear) -> bool:
+    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+
+
+class PanelLinear(nn.Module):
+    """`nn.Linear` for CPU decode steps through the panel kernel: `forward(x) = x @ W.T + bias`, row-invariant.
+
+    Args:
+        linear: the fp32 CPU layer to replace; its weight is kept (shared) and packed (`pack_panels`), its bias
+            shared.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not panel_available() or not _takes(linear):
+            raise ValueError(
+                f"PanelLinear needs an fp32 CPU weight and the panel kernel (got {linear.weight.dtype} on "
+                f"{linear.weight.device.type}; kernel: {panel_status()[1]})"
+            )
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.native = linear.weight.detach()  # (out, in), shared (the input embedding's, for a tied LM head)
+        self.panels = pack_panels(self.native)  # (panels, in, PANEL): a plain tensor, not in state_dict
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> Tensor:
+        """(out, in) weight as `nn.Linear.weight` reads (the native one, shared)."""
+        return self.native
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., in) fp32 -> (..., out)."""
+        if x.dtype != torch.float32:
+            raise TypeError(f"PanelLinear computes in fp32, got {x.dtype} input")
+        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, in)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # (M, out)
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        fn = panel_status()[0]
+        if x2.shape[0] and fn is not None:
+            fn(
+                x2.data_ptr(),
+                x2.shape[0],
+                self.in_features,
+                self.panels.data_ptr(),
+                self.out_features,
+                bias,
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout=panels of {PANEL}"
+
+
+def panel_linears(model: nn.Module) -> int:
+    """Replace every fp32 CPU `nn.Linear` under `model` by a `PanelLinear`, in place (other dtypes and devices
+    are left as they are); returns how many."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and _takes(child):
+                setattr(parent, name, PanelLinear(child))
+                done += 1
+    return done

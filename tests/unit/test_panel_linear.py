@@ -1,0 +1,213 @@
+"""The panel kernel (models/panel_linear.py): same product as nn.Linear, row-invariant, lossless decoding."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.proposers import PromptLookupProposer
+from specdraft.eval.static_decode import StaticDecoder
+from specdraft.models import linear_layout, panel_linear
+from specdraft.models.linear_layout import apply_layout, match_target_layout, resolve_layout, weight_bytes
+from specdraft.models.panel_linear import (
+    PANEL,
+    PanelLinear,
+    pack_panels,
+    panel_available,
+    panel_bytes,
+    panel_linears,
+    panel_status,
+)
+from specdraft.testing import (
+    OracleBeamProposer,
+    RandomTreeProposer,
+    check_static_equals_ar,
+    random_prompts,
+    tiny_target,
+)
+
+CPU = torch.device("cpu")
+needs_panel = pytest.mark.skipif(not panel_available(), reason=f"panel kernel: {panel_status()[1]}")
+
+
+@pytest.fixture
+def fresh_status() -> Iterator[None]:
+    """Forget the cached build result before and after a test that changes how the kernel is built."""
+    panel_status.cache_clear()
+    yield
+    panel_status.cache_clear()
+
+
+def test_pack_panels_layout() -> None:
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)  # (out 40, in 3): 3 panels, the last one padded
+    p = pack_panels(w)
+    assert p.shape == (3, 3, PANEL) and p.is_contiguous()
+    for b in range(3):
+        for c in range(PANEL):
+            n = PANEL * b + c
+            expect = w[n] if n < 40 else torch.zeros(3)
+            assert torch.equal(p[b, :, c], expect)
+
+
+@needs_panel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out", [16, 40, 7])
+def test_panel_linear_equals_linear_for_every_row_count(bias: bool, out: int) -> None:
+    """Rows 0..20 (partial and whole register chunks of 6), output widths under, at and past one panel."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, out, bias=bias)
+    p = PanelLinear(lin)
+    assert p.native.data_ptr() == lin.weight.data_ptr()  # shared, not copied
+    assert torch.equal(p.weight, lin.weight) and "panels" not in dict(p.state_dict())
+    for rows in range(21):
+        x = torch.randn(2, rows, 24)  # (B, L, in)
+        torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="fp32"):
+        p(torch.randn(3, 24, dtype=torch.float64))
+
+
+@needs_panel
+def test_panel_linear_is_row_invariant() -> None:
+    """A row's output has the same bits alone, in any batch and beside any other rows."""
+    torch.manual_seed(0)
+    p = PanelLinear(torch.nn.Linear(200, 70))
+    x = torch.randn(17, 200)
+    full = p(x)
+    for i in range(17):
+        assert torch.equal(p(x[i : i + 1]), full[i : i + 1])
+        assert torch.equal(p(torch.cat([torch.randn(i % 7, 200), x[i : i + 1]]))[-1], full[i])
+
+
+def test_panel_linear_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="needs an fp32 CPU weight"):
+        PanelLinear(torch.nn.Linear(4, 4).double())
+
+
+@needs_panel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_panel_target_decodes_losslessly_on_both_paths(arch: str) -> None:
+    """fp32 tiny targets (Qwen2: biased q/k/v) in panels: logits as native to float rounding; greedy speculative
+    decoding equal to AR on the eager and fixed-shape paths (random trees, oracle beams, prompt lookup)."""
+    model = tiny_target(arch, CPU).float()
+    native = copy.deepcopy(model)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert panel_linears(model) == linears > 0 and panel_linears(model) == 0
+    assert weight_bytes(model) - weight_bytes(native) >= panel_bytes(native)  # padded to whole panels
+    ids = torch.randint(5, 128, (1, 19), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(ids).logits, native(ids).logits, rtol=1e-4, atol=1e-4)
+    for shape in ("eager", "fixed"):
+        dec = StaticDecoder(model, 64, static=shape == "fixed")
+        for prompt_len in (1, 9):
+            prompt = torch.randint(0, 96, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+            ref, _ = dec.ar_generate(None, prompt, 30, stop_ids=set())
+            out, _ = dec.speculative_generate(
+                None, prompt, RandomTreeProposer(96, seed=prompt_len), 30, stop_ids=set()
+            )
+            assert out == ref
+            out, stats = dec.speculative_generate(
+                None, prompt, OracleBeamProposer(ref, prompt_len, vocab=96), 30, stop_ids=set()
+            )
+            assert out == ref and stats.tokens_per_step > 1.8
+        check_static_equals_ar(dec, model, PromptLookupProposer(4))
+
+
+@needs_panel
+def test_panel_target_batched_equals_batch1() -> None:
+    """Continuous batching over a panel target: each request's output equals its own batch-1 AR output."""
+    model = tiny_target("llama", CPU).float()
+    panel_linears(model)
+    prompts = random_prompts([3, 11, 6, 17, 2])
+    single = StaticDecoder(model, 64)
+    refs = [single.ar_generate(None, torch.tensor(p), 20, stop_ids=set())[0] for p in prompts]
+    seeds = iter(range(100))
+    for factory in (None, lambda: RandomTreeProposer(vocab=128, seed=next(seeds))):
+        res = BatchDecoder(model, 3).generate(prompts, 20, stop_ids=set(), proposer_factory=factory)
+        assert [out for out, _ in res] == refs
+
+
+@needs_panel
+def test_a_drafter_is_laid_out_like_a_panel_target() -> None:
+    from specdraft.eval.proposers import ReDrafterProposer
+    from specdraft.models import redrafter
+    from specdraft.models.base_llm import target_fingerprint
+    from specdraft.testing import tiny_tokenizer
+    from specdraft.train.config import ReDrafterSchema
+
+    model = tiny_target("llama", CPU).float()
+    fp = target_fingerprint(model, tiny_tokenizer())
+    drafter = (
+        redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), model, fp).float().eval()
+    )
+    prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(3))
+    before, _ = StaticDecoder(model, 64).speculative_generate(
+        None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set()
+    )
+    assert apply_layout(model, "panel") == "panel"
+    assert match_target_layout(drafter, model) > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in drafter.modules())
+    dec = StaticDecoder(model, 64)
+    ref, _ = dec.ar_generate(None, prompt, 24, stop_ids=set())
+    out, _ = dec.speculative_generate(None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set())
+    assert out == ref == before
+
+
+@needs_panel
+def test_kernel_is_built_into_the_cache(
+    fresh_status: None, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold cache compiles the kernel once, atomically (no temp file left), and a second process-level
+    lookup reuses the build."""
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    assert panel_status()[1] == "ok"
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("panel_linear-") and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    panel_status.cache_clear()
+    assert panel_status()[1] == "ok" and built[0].stat().st_mtime_ns == stamp
+
+
+def test_no_compiler_falls_back_and_forcing_says_why(
+    fresh_status: None, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc-specdraft")
+    fn, why = panel_status()
+    assert fn is None and ("no-such-cc-specdraft" in why or "x86-64" in why or "AVX2" in why)
+    monkeypatch.setattr(linear_layout, "cpu_model", lambda: "AMD EPYC 7B13")
+    monkeypatch.setattr(linear_layout, "free_memory_bytes", lambda: 8 << 30)
+    assert resolve_layout("auto", CPU, torch.float32) == "transposed"
+    with pytest.raises(ValueError, match="linear layout 'panel': .*use linear_layout=transposed or auto"):
+        resolve_layout("panel", CPU, torch.float32)
+
+
+def test_a_failing_compiler_is_named(fresh_status: None, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that exits non-zero: the reason names it, and nothing is left in the cache."""
+    cc = tmp_path / "badcc"
+    cc.write_text("#!/bin/sh\necho 'badcc: error: no such thing' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(panel_linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(panel_linear.platform, "machine", lambda: "x86_64")
+    fn, why = panel_status()
+    assert fn is None and "failed to build panel_linear.c" in why and "badcc: error" in why
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+
+
+def test_resolve_layout_picks_panel_off_intel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_layout, "free_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(linear_layout, "panel_available", lambda: True)
+    monkeypatch.setattr(linear_layout, "mkl_packing_available", lambda: True)
+    monkeypatch.setattr(linear_layout, "cpu_model", lambda: "AMD EPYC 7B13")
+    assert resolve_layout("auto", CPU, torch.float32, packs=1 << 30, panels=1 << 28) == "panel"
+    assert resolve_layout("auto", CPU, torch.float32, panels=3 << 30) == "transposed"  # > 1/4 of free memory
+    assert resolve_layout("auto", CPU, torch.bfloat16) == "native"
+    monkeypatch.setattr(linear_layout, "cpu_model", lambda: "Intel(R) Xeon(R) CPU @ 2.50GHz")
+    assert resolve_layout("auto", CPU, torch.float32, packs=1 << 30) == "packed"  # measured on the Xeon
+    assert resolve_layout("panel", CPU, torch.float32) == "panel"  # forced
+    with pytest.raises(ValueError, match="linear layout 'panel': it computes fp32 on a CPU"):
+        resolve_layout("panel", CPU, torch.float64)

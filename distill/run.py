@@ -120,7 +120,11 @@ def distill(cfg: DictConfig) -> Path:
     )
     say(f"[distill] {report.summary()}", flush=True)
     model, tokenizer = load_target(cfg.base_model)
-    apply_layout(model, str(d.linear_layout))  # decode steps of <= max_batch_size rows: ~1.5x on a CPU (fp32)
+    layout = apply_layout(model, str(d.linear_layout))  # decode steps of <= max_batch_size rows, on a CPU
+    if layout != "native":
+        say(
+            f"[distill] distill.linear_layout: target Linear weights {layout} (CPU decode layout)", flush=True
+        )
     log_environment("distill", resolve_placement(cfg.base_model.device, cfg.base_model.dtype))
     fingerprint = target_fingerprint(model, tokenizer)
     settings = generation_settings(d, tokenizer, model)

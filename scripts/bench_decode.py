@@ -6,8 +6,10 @@
     python scripts/bench_decode.py --lookup 10 --prompts 3
     # CPU: the static path again over the target's Linear weights stored transposed (eval.linear_layout)
     python scripts/bench_decode.py --drafter outputs/redrafter_smollm2/export --layout both --budget --prompts 4
-    # CPU: native, transposed and MKL-packed weights side by side (cost curves and decoding, one run)
+    # CPU: native, transposed, MKL-packed and panel weights side by side (cost curves and decoding, one run)
     python scripts/bench_decode.py --lookup 10 --layout all --budget --prompts 3
+    # CPU: the panel kernel against the transposed layout it replaced on non-Intel CPUs
+    python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-vs-transposed --budget
     # on a GPU: the static path captures CUDA graphs (--graphs auto is on exactly when the target is on CUDA)
     python scripts/bench_decode.py --device cuda --dtype bf16 --drafter <export> --prompts 8
 
@@ -22,8 +24,12 @@ from __future__ import annotations
 import argparse
 import copy
 
-LAYOUT_SETS = {"both": ("native", "transposed"), "all": ("native", "transposed", "packed", "panel")}
-SUFFIX = {"native": "", "transposed": "-T", "packed": "-P"}  # path labels per weight layout
+LAYOUT_SETS = {
+    "both": ("native", "transposed"),
+    "all": ("native", "transposed", "packed", "panel"),
+    "panel-vs-transposed": ("transposed", "panel"),  # the CPU `auto` before and after the panel kernel
+}
+SUFFIX = {"native": "", "transposed": "-T", "packed": "-P", "panel": "-panel"}  # path labels per layout
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(
-        p, layouts=("native", "transposed", "packed", "panel", "both", "all"), layout_default="native"
+        p, layouts=("native", "transposed", "packed", "panel", *LAYOUT_SETS), layout_default="native"
     )
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
@@ -48,13 +54,23 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.decode import ar_generate, speculative_generate
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.models.linear_layout import apply_layout
+    from specdraft.models.linear_layout import apply_layout, match_target_layout
 
     layouts = LAYOUT_SETS.get(a.layout, (a.layout,))
     bench = load_bench(a, layout=False)  # native; every layout below gets its own copy of the target
     model, tok, stop = bench.model, bench.tokenizer, bench.stop_ids
     native = copy.deepcopy(model) if len(layouts) > 1 else model
-    # static paths: (label, decoder, cost curve); "static" over native weights, "-T" transposed, "-P" packed
+
+    def factories(drafters: list) -> list:
+        """(name, proposer factory) per drafter, then prompt lookup: each method gets its own proposer (a
+        fitted budget may shrink the one it drives)."""
+        out = [(name, lambda d=d: make_proposer(d)) for name, d in drafters]
+        if a.lookup:
+            out.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
+        return out
+
+    # static paths: (label, decoder, cost curve, proposer factories over drafters laid out like that target);
+    # "static" over native weights, "-T" transposed, "-P" packed, "-panel" panels
     paths = []
     for k, layout in enumerate(layouts):
         m = model if k == 0 else copy.deepcopy(native)
@@ -66,21 +82,21 @@ def main(argv: list[str] | None = None) -> None:
             f"decode path {dec.path_name()}, {layout} weights: verify ms per node count",
             {b: round(ms, 1) for b, ms in cost.ms.items()},
         )
-        paths.append(("static" + SUFFIX[layout], dec, cost))
+        drafters = [(name, copy.deepcopy(d)) for name, d in bench.drafters]
+        for _, d in drafters:
+            match_target_layout(d, m)  # as evaluate.py does
+        paths.append(("static" + SUFFIX[layout], dec, cost, factories(drafters)))
     del native
-    # (name, factory): each method gets its own proposer (a fitted budget may shrink the one it drives)
-    proposers = [(name, lambda d=d: make_proposer(d)) for name, d in bench.drafters]
-    if a.lookup:
-        proposers.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
+    proposers = factories(bench.drafters)  # the dynamic reference path: native target and drafters
     # (name, path, fn(ids) -> (tokens, stats))
     methods = [
         ("ar", "dynamic", lambda ids: ar_generate(model, tok, ids, a.max_new_tokens, stop_ids=stop)),
     ]
     methods += [
         ("ar", label, lambda ids, d=d: d.ar_generate(tok, ids, a.max_new_tokens, stop_ids=stop))
-        for label, d, _ in paths
+        for label, d, _, _ in paths
     ]
-    for name, new_proposer in proposers:
+    for i, (name, new_proposer) in enumerate(proposers):
         prop = new_proposer()
         methods.append(
             (
@@ -91,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
                 ),
             )
         )
-        for label, d, c in paths:
+        for label, d, c, path_factories in paths:
+            new_proposer = path_factories[i][1]
             prop = new_proposer()
             methods.append(
                 (
@@ -184,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     Console(width=200).print(table)
     costs = {"cost_ms": paths[0][2].ms}
-    costs.update({f"cost_ms_{layout}": c.ms for layout, (_, _, c) in list(zip(layouts, paths))[1:]})
+    costs.update({f"cost_ms_{layout}": c.ms for layout, (_, _, c, _) in list(zip(layouts, paths))[1:]})
     write_json(a.json, model, {"path": paths[0][1].path_name(), "layout": a.layout, **costs, "rows": rows})
 
 

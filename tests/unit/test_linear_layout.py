@@ -23,7 +23,14 @@ from specdraft.models.linear_layout import (
     transpose_linears,
     weight_bytes,
 )
-from specdraft.testing import OracleBeamProposer, RandomTreeProposer, check_static_equals_ar, tiny_target
+from specdraft.models.panel_linear import panel_available
+from specdraft.testing import (
+    OracleBeamProposer,
+    RandomTreeProposer,
+    check_static_equals_ar,
+    check_trees_lossless,
+    tiny_target,
+)
 
 CPU = torch.device("cpu")
 
@@ -178,24 +185,18 @@ def test_packed_target_decodes_losslessly_on_both_paths() -> None:
     )
     ids = torch.randint(5, 128, (1, 19), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(ids).logits, native(ids).logits, rtol=1e-4, atol=1e-4)
-    for shape in ("eager", "fixed"):
-        dec = StaticDecoder(model, 64, static=shape == "fixed")
-        for prompt_len in (1, 9):
-            prompt = torch.randint(0, 96, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
-            ref, _ = dec.ar_generate(None, prompt, 30, stop_ids=set())
-            out, _ = dec.speculative_generate(
-                None, prompt, RandomTreeProposer(96, seed=prompt_len), 30, stop_ids=set()
-            )
-            assert out == ref
-            out, stats = dec.speculative_generate(
-                None, prompt, OracleBeamProposer(ref, prompt_len, vocab=96), 30, stop_ids=set()
-            )
-            assert out == ref and stats.tokens_per_step > 1.8
+    check_trees_lossless(model)
 
 
-@needs_mkl
-def test_a_drafter_is_packed_like_its_target_and_decodes_the_same() -> None:
-    """A ReDrafter over a packed fp32 target: its own Linear layers get packed too, the output stays AR's."""
+needs_panel = pytest.mark.skipif(not panel_available(), reason="no panel kernel here")
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param("packed", marks=needs_mkl), pytest.param("panel", marks=needs_panel)]
+)
+def test_a_drafter_is_laid_out_like_its_target_and_decodes_the_same(layout: str) -> None:
+    """A ReDrafter over a packed / panel fp32 target: its own Linear layers are laid out the same way, the output
+    stays AR's."""
     from specdraft.eval.proposers import ReDrafterProposer
     from specdraft.models import redrafter
     from specdraft.models.base_llm import target_fingerprint
@@ -211,7 +212,7 @@ def test_a_drafter_is_packed_like_its_target_and_decodes_the_same() -> None:
     prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(3))
     dec = StaticDecoder(model, 64)
     before, _ = dec.speculative_generate(None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set())
-    pack_linears(model)
+    assert apply_layout(model, layout) == layout
     assert match_target_layout(drafter, model) > 0
     assert not any(isinstance(m, torch.nn.Linear) for m in drafter.modules())
     dec = StaticDecoder(model, 64)

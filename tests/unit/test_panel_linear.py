@@ -12,7 +12,7 @@ from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import linear_layout, panel_linear
-from specdraft.models.linear_layout import apply_layout, match_target_layout, resolve_layout, weight_bytes
+from specdraft.models.linear_layout import resolve_layout, weight_bytes
 from specdraft.models.panel_linear import (
     PANEL,
     PanelLinear,
@@ -23,9 +23,9 @@ from specdraft.models.panel_linear import (
     panel_status,
 )
 from specdraft.testing import (
-    OracleBeamProposer,
     RandomTreeProposer,
     check_static_equals_ar,
+    check_trees_lossless,
     random_prompts,
     tiny_target,
 )
@@ -99,20 +99,9 @@ def test_panel_target_decodes_losslessly_on_both_paths(arch: str) -> None:
     assert weight_bytes(model) - weight_bytes(native) >= panel_bytes(native)  # padded to whole panels
     ids = torch.randint(5, 128, (1, 19), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(ids).logits, native(ids).logits, rtol=1e-4, atol=1e-4)
-    for shape in ("eager", "fixed"):
-        dec = StaticDecoder(model, 64, static=shape == "fixed")
-        for prompt_len in (1, 9):
-            prompt = torch.randint(0, 96, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
-            ref, _ = dec.ar_generate(None, prompt, 30, stop_ids=set())
-            out, _ = dec.speculative_generate(
-                None, prompt, RandomTreeProposer(96, seed=prompt_len), 30, stop_ids=set()
-            )
-            assert out == ref
-            out, stats = dec.speculative_generate(
-                None, prompt, OracleBeamProposer(ref, prompt_len, vocab=96), 30, stop_ids=set()
-            )
-            assert out == ref and stats.tokens_per_step > 1.8
-        check_static_equals_ar(dec, model, PromptLookupProposer(4))
+    check_trees_lossless(model)
+    for static in (False, True):
+        check_static_equals_ar(StaticDecoder(model, 64, static=static), model, PromptLookupProposer(4))
 
 
 @needs_panel
@@ -127,32 +116,6 @@ def test_panel_target_batched_equals_batch1() -> None:
     for factory in (None, lambda: RandomTreeProposer(vocab=128, seed=next(seeds))):
         res = BatchDecoder(model, 3).generate(prompts, 20, stop_ids=set(), proposer_factory=factory)
         assert [out for out, _ in res] == refs
-
-
-@needs_panel
-def test_a_drafter_is_laid_out_like_a_panel_target() -> None:
-    from specdraft.eval.proposers import ReDrafterProposer
-    from specdraft.models import redrafter
-    from specdraft.models.base_llm import target_fingerprint
-    from specdraft.testing import tiny_tokenizer
-    from specdraft.train.config import ReDrafterSchema
-
-    model = tiny_target("llama", CPU).float()
-    fp = target_fingerprint(model, tiny_tokenizer())
-    drafter = (
-        redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), model, fp).float().eval()
-    )
-    prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(3))
-    before, _ = StaticDecoder(model, 64).speculative_generate(
-        None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set()
-    )
-    assert apply_layout(model, "panel") == "panel"
-    assert match_target_layout(drafter, model) > 0
-    assert not any(isinstance(m, torch.nn.Linear) for m in drafter.modules())
-    dec = StaticDecoder(model, 64)
-    ref, _ = dec.ar_generate(None, prompt, 24, stop_ids=set())
-    out, _ = dec.speculative_generate(None, prompt, ReDrafterProposer(drafter, 4, 4), 24, stop_ids=set())
-    assert out == ref == before
 
 
 @needs_panel

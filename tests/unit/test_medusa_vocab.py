@@ -76,7 +76,9 @@ def test_pruned_heads_are_the_full_heads_kept_rows(target64):
     h = torch.randn(5, H, dtype=torch.float64)
     lp, lf = pruned.head_logits(h), full.head_logits(h)  # (5, 3, VD), (5, 3, V)
     assert lp.shape == (5, 3, VD) and lf.shape == (5, 3, V)
-    torch.testing.assert_close(lp, lf[..., ids], rtol=0, atol=0)
+    torch.testing.assert_close(
+        lp, lf[..., ids], rtol=0, atol=1e-12
+    )  # fp64: BLAS may round a narrower GEMM differently (4e-16 on a Zen 3 EPYC)
     # the mapping: draft id i <-> target id ids[i]; tokens outside the vocabulary and -100 -> `missing`
     assert pruned.draft_ids().tolist() == ids.tolist()
     assert pruned.to_target_ids(torch.arange(VD)).tolist() == ids.tolist()

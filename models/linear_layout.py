@@ -48,6 +48,7 @@ from transformers import PreTrainedModel
 from specdraft.hardware import cpu_model
 from specdraft.models.panel_linear import (
     PanelLinear,
+    fp32_cpu,
     panel_available,
     panel_bytes,
     panel_linears,
@@ -111,7 +112,7 @@ class _Packs(dict):
 
 def packable(linear: nn.Linear) -> bool:
     """Whether `PackedLinear` can take `linear`: an fp32 weight on the CPU (MKL's sgemm)."""
-    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+    return fp32_cpu(linear)
 
 
 class PackedLinear(nn.Module):

@@ -114,10 +114,11 @@ def pack_panels(weight: Tensor) -> Tensor:
 
 def panel_bytes(model: nn.Module) -> int:
     """The memory `panel_linears(model)` adds: one panel copy of every fp32 CPU Linear weight."""
-    return sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear) and _takes(m))
+    return sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear) and fp32_cpu(m))
 
 
-def _takes(linear: nn.Linear) -> bool:
+def fp32_cpu(linear: nn.Linear) -> bool:
+    """Whether `linear` has an fp32 weight on the CPU (what the panel kernel and MKL's sgemm compute)."""
     return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
 
 
@@ -131,7 +132,7 @@ class PanelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if not panel_available() or not _takes(linear):
+        if not panel_available() or not fp32_cpu(linear):
             raise ValueError(
                 f"PanelLinear needs an fp32 CPU weight and the panel kernel (got {linear.weight.dtype} on "
                 f"{linear.weight.device.type}; kernel: {panel_status()[1]})"
@@ -177,7 +178,7 @@ def panel_linears(model: nn.Module) -> int:
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and _takes(child):
+            if isinstance(child, nn.Linear) and fp32_cpu(child):
                 setattr(parent, name, PanelLinear(child))
                 done += 1
     return done

@@ -183,6 +183,7 @@ class AdaptiveProposer:
         spec = inner.spec
         cap = max_nodes or spec.node_budget or BUDGETS[-1]
         self.max_nodes = max(x for x in BUDGETS if x <= max(cap, 1))
+        self._full_nodes = self.max_nodes  # the budget `fit_budget` caps (and restores)
         depth = spec.max_depth or self.max_nodes - 1
         self.controller = controller or AcceptanceController(depth, self.max_nodes, fallback=fallback)
         self.spec = ProposerSpec(spec.feature_layers, spec.keep_last_hidden, spec.max_depth, spec.node_budget)
@@ -197,9 +198,10 @@ class AdaptiveProposer:
         self._last, self._pending, self.last_compression = None, None, None
 
     def fit_budget(self, nodes: int) -> None:
-        """A decoder-wide cap (`NodeBudget`): the inner proposer drafts less, and so do we."""
+        """A decoder-wide cap (`NodeBudget`): the inner proposer drafts less, and so do we (a larger cap, as
+        a refit's `budget.FULL`, restores the full budget)."""
         self.inner.fit_budget(nodes)
-        self.max_nodes = max(x for x in BUDGETS if x <= max(nodes, 1))
+        self.max_nodes = max(x for x in BUDGETS if x <= max(min(nodes, self._full_nodes), 1))
         self.controller.max_nodes = self.max_nodes
         self.controller.nodes = min(self.controller.nodes, self.max_nodes)
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
-from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
+from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
 from specdraft.eval.decode import DecodeStats, Proposer, _emit, default_stop_ids, sync_device
 from specdraft.eval.tree import DraftTree
 from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
@@ -282,11 +282,9 @@ class BatchDecoder:
         rows: list[_Row | None] = [None] * B
         queue = deque(range(len(requests)) if order is None else order)
         sampling: Sampling | None = (temperature, top_k, top_p, generator) if temperature > 0 else None
-        fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
         if budget is not None and budget.cap is not None:
             for p in proposers:
                 p.fit_budget(budget.cap)
-        off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
         sync_device(dev)
         t_call = time.perf_counter()
 
@@ -320,6 +318,11 @@ class BatchDecoder:
             active = [r for r in range(B) if rows[r] is not None]
             if not active:
                 break
+            if budget is not None and proposers and sampling is None and budget.tick():  # a refit: full trees
+                for p in proposers:
+                    p.fit_budget(FULL)
+            fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
+            off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
             trees: dict[int, DraftTree] = {}
             draft_s: dict[int, float] = {}  # per row: the proposer's time this step
             for r in active:
@@ -383,7 +386,6 @@ class BatchDecoder:
                 if fit.cap != prev_cap:  # a new cap: the proposers may draft less from now on
                     for p in proposers:
                         p.fit_budget(cast(int, fit.cap))
-                fitting, off = not fit.settled, fit.cap == 1
             path_t = packed[:, 2 : 2 + b]  # (B, b) padded paths
             self.cache.commit(path_t, accepted)
             batch.steps += 1
@@ -401,8 +403,12 @@ class BatchDecoder:
                 st.stats.tree_sizes.append(trees[r].num_nodes)
                 if proposers and proposers[r].last_compression is not None:
                     st.stats.compression.append(float(cast(float, proposers[r].last_compression)))
-                st.new_hidden = hidden[r, path_t[r, :a]]  # (a, H')
-                st.new_tokens = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
+                new_h = hidden[r, path_t[r, :a]]  # (a, H')
+                new_t = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
+                if proposers and off:  # not drafted: the proposer sees these with its next call (a refit)
+                    new_h = torch.cat([cast(Tensor, st.new_hidden), new_h])
+                    new_t = torch.cat([cast(Tensor, st.new_tokens), new_t])
+                st.new_hidden, st.new_tokens = new_h, new_t
                 st.root = bonus
                 if _emit(st.out, [*path_tokens[1:], bonus], stops, st.max_new):
                     finish(st, r)

@@ -15,6 +15,13 @@ nodes on a 2-core CPU in fp32). Two measured curves decide the budget:
 1, no draft time): a drafter that cannot pay on this machine turns itself off. The draft time is re-measured
 at the chosen size before that last decision (a ReDrafter told to fill 2 nodes searches one beam of one token,
 several times cheaper than its full search). Output is unchanged whatever the budget.
+
+The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
+prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
+final: `refit_gap` decode steps after settling, a refit drafts `refit_steps` full-size steps again, the gain
+curve becomes the newest `fit_steps` full-size steps, and the cap is settled anew (the proposer drafts at
+full size meanwhile, also after "no drafting"). While a refit keeps the cap the gap doubles, up to
+`refit_max`, so a drafter that never pays costs a few percent at most; a changed cap resets the gap.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from specdraft.hardware import cpu_model
 from specdraft.utils import cache_root
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
+FULL = 1 << 30  # `Proposer.fit_budget(FULL)`: no cap, draft full-size trees again (a refit)
 
 
 def _cache_dir() -> Path:
@@ -150,6 +158,9 @@ class NodeBudget:
         check_steps: drafted steps of phase 2 (0: settle after phase 1, with the full-size draft time).
         sizes: candidate caps (1 = do not draft).
         label: the method's name, for the line printed when the cap is settled ("" = silent).
+        refit_gap: decode steps after settling before the first refit (0: the first fit is final).
+        refit_max: longest gap: it doubles after each refit that keeps the cap.
+        refit_steps: full-size drafted steps of a refit's phase 1.
     """
 
     cost: CostCurve
@@ -157,6 +168,9 @@ class NodeBudget:
     check_steps: int = 16
     sizes: tuple[int, ...] = SIZES
     label: str = ""
+    refit_gap: int = 128
+    refit_max: int = 2048
+    refit_steps: int = 16
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -165,6 +179,24 @@ class NodeBudget:
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
     checks: list[tuple[float, int, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens, nodes)
     measured: dict[int, float] = field(default_factory=dict)  # phase 2: tokens per ms at each checked cap
+    refits: int = 0  # refits started so far
+    history: list[int] = field(default_factory=list)  # every settled cap, in order
+    _left: int = -1  # phase-1 steps left (-1: `fit_steps`, the first fit)
+    _since: int = 0  # decode steps since the cap settled
+    _gap: int = 0  # steps between settling and the next refit (0: `refit_gap`)
+
+    def tick(self) -> bool:
+        """Count one decode step (call it before every step; it only counts once settled). True when a refit
+        starts: phase 1 again, so the caller lifts the proposer's cap (`fit_budget(FULL)`) and drafts full
+        trees, observing them with their gain curves, until the cap settles again."""
+        if not self.settled or self.refit_gap <= 0:
+            return False
+        self._since += 1
+        if self._since <= (self._gap or self.refit_gap):
+            return False
+        self.cap, self.settled, self.measured, self.checks = None, False, {}, []
+        self._left, self.refits = self.refit_steps, self.refits + 1
+        return True
 
     def observe(
         self, draft_s: float, accepted: int, nodes: int, prefix_accept: list[int] | None = None
@@ -177,7 +209,9 @@ class NodeBudget:
             assert prefix_accept is not None, "phase 1 needs the gain curve of the step"
             self.gains.append(prefix_accept)
             self.draft_ms.append(draft_s * 1e3)
-            if len(self.gains) >= self.fit_steps:
+            self._left = (self.fit_steps if self._left < 0 else self._left) - 1
+            if self._left <= 0:  # the curve: the newest `fit_steps` full-size steps
+                del self.gains[: -self.fit_steps], self.draft_ms[: -self.fit_steps]
                 rates = self.rates(self.draft_ms)
                 self.cap = max((b for b in sorted(rates) if b > 1), key=lambda b: (rates[b], -b))
                 if self.check_steps <= 0:
@@ -205,11 +239,16 @@ class NodeBudget:
         top = max(measured, default=self.cap)
         rates = {b: r for b, r in self.rates(draft_ms or self.draft_ms).items() if b <= top}
         rates.update(measured)
-        self.cap, self.settled = max(sorted(rates), key=lambda b: (rates[b], -b)), True
-        if self.label:
+        cap = max(sorted(rates), key=lambda b: (rates[b], -b))
+        same = bool(self.history) and self.history[-1] == cap
+        self._gap = min(2 * (self._gap or self.refit_gap), self.refit_max) if same else self.refit_gap
+        self.cap, self.settled, self._since = cap, True, 0
+        self.history.append(cap)
+        if self.label and not same:
             what = "no drafting (plain target steps)" if self.cap == 1 else f"trees cut to {self.cap} nodes"
+            when = f" (refit {self.refits})" if self.refits else ""
             print(
-                f"[node budget] {self.label}: {what}; expected tokens/s "
+                f"[node budget] {self.label}{when}: {what}; expected tokens/s "
                 + ", ".join(f"{b}: {r * 1e3:.1f}" for b, r in rates.items()),
                 flush=True,
             )

@@ -46,7 +46,8 @@ class Proposer(Protocol):
 
     def fit_budget(self, nodes: int) -> None:
         """The decoder will cut every tree to its first `nodes` nodes from now on: draft no more than that
-        (e.g. fewer beams). A no-op is always correct; the output never depends on it."""
+        (e.g. fewer beams). A later call may raise the cap again (a budget refit passes `budget.FULL`: draft
+        full-size trees). A no-op is always correct; the output never depends on it."""
         ...
 
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:

@@ -102,6 +102,7 @@ class EagleTreeProposer:
         drafter = cast("EagleDrafter | Eagle3Drafter", drafter)  # duck-typed: the EAGLE head contract
         self.drafter = drafter
         self.total_tokens, self.depth, self.top_k = int(total_tokens), int(depth), int(top_k)
+        self._full = (self.total_tokens, self.depth)  # the sizes `fit_budget` caps (and restores)
         self.target_layers: tuple[int, ...] = tuple(
             int(i) for i in getattr(drafter.config, "target_layers", ()) or ()
         )
@@ -131,11 +132,12 @@ class EagleTreeProposer:
             self.fixed.reset()
 
     def fit_budget(self, nodes: int) -> None:
-        """Keep at most `nodes - 1` draft nodes and a depth of `nodes - 1` (fewer head passes). The static
-        mode keeps its captured shapes; the decoder cuts its trees."""
+        """Keep at most `nodes - 1` draft nodes and a depth of `nodes - 1` (fewer head passes); a larger cap
+        (a refit: `budget.FULL`) restores the full sizes. The static mode keeps its captured shapes; the
+        decoder cuts its trees."""
         if not self.static:
-            self.total_tokens = min(self.total_tokens, max(nodes - 1, 1))
-            self.depth = min(self.depth, max(nodes - 1, 1))
+            self.total_tokens = min(self._full[0], max(nodes - 1, 1))
+            self.depth = min(self._full[1], max(nodes - 1, 1))
 
     @torch.inference_mode()
     def commit(self, hidden: Tensor, tokens: Tensor) -> Tensor:

@@ -129,6 +129,7 @@ class PromptLookupProposer:
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3) -> None:
         self.draft_len, self.max_ngram = int(num_tokens), int(max_ngram)
+        self.full_len = self.draft_len  # the length `fit_budget` caps (and restores)
         self.spec = ProposerSpec(max_depth=self.draft_len, node_budget=1 + self.draft_len)
         self.context: Tensor | None = None
 
@@ -137,8 +138,9 @@ class PromptLookupProposer:
         self.context = None
 
     def fit_budget(self, nodes: int) -> None:
-        """Look up at most `nodes - 1` tokens (a chain of `nodes` nodes)."""
-        self.draft_len = min(self.draft_len, max(nodes - 1, 0))
+        """Look up at most `nodes - 1` tokens (a chain of `nodes` nodes); a larger cap restores the full
+        length."""
+        self.draft_len = min(self.full_len, max(nodes - 1, 0))
 
     def continuation(self, tokens: Tensor) -> Tensor:
         """Append the newly committed `tokens` (n,) to the context; (k,) lookup continuation after its end."""
@@ -196,6 +198,7 @@ class ReDrafterProposer:
         self.drafter = drafter
         self.beam_width = beam_width
         self.draft_len = beam_length - 1
+        self._full = (beam_width, self.draft_len)  # the search `fit_budget` caps (and restores)
         self.last_compression: float | None = None
         on_cpu = drafter.head.weight.device.type == "cpu" if hasattr(drafter, "head") else False
         self.head = Int8Linear(drafter.head) if int8_head and on_cpu and int8_supported() else None
@@ -250,12 +253,16 @@ class ReDrafterProposer:
     def fit_budget(self, nodes: int) -> None:
         """Search only the beams a `nodes`-node tree can use: trees are laid out beam by beam, so the first
         `nodes` nodes hold ceil((nodes - 1) / D) beams (one beam: its first nodes - 1 tokens). The fixed-shape
-        step and a lookup beam keep their sizes (their topology is set up front)."""
-        if self.static or self.lookup is not None or nodes >= 1 + self.beam_width * self.draft_len:
+        step and a lookup beam keep their sizes (their topology is set up front). A cap the full search fits
+        in (a refit: `budget.FULL`) restores it."""
+        if self.static or self.lookup is not None:
             return
-        self.beam_width = max(1, -(-(nodes - 1) // max(self.draft_len, 1)))
-        if self.beam_width == 1:
-            self.draft_len = min(self.draft_len, max(nodes - 1, 0))
+        width, length = self._full
+        self.beam_width, self.draft_len = width, length
+        if nodes < 1 + width * length:
+            self.beam_width = max(1, -(-(nodes - 1) // max(length, 1)))
+            if self.beam_width == 1:
+                self.draft_len = min(length, max(nodes - 1, 0))
 
     def _update_memory(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Append the newly committed positions to the prefix-attention memory; returns keys, values (1 + M, A),

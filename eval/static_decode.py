@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdraft.eval.budget import SIZES, NodeBudget, time_round_robin
+from specdraft.eval.budget import FULL, SIZES, NodeBudget, time_round_robin
 from specdraft.eval.decode import (
     DecodeStats,
     Proposer,
@@ -309,11 +309,14 @@ class StaticDecoder:
         new_hidden = hidden  # (n, H') states of the newly committed positions
         new_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=device)])  # (n,) what each predicts
         single = DraftTree(torch.zeros(1, dtype=torch.long, device=device), torch.tensor([-1], device=device))
-        fitting = budget is not None and not budget.settled and verify_fn is None and temperature <= 0.0
+        greedy = verify_fn is None and temperature <= 0.0  # the budget fits on greedy steps only
         if budget is not None and budget.cap is not None:
             proposer.fit_budget(budget.cap)
-        off = budget is not None and budget.cap == 1  # drafting does not pay here: plain target steps
         while not done:
+            if budget is not None and greedy and budget.tick():  # a refit: full-size trees again
+                proposer.fit_budget(FULL)
+            fitting = budget is not None and greedy and not budget.settled
+            off = budget is not None and budget.cap == 1  # drafting does not pay here: plain target steps
             drafted = not off and (fallback is None or fallback.should_draft())
             if drafted:
                 tree = proposer.propose(new_hidden, new_tokens).to(device)
@@ -347,7 +350,6 @@ class StaticDecoder:
                     fit.observe(t2 - t1, a, n, gains)
                     if fit.cap != cap:  # a new cap: the proposer may draft less from now on
                         proposer.fit_budget(cast(int, fit.cap))
-                    fitting, off = not fit.settled, fit.cap == 1
                 path_t = packed[2 : 2 + b]  # (b,) padded path, device
                 in_place = vals[1 + a] == a - 1  # path[a-1] == a-1: the accepted nodes are already in place
                 path_tokens = vals[2 + b : 2 + b + a]
@@ -376,7 +378,7 @@ class StaticDecoder:
             if drafted:  # (a, H') states and (a,) next tokens of the newly committed positions
                 new_hidden = hidden[path_t[:a]]
                 new_tokens = torch.cat([tree.tokens[path_t[1:a]], bonus_t])
-            elif not off:  # not drafted: keep them for the proposer's next call
+            else:  # not drafted: keep them for the proposer's next call (a probe or a refit)
                 new_hidden = torch.cat([new_hidden, hidden[:1]])
                 new_tokens = torch.cat([new_tokens, bonus_t])
             root = bonus

@@ -131,6 +131,7 @@ def throughput_rows(
                         "overflows": gs.overflows,
                         "predict_s": extra,
                         "node_cap": budget.cap if budget else None,  # after this call (1: no drafting)
+                        "budget_refits": budget.refits if budget else None,  # fits redone so far
                         "speedup_vs_ar_same_batch": rate / ar if ar else None,
                         "speedup_vs_batch1_ar": rate / batch1_ar if batch1_ar else None,
                         "speedup_vs_fifo": rate / fifo_rate if fifo_rate else None,

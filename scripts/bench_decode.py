@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         ("ar", label, lambda ids, d=d: d.ar_generate(tok, ids, a.max_new_tokens, stop_ids=stop))
         for label, d, _, _ in paths
     ]
+    budgets: dict[tuple[str, str], NodeBudget] = {}  # (method, path) -> its fitted node budget
     for i, (name, new_proposer) in enumerate(proposers):
         prop = new_proposer()
         methods.append(
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             if a.budget:
                 b, prop = NodeBudget(c, label=name), new_proposer()
+                budgets[(name + "+budget", label)] = b
                 methods.append(
                     (
                         name + "+budget",
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
             draft_ms=t["draft"] * per if spec else None, verify_ms=t["verify"] * per if spec else None,
             accept_ms=t["accept"] * per if spec else None, overhead=over, same=f"{t['same']}/{a.prompts}",
         )  # fmt: skip
+        if (name, path) in budgets:  # every cap the budget settled on (1: no drafting), refits included
+            row["budget_caps"] = budgets[(name, path)].history
         rows.append(row)
         f = lambda x, s=".2f": "-" if x is None else format(x, s)  # noqa: E731
         table.add_row(

@@ -230,7 +230,10 @@ class RandomTreeProposer:
 
 class OracleBeamProposer:
     """Beams that contain the true AR continuation (cut at a random depth) among random beams, packed by
-    dedup - exercises long accepted paths, branch choice and scattered KV compaction."""
+    dedup - exercises long accepted paths, branch choice and scattered KV compaction. With `wrong` set, every
+    beam's first draft differs from the true next token, so nothing is ever accepted."""
+
+    wrong = False  # set it (on the class or an instance) for drafts that never pay
 
     spec = ProposerSpec()  # reads the last layer; declares no depth or budget
     last_compression: float | None = None
@@ -264,6 +267,8 @@ class OracleBeamProposer:
         w = int(torch.randint(0, self.width, (1,), generator=self.g))
         beams[w, 1 : 1 + cut] = truth[:cut]
         beams[(w + 1) % self.width, 1:3] = beams[w, 1:3]  # a shared prefix with another beam
+        if self.wrong and self.length > 1:
+            beams[:, 1] = (truth[0] + 1) % self.vocab
         beams[:, 0] = tokens[-1]
         tree, self.last_compression = pack_beams(beams)
         return tree

@@ -281,6 +281,8 @@ def test_spec_passthrough():
     assert prop.spec == Inner.spec and prop.max_nodes == 16 and prop.controller.max_depth == 5
     prop.fit_budget(5)
     assert prop.max_nodes == 4 and prop.controller.nodes == 4
+    prop.fit_budget(1 << 30)  # a budget refit (`budget.FULL`): back to its own largest budget
+    assert prop.max_nodes == 16
     with pytest.raises(ValueError):
         AdaptiveProposer(Inner(V), threshold=1.5)
 

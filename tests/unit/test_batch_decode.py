@@ -37,7 +37,10 @@ def _references(model, prompts: list[list[int]], budgets: list[int]) -> tuple[se
 
 class _OracleByPrompt:
     """`OracleBeamProposer` behind the per-slot factory API: on the first call after `reset()` it recognises
-    the request by its prompt (tokens[:-1] == prompt[1:]) and drafts around that request's AR reference."""
+    the request by its prompt (tokens start with prompt[1:]: later tokens are there when the row was not
+    drafted at first) and drafts around that request's AR reference."""
+
+    wrong = False  # drafts that never pay (`OracleBeamProposer.wrong`)
 
     last_compression: float | None = None
 
@@ -54,9 +57,12 @@ class _OracleByPrompt:
 
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
         if self.inner is None:
-            ref, plen = self.table[tuple(tokens[:-1].tolist())]
+            seen = tuple(tokens[:-1].tolist())
+            key = max((k for k in self.table if seen[: len(k)] == k), key=len)
+            ref, plen = self.table[key]
             self.inner = OracleBeamProposer(ref, plen, seed=self.seed)
             self.inner.reset()
+        self.inner.wrong = self.wrong
         tree = self.inner.propose(hidden, tokens)
         self.last_compression = self.inner.last_compression
         return tree
@@ -211,6 +217,31 @@ def test_batched_node_budget_fits_a_cap_and_keeps_outputs(ms, expect):
     assert [t for t, _ in again] == refs
     sizes = [n for _, s in again for n in s.tree_sizes]
     assert max(sizes) <= budget.cap and (expect != 1 or set(sizes) == {1})
+
+
+def test_batched_refit_brings_drafting_back():
+    """Rows whose drafts never pay turn drafting off for the batch; in the next call the drafts are right, a
+    refit sees it and drafting resumes (each row's proposer gets the positions committed while it was off);
+    outputs equal batch-1 AR in both calls."""
+    from specdraft.eval.budget import CostCurve, NodeBudget
+
+    model = tiny_target("llama", CPU)
+    prompts = random_prompts(LENGTHS)
+    stops, refs = _references(model, prompts, BUDGETS)
+    flat = {1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3, 16: 1e3}  # seconds per verify: the draft time does not matter
+    budget = NodeBudget(CostCurve(flat), fit_steps=6, check_steps=3, refit_gap=3, refit_steps=6)
+    dec = BatchDecoder(model, 3)
+    try:
+        _OracleByPrompt.wrong = True
+        res = dec.generate(prompts, BUDGETS, stops, _factory("oracle", prompts, refs), budget=budget)
+        assert [t for t, _ in res] == refs and budget.history[0] == 1
+        _OracleByPrompt.wrong = False
+        again = dec.generate(prompts, BUDGETS, stops, _factory("oracle", prompts, refs), budget=budget)
+    finally:
+        _OracleByPrompt.wrong = False
+    assert [t for t, _ in again] == refs
+    assert budget.refits >= 1 and budget.history[-1] > 1
+    assert sum(a for _, s in again for a in s.accepted) > 0  # drafts accepted again
 
 
 def test_batched_cost_curve_is_per_row(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
+from specdraft.eval.budget import FULL, CostCurve, NodeBudget, machine_key
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.eval.tree import DraftTree
@@ -162,9 +162,15 @@ def test_redrafter_drafts_only_what_the_cap_keeps():
         assert out == ref
     assert budget.cap == 2 and (proposer.beam_width, proposer.draft_len) == (1, 1)
     assert max(stats.tree_sizes) <= 2
+    proposer.fit_budget(FULL)  # a refit: the full search again
+    assert (proposer.beam_width, proposer.draft_len) == (4, 3)
+    proposer.fit_budget(8)
+    assert (proposer.beam_width, proposer.draft_len) == (3, 3)
     lookup = PromptLookupProposer(10)
     lookup.fit_budget(4)
     assert lookup.draft_len == 3
+    lookup.fit_budget(FULL)
+    assert lookup.draft_len == 10
 
 
 @pytest.mark.parametrize("family", ["eagle", "medusa"])
@@ -202,3 +208,76 @@ def test_every_family_accepts_a_fitted_budget(family):
     assert budget.settled and budget.cap in (1, 2) and max(stats.tree_sizes) <= 2
     if family == "eagle" and budget.cap == 2:
         assert (proposer.total_tokens, proposer.depth) == (1, 1)
+    if family == "eagle":
+        proposer.fit_budget(FULL)  # a refit: the full tree again
+        assert (proposer.total_tokens, proposer.depth) == (10, 4)
+
+
+def test_refit_follows_the_text():
+    """Settled on "no drafting" while drafts were never accepted, the fit is redone `refit_gap` steps later on
+    fresh full-size steps (the curve: the newest `fit_steps`), so drafting comes back once it pays; a refit
+    that keeps the cap doubles the gap up to `refit_max`, one that changes it resets the gap."""
+    costs = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}
+    budget = _budget(costs, check_steps=0, refit_gap=5, refit_steps=4, refit_max=20)
+    assert not budget.tick()  # not settled yet: nothing to count
+    for _ in range(10):
+        budget.observe(0.001, 1, 8, [1] * 8)
+    assert budget.settled and budget.cap == 1 and budget.history == [1]
+    assert [budget.tick() for _ in range(6)] == [False] * 5 + [True]  # the sixth step starts a refit
+    assert budget.cap is None and not budget.settled and budget.refits == 1
+    good = [1, 2, 2, 3, 3, 3, 3, 4]
+    for _ in range(4):
+        assert budget.cap is None  # phase 1 of the refit: refit_steps full-size steps
+        budget.observe(0.001, 4, 8, good)
+    # curve: 6 old steps (gain 1) + 4 new ones: 8 nodes (6 + 16) / 10 = 2.2 tok / 15 ms beats 1 / 10 ms
+    assert budget.settled and budget.cap == 8 and budget.history == [1, 8] and len(budget.gains) == 10
+    gaps = []
+    for _ in range(4):  # the same text: every refit keeps 8 nodes and the gap doubles (5 -> 10 -> 20 -> 20)
+        n = 1
+        while not budget.tick():
+            n += 1
+        gaps.append(n - 1)
+        for _ in range(4):
+            budget.observe(0.001, 4, 8, good)
+        assert budget.cap == 8
+    assert gaps == [5, 10, 20, 20] and budget.refits == 5
+    assert budget.gains == [good] * 10  # only the newest fit_steps are kept
+    for window_good, cap in ((6, 8), (2, 4), (0, 1)):  # drafts stop paying: the window fills with them
+        while not budget.tick():
+            pass
+        for _ in range(4):
+            budget.observe(0.001, 1, 8, [1] * 8)
+        assert budget.gains.count(good) == window_good and budget.cap == cap
+    assert budget.history[-1] == 1 and budget._gap == 5  # a changed cap: the gap starts over
+    never = _budget(costs, check_steps=0, refit_gap=0)
+    for _ in range(10):
+        never.observe(0.001, 1, 8, [1] * 8)
+    assert never.cap == 1 and not any(
+        never.tick() for _ in range(1000)
+    )  # refit_gap=0: the first fit is final
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_drafting_comes_back_after_a_refit(static):
+    """Drafts that never pay turn drafting off; on later prompts the drafts are right, a refit sees it and
+    drafting resumes (the proposer then gets every position committed while it was off, so its drafts line
+    up again); outputs equal AR throughout, and the proposers' caps are lifted for the refit (`FULL`)."""
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    dec = StaticDecoder(model, 96, static=static)
+    flat = {1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3}  # verify costs of seconds: the draft time does not matter
+    budget = NodeBudget(
+        CostCurve(flat), fit_steps=4, check_steps=2, sizes=(1, 2, 4, 8), refit_gap=6, refit_steps=4
+    )
+    caps: list[int] = []
+    for i, prompt_len in enumerate((3, 11, 7, 5, 9)):
+        prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        ref, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
+        proposer = OracleBeamProposer(ref, prompt_len, vocab=128)
+        proposer.wrong = i < 2  # the first two prompts: drafts never accepted
+        proposer.fit_budget = caps.append  # type: ignore[method-assign]
+        out, stats = dec.speculative_generate(None, prompt, proposer, 24, stop_ids=set(), budget=budget)
+        assert out == ref
+        if i == 1:
+            assert budget.history[0] == 1 and stats.tree_sizes[-1] == 1  # off
+    assert budget.refits >= 1 and budget.history[-1] > 1 and budget.cap == budget.history[-1]
+    assert FULL in caps and sum(stats.accepted) > 0  # drafting again, and accepted

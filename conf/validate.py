@@ -320,6 +320,7 @@ EVAL: Table = {
     "decode_path": one_of("static", "dynamic"),
     "cuda_graphs": one_of("auto", "on", "off"),
     "node_budget": one_of("off", "auto"),
+    "node_budget_refit": COUNT,
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),
     "scheduler": one_of("fifo", "length", "both", "groups", "all"),

@@ -43,6 +43,7 @@ def throughput_rows(
     reserve: Sequence[int] | None = None,
     node_budget: bool = False,
     sample: dict[str, Any] | None = None,
+    budget_refit: int = 128,
 ) -> list[dict[str, Any]]:
     """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
 
@@ -61,6 +62,8 @@ def throughput_rows(
         reserve: (N,) predicted response bounds (`LengthPredictor.reserve_length`), needed by `groups`.
         node_budget: fit a `NodeBudget` per (B, drafter) on B's measured per-row cost curve
             (`BatchDecoder.row_cost_curve`), shared by that drafter's scheduler runs at B (`eval.node_budget`).
+        budget_refit: batched steps after a budget settles before it is refitted (0: never;
+            `eval.node_budget_refit`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
             a generator seeded with `seed`, and `identical` is then None (outputs are samples, not AR's).
     """
@@ -84,7 +87,11 @@ def throughput_rows(
         curve = dec.row_cost_curve(log=log) if node_budget and any(f for _, f in methods) else None
         for name, factory in methods:
             fifo_rate, measured = 0.0, None
-            budget = NodeBudget(curve, label=f"{name} at batch {b}") if curve and factory else None
+            budget = (
+                NodeBudget(curve, label=f"{name} at batch {b}", refit_gap=budget_refit)
+                if curve and factory
+                else None
+            )
             for sched in schedulers:
                 kw = _sample_kw(sample, model)
                 extra = predict_s if sched in ("length", "groups") else 0.0

@@ -376,7 +376,7 @@ class BatchDecoder:
                     packed[r, 2 : 2 + a], packed[r, 2 + b : 2 + b + a] = path, tokens[r, path]
             vals = packed.tolist()  # the step's one host sync
             accepted = [int(vals[r][0]) if rows[r] is not None else 0 for r in range(B)]
-            if fitting and not off:
+            if budget is not None and proposers and sampling is None and not off:  # fit or drift test
                 fit, prev_cap = cast(NodeBudget, budget), cast(NodeBudget, budget).cap
                 for r in active:
                     n = trees[r].num_nodes

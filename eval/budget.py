@@ -18,10 +18,14 @@ several times cheaper than its full search). Output is unchanged whatever the bu
 
 The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
-final: `refit_gap` decode steps after settling, a refit drafts `refit_steps` full-size steps again, the gain
-curve becomes the newest `fit_steps` full-size steps, and the cap is settled anew (the proposer drafts at
-full size meanwhile, also after "no drafting"). While a refit keeps the cap the gap doubles, up to
-`refit_max`, so a drafter that never pays costs a few percent at most; a changed cap resets the gap.
+final. A refit drafts `refit_steps` full-size steps again, the gain curve becomes the newest `fit_steps`
+full-size steps, and the cap is settled anew (the proposer drafts at full size meanwhile). It starts
+  * while drafting (cap > 1), when the tokens per step at the cap drift: the mean over `drift_window` drafted
+    steps is more than `drift` (relative) away from what the fit expected there, in either direction (a
+    refit costs full-size steps, so a drafter whose gains hold is never refitted);
+  * after "no drafting" (cap 1: nothing to watch), `refit_gap` decode steps after settling; while such
+    refits keep drafting off the gap doubles, up to `refit_max`, so a drafter that never pays costs a few
+    percent at most; a changed cap resets the gap.
 """
 
 from __future__ import annotations
@@ -158,9 +162,12 @@ class NodeBudget:
         check_steps: drafted steps of phase 2 (0: settle after phase 1, with the full-size draft time).
         sizes: candidate caps (1 = do not draft).
         label: the method's name, for the line printed when the cap is settled ("" = silent).
-        refit_gap: decode steps after settling before the first refit (0: the first fit is final).
-        refit_max: longest gap: it doubles after each refit that keeps the cap.
+        refit_gap: decode steps after settling on no drafting before a refit (0: the first fit is final,
+            drift included).
+        refit_max: longest such gap: it doubles after each refit that keeps drafting off.
         refit_steps: full-size drafted steps of a refit's phase 1.
+        drift_window: drafted steps at the cap whose mean tokens per step are compared with the fit's.
+        drift: relative difference of that mean from the fit's expectation that starts a refit.
     """
 
     cost: CostCurve
@@ -171,6 +178,8 @@ class NodeBudget:
     refit_gap: int = 128
     refit_max: int = 2048
     refit_steps: int = 16
+    drift_window: int = 32
+    drift: float = 0.2
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -183,27 +192,40 @@ class NodeBudget:
     history: list[int] = field(default_factory=list)  # every settled cap, in order
     _left: int = -1  # phase-1 steps left (-1: `fit_steps`, the first fit)
     _since: int = 0  # decode steps since the cap settled
-    _gap: int = 0  # steps between settling and the next refit (0: `refit_gap`)
+    _gap: int = 0  # steps between settling on no drafting and the next refit (0: `refit_gap`)
+    _expect: float = 0.0  # tokens per drafted step the fit expects at the settled cap
+    _recent: list[int] = field(default_factory=list)  # tokens of the latest drafted steps at the cap
+    _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
+    _due: bool = False  # the drift test asks for a refit
 
     def tick(self) -> bool:
-        """Count one decode step (call it before every step; it only counts once settled). True when a refit
-        starts: phase 1 again, so the caller lifts the proposer's cap (`fit_budget(FULL)`) and drafts full
-        trees, observing them with their gain curves, until the cap settles again."""
+        """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
+        after settling on no drafting has passed): phase 1 again, so the caller lifts the proposer's cap
+        (`fit_budget(FULL)`) and drafts full trees, observing them with their gain curves, until the cap
+        settles again."""
         if not self.settled or self.refit_gap <= 0:
             return False
         self._since += 1
-        if self._since <= (self._gap or self.refit_gap):
+        if not self._due and (self.cap != 1 or self._since <= (self._gap or self.refit_gap)):
             return False
         self.cap, self.settled, self.measured, self.checks = None, False, {}, []
-        self._left, self.refits = self.refit_steps, self.refits + 1
+        self._left, self.refits, self._due, self._check_tokens = self.refit_steps, self.refits + 1, False, {}
         return True
 
     def observe(
         self, draft_s: float, accepted: int, nodes: int, prefix_accept: list[int] | None = None
     ) -> None:
-        """One drafted greedy step: the proposer's time, the tokens the step emitted (accepted + 1) and the
-        nodes verified; in phase 1 also `prefix_accept[b-1]` = tokens the first b nodes alone would have given."""
+        """One drafted greedy step (call it for every one, settled or not): the proposer's time, the tokens
+        the step emitted (accepted + 1) and the nodes verified; in phase 1 also `prefix_accept[b-1]` = tokens
+        the first b nodes alone would have given. Once settled, only the drift test reads the tokens."""
         if self.settled:
+            if self.cap == 1 or self.drift_window <= 0 or self.refit_gap <= 0:
+                return
+            self._recent.append(accepted)
+            if len(self._recent) >= self.drift_window:
+                mean = sum(self._recent) / len(self._recent)
+                self._due = abs(mean - self._expect) > self.drift * self._expect
+                self._recent = []
             return
         if self.cap is None:
             assert prefix_accept is not None, "phase 1 needs the gain curve of the step"
@@ -222,7 +244,8 @@ class NodeBudget:
             k = len(self.checks)
             draft = sum(c[0] for c in self.checks) / k
             ms = sum(self.cost(c[2]) for c in self.checks) / k + draft
-            self.measured[self.cap] = sum(c[1] for c in self.checks) / k / ms
+            self._check_tokens[self.cap] = sum(c[1] for c in self.checks) / k
+            self.measured[self.cap] = self._check_tokens[self.cap] / ms
             self.checks = []
             best = max([1.0 / self.cost(1), *self.measured.values()])
             bound = self.rates([0.0])  # no draft time: what each size could reach at best
@@ -242,7 +265,10 @@ class NodeBudget:
         cap = max(sorted(rates), key=lambda b: (rates[b], -b))
         same = bool(self.history) and self.history[-1] == cap
         self._gap = min(2 * (self._gap or self.refit_gap), self.refit_max) if same else self.refit_gap
-        self.cap, self.settled, self._since = cap, True, 0
+        self.cap, self.settled, self._since, self._recent, self._due = cap, True, 0, [], False
+        self._expect = self._check_tokens.get(cap) or sum(g[min(cap, len(g)) - 1] for g in self.gains) / len(
+            self.gains
+        )
         self.history.append(cap)
         if self.label and not same:
             what = "no drafting (plain target steps)" if self.cap == 1 else f"trees cut to {self.cap} nodes"

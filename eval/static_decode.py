@@ -343,7 +343,7 @@ class StaticDecoder:
                 vals = packed.tolist()  # the step's one host sync
                 b = logits.shape[0]
                 a, bonus = vals[0], vals[1]
-                if fitting and drafted:
+                if budget is not None and greedy and drafted:  # fitting, or the drift test once settled
                     fit = cast(NodeBudget, budget)
                     cap = fit.cap
                     gains = vals[2 + 2 * b : 2 + 2 * b + n] if cap is None else None

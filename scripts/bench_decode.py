@@ -16,7 +16,8 @@
 Prints the verify cost curve (ms for 1..128 nodes after a 256-token prefix, on the static path) and one table:
 per method and path, tok/s, tokens/step, speedup over AR on the same path and over the dynamic AR, and ms
 per step in draft / verify / accept (device-synchronised), with the overhead outside the verify forward as
-a fraction of it. `--budget` adds each drafter with the node budget fitted to this machine.
+a fraction of it. `--budget` adds each drafter with the node budget fitted to this machine (`--budget-refit 0
+128` once with a final first fit and once refitted every 128+ steps, the default).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
+    p.add_argument(
+        "--budget-refit",
+        type=int,
+        nargs="+",
+        default=[128],
+        help="with --budget: one row per value of eval.node_budget_refit (0: the first fit is final)",
+    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     a = p.parse_args(argv)
@@ -120,12 +128,13 @@ def main(argv: list[str] | None = None) -> None:
                     ),
                 )
             )
-            if a.budget:
-                b, prop = NodeBudget(c, label=name), new_proposer()
-                budgets[(name + "+budget", label)] = b
+            for refit in a.budget_refit if a.budget else []:
+                b, prop = NodeBudget(c, label=name, refit_gap=refit), new_proposer()
+                tag = name + "+budget" + (f"(refit {refit})" if len(a.budget_refit) > 1 else "")
+                budgets[(tag, label)] = b
                 methods.append(
                     (
-                        name + "+budget",
+                        tag,
                         label,
                         lambda ids, q=prop, b=b, d=d: d.speculative_generate(
                             tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True, budget=b

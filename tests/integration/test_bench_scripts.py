@@ -42,6 +42,9 @@ def test_bench_decode(eval_assets: Path, tmp_path: Path, capsys) -> None:
         "--max-new-tokens",
         "8",
         "--budget",
+        "--budget-refit",
+        "0",
+        "128",
         "--layout",
         layout,
     ]
@@ -51,7 +54,9 @@ def test_bench_decode(eval_assets: Path, tmp_path: Path, capsys) -> None:
     paths = ["static", "static-T", "static-P"][: 3 if layout == "all" else 2]
     assert {("ar", "dynamic"), ("lookup:3", "dynamic")} <= methods
     for path in paths:
-        assert {("ar", path), ("redrafter:drafter", path), ("redrafter:drafter+budget", path)} <= methods
+        budgeted = {(f"redrafter:drafter+budget(refit {k})", path) for k in (0, 128)}
+        assert {("ar", path), ("redrafter:drafter", path), *budgeted} <= methods
+    assert all("budget_caps" in r for r in res["rows"] if "+budget" in r["method"])  # the caps it settled on
     assert all(r["same"] == "2/2" for r in res["rows"])  # every path, layout and method equals AR
     assert set(res["cost_ms"]) >= {"1", "2", "4"} and set(res["cost_ms_transposed"]) >= {"1", "2", "4"}
     assert layout == "both" or set(res["cost_ms_packed"]) >= {"1", "2", "4"}

@@ -215,44 +215,50 @@ def test_every_family_accepts_a_fitted_budget(family):
 
 def test_refit_follows_the_text():
     """Settled on "no drafting" while drafts were never accepted, the fit is redone `refit_gap` steps later on
-    fresh full-size steps (the curve: the newest `fit_steps`), so drafting comes back once it pays; a refit
-    that keeps the cap doubles the gap up to `refit_max`, one that changes it resets the gap."""
+    fresh full-size steps (the curve: the newest `fit_steps`), so drafting comes back once it pays; refits
+    that keep drafting off double the gap up to `refit_max`. While drafting, only a drift of the tokens per
+    step at the cap from the fit's expectation starts a refit."""
     costs = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}
-    budget = _budget(costs, check_steps=0, refit_gap=5, refit_steps=4, refit_max=20)
+    budget = _budget(costs, check_steps=0, refit_gap=5, refit_steps=4, refit_max=20, drift_window=4)
     assert not budget.tick()  # not settled yet: nothing to count
+    bad, good = [1] * 8, [1, 2, 2, 3, 3, 3, 3, 4]
     for _ in range(10):
-        budget.observe(0.001, 1, 8, [1] * 8)
+        budget.observe(0.001, 1, 8, bad)
     assert budget.settled and budget.cap == 1 and budget.history == [1]
-    assert [budget.tick() for _ in range(6)] == [False] * 5 + [True]  # the sixth step starts a refit
-    assert budget.cap is None and not budget.settled and budget.refits == 1
-    good = [1, 2, 2, 3, 3, 3, 3, 4]
-    for _ in range(4):
-        assert budget.cap is None  # phase 1 of the refit: refit_steps full-size steps
-        budget.observe(0.001, 4, 8, good)
-    # curve: 6 old steps (gain 1) + 4 new ones: 8 nodes (6 + 16) / 10 = 2.2 tok / 15 ms beats 1 / 10 ms
-    assert budget.settled and budget.cap == 8 and budget.history == [1, 8] and len(budget.gains) == 10
     gaps = []
-    for _ in range(4):  # the same text: every refit keeps 8 nodes and the gap doubles (5 -> 10 -> 20 -> 20)
+    for _ in range(3):  # drafts still never accepted: each refit keeps drafting off, the gap doubles
         n = 1
         while not budget.tick():
             n += 1
         gaps.append(n - 1)
+        assert budget.cap is None and not budget.settled  # phase 1 again: full-size trees
         for _ in range(4):
-            budget.observe(0.001, 4, 8, good)
-        assert budget.cap == 8
-    assert gaps == [5, 10, 20, 20] and budget.refits == 5
-    assert budget.gains == [good] * 10  # only the newest fit_steps are kept
-    for window_good, cap in ((6, 8), (2, 4), (0, 1)):  # drafts stop paying: the window fills with them
-        while not budget.tick():
-            pass
-        for _ in range(4):
-            budget.observe(0.001, 1, 8, [1] * 8)
-        assert budget.gains.count(good) == window_good and budget.cap == cap
-    assert budget.history[-1] == 1 and budget._gap == 5  # a changed cap: the gap starts over
-    never = _budget(costs, check_steps=0, refit_gap=0)
+            budget.observe(0.001, 1, 8, bad)
+        assert budget.cap == 1
+    assert gaps == [5, 10, 20] and budget.refits == 3 and len(budget.gains) == 10  # the newest fit_steps
+    while not budget.tick():
+        pass
+    for _ in range(4):  # now the drafts are right
+        budget.observe(0.001, 4, 8, good)
+    # curve: 6 old steps (gain 1) + 4 new ones: 8 nodes (6 + 16) / 10 = 2.2 tok / 15 ms beats 1 / 10 ms
+    assert budget.settled and budget.cap == 8 and budget.history[-1] == 8
+    assert budget._expect == pytest.approx(2.2)
+    for _ in range(40):  # tokens at the cap as expected (within 20%): no refit, however long
+        assert not budget.tick()
+        budget.observe(0.001, 2 + (_ % 2), 8)  # mean 2.5: +14%
+    for _ in range(4):  # they drop to 1 per step: a drift, so the next step starts a refit
+        budget.tick()
+        budget.observe(0.001, 1, 8)
+    assert budget.tick() and budget.cap is None and budget.refits == 5
+    for _ in range(4):
+        budget.observe(0.001, 1, 8, bad)
+    assert budget.cap == 8  # the newest 10: 4 good, 6 bad (2 older, 4 new): 2.2 / 15 ms still pays
+    never = _budget(costs, check_steps=0, refit_gap=0, drift_window=4)
     for _ in range(10):
-        never.observe(0.001, 1, 8, [1] * 8)
-    assert never.cap == 1 and not any(
+        never.observe(0.001, 4, 8, good)
+    for _ in range(8):
+        never.observe(0.001, 1, 8)
+    assert never.cap == 8 and not any(
         never.tick() for _ in range(1000)
     )  # refit_gap=0: the first fit is final
 

@@ -62,8 +62,8 @@ def throughput_rows(
         reserve: (N,) predicted response bounds (`LengthPredictor.reserve_length`), needed by `groups`.
         node_budget: fit a `NodeBudget` per (B, drafter) on B's measured per-row cost curve
             (`BatchDecoder.row_cost_curve`), shared by that drafter's scheduler runs at B (`eval.node_budget`).
-        budget_refit: batched steps after a budget settles before it is refitted (0: never;
-            `eval.node_budget_refit`).
+        budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
+            refits at all; `eval.node_budget_refit`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
             a generator seeded with `seed`, and `identical` is then None (outputs are samples, not AR's).
     """

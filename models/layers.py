@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -149,3 +151,19 @@ def d2t_to_draft_ids(ids: Tensor, d2t: Tensor, reduced: bool, vocab_size: int, m
     lut[d2t_draft_ids(d2t, reduced)] = torch.arange(d2t.shape[0], device=d2t.device)
     out = lut[ids.clamp(0, vocab_size - 1).to(lut.device)]
     return torch.where(ids.to(lut.device) < 0, torch.full_like(out, missing), out).to(ids.device)
+
+
+def replace_linears(
+    model: nn.Module,
+    make: Callable[[nn.Linear], nn.Module],
+    where: Callable[[nn.Linear], bool] = lambda linear: True,
+) -> int:
+    """Replace, in place, every `nn.Linear` under `model` for which `where(linear)` holds by `make(linear)`
+    (the weight layouts of `models.linear_layout` / `models.panel_linear`); returns how many."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and where(child):
+                setattr(parent, name, make(child))
+                done += 1
+    return done

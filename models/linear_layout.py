@@ -46,6 +46,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from specdraft.hardware import cpu_model
+from specdraft.models.layers import replace_linears
 from specdraft.models.panel_linear import (
     PanelLinear,
     fp32_cpu,
@@ -110,11 +111,6 @@ class _Packs(dict):
         return self
 
 
-def packable(linear: nn.Linear) -> bool:
-    """Whether `PackedLinear` can take `linear`: an fp32 weight on the CPU (MKL's sgemm)."""
-    return fp32_cpu(linear)
-
-
 class PackedLinear(nn.Module):
     """`nn.Linear` for CPU decode steps: the weight packed by MKL once per row count in `rows`.
 
@@ -133,7 +129,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rows: tuple[int, ...] = PACK_ROWS) -> None:
         super().__init__()
-        if not packable(linear):
+        if not fp32_cpu(linear):  # MKL's sgemm
             raise ValueError(
                 f"PackedLinear needs an fp32 CPU weight, got {linear.weight.dtype} on {linear.weight.device}"
             )
@@ -172,13 +168,7 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module, rows: tuple[int, ...] = PACK_ROWS) -> int:
     """Replace every fp32 CPU `nn.Linear` under `model` by a `PackedLinear`, in place (other dtypes and devices
     are left as they are); returns how many."""
-    done = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and packable(child):
-                setattr(parent, name, PackedLinear(child, rows))
-                done += 1
-    return done
+    return replace_linears(model, lambda linear: PackedLinear(linear, rows), fp32_cpu)
 
 
 def match_target_layout(drafter: nn.Module, target: nn.Module) -> int:
@@ -243,13 +233,7 @@ def transpose_linears(model: nn.Module) -> int:
         How many layers were replaced (0 when already transposed).
     """
     head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
-    done = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, TransposedLinear(child, keep_native=child is head))
-                done += 1
-    return done
+    return replace_linears(model, lambda linear: TransposedLinear(linear, keep_native=linear is head))
 
 
 def resolve_layout(

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.hardware import cpu_flags
+from specdraft.models.layers import replace_linears
 from specdraft.utils import cache_root
 
 PANEL = 16  # output columns per packed panel (two AVX2 vectors); panel_linear.c's PW
@@ -175,10 +176,4 @@ class PanelLinear(nn.Module):
 def panel_linears(model: nn.Module) -> int:
     """Replace every fp32 CPU `nn.Linear` under `model` by a `PanelLinear`, in place (other dtypes and devices
     are left as they are); returns how many."""
-    done = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and fp32_cpu(child):
-                setattr(parent, name, PanelLinear(child))
-                done += 1
-    return done
+    return replace_linears(model, PanelLinear, fp32_cpu)

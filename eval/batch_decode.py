@@ -405,7 +405,8 @@ class BatchDecoder:
                     st.stats.compression.append(float(cast(float, proposers[r].last_compression)))
                 new_h = hidden[r, path_t[r, :a]]  # (a, H')
                 new_t = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
-                if proposers and off:  # not drafted: the proposer sees these with its next call (a refit)
+                # not drafted: the proposer gets these with its next call (after a refit)
+                if proposers and off and not cast(NodeBudget, budget).off_for_good:
                     new_h = torch.cat([cast(Tensor, st.new_hidden), new_h])
                     new_t = torch.cat([cast(Tensor, st.new_tokens), new_t])
                 st.new_hidden, st.new_tokens = new_h, new_t

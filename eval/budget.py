@@ -198,6 +198,12 @@ class NodeBudget:
     _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
     _due: bool = False  # the drift test asks for a refit
 
+    @property
+    def off_for_good(self) -> bool:
+        """Drafting is off and no refit will turn it on again (`refit_gap` 0): the decoder need not keep the
+        skipped positions for the proposer."""
+        return self.settled and self.cap == 1 and self.refit_gap <= 0
+
     def tick(self) -> bool:
         """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
         after settling on no drafting has passed): phase 1 again, so the caller lifts the proposer's cap

@@ -97,9 +97,7 @@ def spec_method(
             "target_steps": st.target_steps,
             "node_cap": budget.cap if budget is not None else None,  # None while fitting or off
             "budget_fit_steps": len(budget.gains) if budget is not None else None,
-            "budget_refits": budget.refits
-            if budget is not None
-            else None,  # fits redone on newer steps so far
+            "budget_refits": budget.refits if budget is not None else None,  # refits so far
             "profile": prof,
         }
 

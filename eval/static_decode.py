@@ -378,7 +378,7 @@ class StaticDecoder:
             if drafted:  # (a, H') states and (a,) next tokens of the newly committed positions
                 new_hidden = hidden[path_t[:a]]
                 new_tokens = torch.cat([tree.tokens[path_t[1:a]], bonus_t])
-            else:  # not drafted: keep them for the proposer's next call (a probe or a refit)
+            elif budget is None or not budget.off_for_good:  # keep them for the proposer's next call
                 new_hidden = torch.cat([new_hidden, hidden[:1]])
                 new_tokens = torch.cat([new_tokens, bonus_t])
             root = bonus

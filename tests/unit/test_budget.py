@@ -224,7 +224,7 @@ def test_refit_follows_the_text():
     bad, good = [1] * 8, [1, 2, 2, 3, 3, 3, 3, 4]
     for _ in range(10):
         budget.observe(0.001, 1, 8, bad)
-    assert budget.settled and budget.cap == 1 and budget.history == [1]
+    assert budget.settled and budget.cap == 1 and budget.history == [1] and not budget.off_for_good
     gaps = []
     for _ in range(3):  # drafts still never accepted: each refit keeps drafting off, the gap doubles
         n = 1
@@ -258,9 +258,11 @@ def test_refit_follows_the_text():
         never.observe(0.001, 4, 8, good)
     for _ in range(8):
         never.observe(0.001, 1, 8)
-    assert never.cap == 8 and not any(
-        never.tick() for _ in range(1000)
-    )  # refit_gap=0: the first fit is final
+    assert never.cap == 8 and not any(never.tick() for _ in range(1000))  # refit_gap=0: final
+    off = _budget(costs, check_steps=0, refit_gap=0)
+    for _ in range(10):
+        off.observe(0.001, 1, 8, bad)
+    assert off.cap == 1 and off.off_for_good  # the decoders stop keeping skipped positions
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from specdraft.eval.decode import Proposer
-from specdraft.eval.tree import DraftTree, ProposerSpec
+from specdraft.eval.tree import DraftTree, ProposerSpec, reorder_tree
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)  # node counts a pruned tree is cut to (powers of two: static shapes)
 
@@ -79,12 +79,7 @@ def prune_tree(tree: DraftTree, threshold: float, max_nodes: int, max_depth: int
     # rank: score desc, then depth asc (a parent ties before its child), then index asc
     eff_l, depth_l = eff.tolist(), tree.depth.tolist()
     order = sorted(keep.nonzero().squeeze(1).tolist(), key=lambda i: (-eff_l[i], depth_l[i], i))[:b]
-    idx = torch.tensor(order, dtype=torch.long, device=tree.tokens.device)  # (b,) new -> old
-    new_of = torch.full((tree.num_nodes,), -1, dtype=torch.long, device=idx.device)
-    new_of[idx] = torch.arange(b, device=idx.device)
-    parents = torch.where(idx == 0, -1, new_of[tree.parents[idx].clamp(min=0)])  # (b,)
-    scores = None if tree.scores is None else tree.scores[idx.to(tree.scores.device)]
-    return DraftTree(tree.tokens[idx], parents, tree.depth[idx], scores=scores)
+    return reorder_tree(tree, order)
 
 
 def accepted_length(tree: DraftTree, tokens: list[int]) -> int:

@@ -59,8 +59,8 @@ def _cache_dir() -> Path:
 
 def machine_key(model: torch.nn.Module, path: str) -> str:
     """What a cost curve depends on: the model's config, device (CPU model / GPU name), dtype, threads,
-    torch version, the decode path ("eager" | "fixed" | "graph") and the Linear weight layout
-    (`models.linear_layout`: the LM head's class tells)."""
+    torch version, the decode path ("eager" | "fixed" | "graph"), the Linear weight layout
+    (`models.linear_layout`: the LM head's class tells) and the attention implementation."""
     emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
     dev = emb.device
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
@@ -75,6 +75,7 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
         torch.__version__,
         path,
         layout,
+        str(getattr(cast(PreTrainedModel, model).config, "_attn_implementation", "")),
     ]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 

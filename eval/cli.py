@@ -116,7 +116,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
         match_target_layout(drafter, model)  # packed Linear weights like the target's, where it has them
         base_name = f"{drafter_family(drafter)}:{Path(path).name or path}"
         variants = [(base_name, 0)]
-        if e.lookup_tokens and drafter_family(drafter) == "redrafter":  # also with a prompt-lookup beam
+        if e.lookup_tokens:  # also with prompt lookup's chain merged into its trees (eval/hybrid.py)
             variants.append((base_name + "+lookup", int(e.lookup_tokens)))
         for name, lookup_tokens in variants:
             proposer = make_proposer(

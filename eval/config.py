@@ -21,7 +21,7 @@ class EvalConfig:
     int8_draft_head: bool = True  # ReDrafter on CPU: draft with an int8 vocab head (output unchanged)
     draft_dtype: str | None = None  # drafters cast to auto|fp32|bf16|fp16 (None: as exported); same output
     draft_min_prob: float = 0.0  # ReDrafter: prune beam positions whose drafter probability is below this
-    lookup_tokens: int = 0  # > 0: also run each ReDrafter with a prompt-lookup beam of this length added
+    lookup_tokens: int = 0  # > 0: also run each drafter with a prompt-lookup chain this long merged in
     tree_nodes: int | None = None  # Medusa/EAGLE node budget (None: the drafter's default)
     acceptance: str = "exact"  # exact (lossless) | typical (Medusa typical acceptance: LOSSY, needs T > 0)
     typical_epsilon: float = 0.09  # typical acceptance: posterior threshold epsilon

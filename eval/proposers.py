@@ -15,13 +15,14 @@ import torch
 from torch import Tensor
 
 from specdraft.eval.graphs import CudaGraph, capture_or_none
-from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams, pad_beams
+from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams
 from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.redrafter_beam import beam_search_fixed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from specdraft.models.family import FamilySpec
     from specdraft.models.redrafter import ReDrafter
 
 
@@ -168,13 +169,12 @@ class ReDrafterProposer:
         beam_width: W.
         beam_length: 1 + draft_len (root included).
         int8_head: draft with an int8 copy of the vocabulary head (CPU only; ignored where unsupported).
-        lookup_tokens: also add one prompt-lookup beam of up to this many tokens (0: drafter beams only).
         min_prob: drop beam positions whose drafter probability (product along the beam) is below this
             (dynamic tree size; 0: keep all).
         static: fixed shapes for the static decode path: all W beams from the first slot
             (`beam_search_fixed`) laid out as a tree of constant topology, 1 + W * D nodes without prefix
-            dedup, so a draft step makes no host sync. Plain ReDrafter only: prefix attention, the copy gate,
-            a lookup beam and `min_prob` keep the dynamic step.
+            dedup, so a draft step makes no host sync. Plain ReDrafter only: prefix attention, the copy gate
+            and `min_prob` keep the dynamic step.
         graphs: with `static`, capture the draft step as a CUDA graph (drafter on CUDA).
     """
 
@@ -184,7 +184,6 @@ class ReDrafterProposer:
         beam_width: int,
         beam_length: int,
         int8_head: bool = False,
-        lookup_tokens: int = 0,
         min_prob: float = 0.0,
         static: bool = False,
         graphs: bool = False,
@@ -202,8 +201,7 @@ class ReDrafterProposer:
         self.last_compression: float | None = None
         on_cpu = drafter.head.weight.device.type == "cpu" if hasattr(drafter, "head") else False
         self.head = Int8Linear(drafter.head) if int8_head and on_cpu and int8_supported() else None
-        self.lookup = PromptLookupProposer(lookup_tokens) if lookup_tokens > 0 else None
-        self.max_depth = max(self.draft_len, lookup_tokens)  # deepest possible draft (acceptance-rate unit)
+        self.max_depth = self.draft_len  # deepest possible draft (acceptance-rate unit)
         self.min_logp = math.log(min_prob) if min_prob > 0 else None
         # extra target layers the drafter reads after h (`ReDrafterConfig.target_layers`): the decoder returns
         # [h; layers] for every verified position (`spec.keep_last_hidden`)
@@ -213,7 +211,7 @@ class ReDrafterProposer:
             feature_layers=self.target_layers,
             keep_last_hidden=True,
             max_depth=self.max_depth,
-            node_budget=1 + beam_width * self.draft_len + lookup_tokens,
+            node_budget=1 + beam_width * self.draft_len,
         )
         # prefix attention (`context_heads` > 0): keys/values of every committed position, grown each step
         self.uses_context = bool(getattr(cfg, "context_heads", 0))
@@ -226,7 +224,7 @@ class ReDrafterProposer:
         self.copy_ngram = int(getattr(cfg, "copy_ngram", 0) or 0)
         self._copy: NgramIndex | None = None
         self._root: int | None = None  # the previous call's root: committed, indexed on the next call
-        plain = not (self.uses_context or self.copy_ngram or lookup_tokens or min_prob > 0)
+        plain = not (self.uses_context or self.copy_ngram or min_prob > 0)
         self.static = static and plain and self.draft_len > 0
         self.graphs = graphs and self.static
         self._draft_graph: CudaGraph[tuple[Tensor, Tensor]] | None = None
@@ -247,15 +245,13 @@ class ReDrafterProposer:
         self.last_compression = None
         self._history, self._memory, self._used = None, None, 0
         self._copy, self._root = None, None
-        if self.lookup is not None:
-            self.lookup.reset()
 
     def fit_budget(self, nodes: int) -> None:
         """Search only the beams a `nodes`-node tree can use: trees are laid out beam by beam, so the first
         `nodes` nodes hold ceil((nodes - 1) / D) beams (one beam: its first nodes - 1 tokens). The fixed-shape
-        step and a lookup beam keep their sizes (their topology is set up front). A cap the full search fits
-        in (a refit: `budget.FULL`) restores it."""
-        if self.static or self.lookup is not None:
+        step keeps its size (its topology is set up front). A cap the full search fits in (a refit:
+        `budget.FULL`) restores it."""
+        if self.static:
             return
         width, length = self._full
         self.beam_width, self.draft_len = width, length
@@ -338,15 +334,8 @@ class ReDrafterProposer:
         if self.min_logp is not None:
             beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails
         beams = beams.to(tokens.device)
-        cum_all = cum.to(tokens.device)  # (W, 1+D) log-probs
-        if self.lookup is not None:
-            cont, probs = self.lookup.scored_continuation(tokens)  # (k,), (k,)
-            if cont.numel():
-                beams = pad_beams([beams, torch.cat([tokens[-1:], cont])])  # (W+1, max(1+D, 1+k))
-                lookup_cum = torch.cat([probs.new_zeros(1), probs.log()])[None]  # (1, 1+k)
-                cum_all = pad_beams([cum_all.float(), lookup_cum])  # (W+1, L); padded slots make no nodes
         tree, self.last_compression = pack_beams(beams)
-        tree.scores = beam_scores(tree, cum_all)  # (N,)
+        tree.scores = beam_scores(tree, cum.to(tokens.device))  # (N,)
         return tree
 
     def _propose_fixed(self, hidden: Tensor, root: Tensor) -> DraftTree:
@@ -402,7 +391,8 @@ def make_proposer(
         beam_length: ReDrafter 1 + D (None: `config.draft_len + 1`).
         tree_nodes: Medusa node budget / EAGLE-2 `total_tokens` (None: the drafter's default).
         int8_head: ReDrafter / EAGLE draft with an int8 vocabulary head on CPU (`Int8Linear`).
-        lookup_tokens: ReDrafter adds a prompt-lookup beam of this length (0: off).
+        lookup_tokens: > 0: merge a prompt-lookup chain of this length into every tree (`eval.hybrid.LookupBranch`,
+            any family; 0: off).
         min_prob: ReDrafter prunes beam positions below this drafter probability (0: off).
         static, graphs: ReDrafter's fixed-shape draft step / EAGLE-2's fixed-shape tree expansion (and its CUDA
             graph) for the static decode path.
@@ -413,13 +403,33 @@ def make_proposer(
         spec = spec_of(drafter)  # the family's declared contract: `spec.proposer` names the builder
     except ValueError as err:
         raise NotImplementedError(f"no proposer for {type(drafter).__name__}: {err}") from err
+    proposer = _family_proposer(
+        drafter, spec, beam_width, beam_length, tree_nodes, int8_head, min_prob, static, graphs
+    )
+    if lookup_tokens > 0:
+        from specdraft.eval.hybrid import LookupBranch
+
+        return LookupBranch(proposer, lookup_tokens)
+    return proposer
+
+
+def _family_proposer(
+    drafter: torch.nn.Module,
+    spec: FamilySpec,
+    beam_width: int | None,
+    beam_length: int | None,
+    tree_nodes: int | None,
+    int8_head: bool,
+    min_prob: float,
+    static: bool,
+    graphs: bool,
+):
+    """The proposer `spec.proposer` names, built with `make_proposer`'s settings (prompt lookup aside)."""
     cfg = cast("PretrainedConfig", drafter.config)
     if spec.proposer == "redrafter_beams":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1
-        return ReDrafterProposer(
-            drafter, int(w), int(length), int8_head, lookup_tokens, min_prob, static, graphs
-        )
+        return ReDrafterProposer(drafter, int(w), int(length), int8_head, min_prob, static, graphs)
     if spec.proposer == "medusa_tree":
         from specdraft.eval.medusa_tree import MedusaProposer
 
@@ -436,7 +446,7 @@ def make_proposer(
 
         module, _, name = spec.proposer.partition(":")
         settings: dict[str, object] = {"beam_width": beam_width, "beam_length": beam_length}
-        settings.update(tree_nodes=tree_nodes, int8_head=int8_head, lookup_tokens=lookup_tokens)
+        settings.update(tree_nodes=tree_nodes, int8_head=int8_head)
         settings.update(min_prob=min_prob, static=static, graphs=graphs)
         return getattr(importlib.import_module(module), name)(drafter, **settings)
     raise NotImplementedError(f"no proposer {spec.proposer!r} for drafter family {spec.name!r}")

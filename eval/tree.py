@@ -97,6 +97,22 @@ class DraftTree:
         )
 
 
+def reorder_tree(tree: DraftTree, order: list[int]) -> DraftTree:
+    """The nodes `order` of `tree` (old indices, every node listed after its parent, root first), renumbered
+    in that order: a subset closed under ancestors, or a new ranking of all nodes.
+
+    Returns:
+        len(order) nodes, with their depths and scores.
+    """
+    assert tree.depth is not None
+    idx = torch.tensor(order, dtype=torch.long, device=tree.tokens.device)  # (b,) new -> old
+    new_of = torch.full((tree.num_nodes,), -1, dtype=torch.long, device=idx.device)
+    new_of[idx] = torch.arange(idx.shape[0], device=idx.device)
+    parents = torch.where(idx == 0, -1, new_of[tree.parents[idx].clamp(min=0)])  # (b,)
+    scores = None if tree.scores is None else tree.scores[idx.to(tree.scores.device)]
+    return DraftTree(tree.tokens[idx], parents, tree.depth[idx], scores=scores)
+
+
 def ancestor_matrix(parents: Tensor) -> tuple[Tensor, Tensor]:
     """Ancestor-or-self matrix and depth from parent pointers.
 
@@ -218,10 +234,3 @@ def pack_beams(beams: Tensor) -> tuple[DraftTree, float]:
     ancestors[rows[pairs], cols[pairs]] = True  # each beam's path prefixes
     tree = DraftTree(tokens, parents, depth, ancestors, beam_nodes)
     return tree, int(valid.sum()) / n
-
-
-def pad_beams(beams: list[Tensor]) -> Tensor:
-    """Stack 1D/2D beams of different lengths into one (W, L_max) tensor, right-padded with `PAD`."""
-    rows = [b.reshape(-1, b.shape[-1]) for b in beams]
-    width = max(r.shape[1] for r in rows)
-    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=PAD) for r in rows])

@@ -21,6 +21,7 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdraft.hardware import resolve_placement
+from specdraft.models.attention import use_gqa_sdpa
 from specdraft.utils import atomic_dir, cache_root, check_safetensors, hub_errors, local_or_hub, sha256_text
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
             f"base_model {name!r}: the tokenizer has no chat template; set base_model.chat_template (e.g. `vicuna`)"
         )
     model.config.specdraft_source = source
+    use_gqa_sdpa(model)  # masked multi-token CPU forwards (trees, padded batches) without repeat_kv copies
     return freeze(model), tokenizer
 
 

@@ -8,6 +8,8 @@
     python scripts/bench_decode.py --drafter outputs/redrafter_smollm2/export --layout both --budget --prompts 4
     # CPU: native, transposed, MKL-packed and panel weights side by side (cost curves and decoding, one run)
     python scripts/bench_decode.py --lookup 10 --layout all --budget --prompts 3
+    # each drafter alone and with prompt lookup's chain merged into its trees, both with the fitted budget
+    python scripts/bench_decode.py --drafter <exports> --lookup 10 --lookup-branch 10 --layout panel --budget
     # CPU: the panel kernel against the transposed layout it replaced on non-Intel CPUs
     python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-vs-transposed --budget
     # on a GPU: the static path captures CUDA graphs (--graphs auto is on exactly when the target is on CUDA)
@@ -50,6 +52,12 @@ def main(argv: list[str] | None = None) -> None:
         default=[128],
         help="with --budget: one row per value of eval.node_budget_refit (0: the first fit is final)",
     )
+    p.add_argument(
+        "--lookup-branch",
+        type=int,
+        default=0,
+        help="> 0: also each drafter with a prompt-lookup chain this long merged in (eval.lookup_tokens)",
+    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     a = p.parse_args(argv)
@@ -73,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
         """(name, proposer factory) per drafter, then prompt lookup: each method gets its own proposer (a
         fitted budget may shrink the one it drives)."""
         out = [(name, lambda d=d: make_proposer(d)) for name, d in drafters]
+        if (
+            a.lookup_branch
+        ):  # each drafter again, prompt lookup's chain merged into its trees (eval/hybrid.py)
+            n = a.lookup_branch
+            out += [(f"{name}+lookup", lambda d=d: make_proposer(d, lookup_tokens=n)) for name, d in drafters]
         if a.lookup:
             out.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
         return out

@@ -47,12 +47,14 @@ def test_bench_decode(eval_assets: Path, tmp_path: Path, capsys) -> None:
         "128",
         "--layout",
         layout,
+        "--lookup-branch",
+        "3",
     ]
     _main("bench_decode")(argv)
     res = _load(out)
     methods = {(r["method"], r["path"]) for r in res["rows"]}
     paths = ["static", "static-T", "static-P"][: 3 if layout == "all" else 2]
-    assert {("ar", "dynamic"), ("lookup:3", "dynamic")} <= methods
+    assert {("ar", "dynamic"), ("lookup:3", "dynamic"), ("redrafter:drafter+lookup", "dynamic")} <= methods
     for path in paths:
         budgeted = {(f"redrafter:drafter+budget(refit {k})", path) for k in (0, 128)}
         assert {("ar", path), ("redrafter:drafter", path), *budgeted} <= methods

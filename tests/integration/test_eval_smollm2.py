@@ -9,6 +9,7 @@ from specdraft.conf.schema import BaseModelConfig
 from specdraft.data.benchmarks import load_benchmark
 from specdraft.data.chat import prompt_ids
 from specdraft.eval.decode import ar_generate, default_stop_ids, speculative_generate
+from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer
 from specdraft.eval.runner import top2_gap
 from specdraft.models import redrafter
@@ -24,7 +25,7 @@ def test_smollm2_fp32_speculative_equals_ar() -> None:
     fingerprint = target_fingerprint(model, tok)
     drafter = redrafter.build(ReDrafterSchema(exit_dim=576), model, fingerprint)  # untrained: random beams
     stop = default_stop_ids(tok, model)
-    proposers = [ReDrafterProposer(drafter, 4, 4, int8_head=True, lookup_tokens=6), PromptLookupProposer(6)]
+    proposers = [LookupBranch(ReDrafterProposer(drafter, 4, 4, int8_head=True), 6), PromptLookupProposer(6)]
     for item in load_benchmark("mt_bench", limit=1):
         ids = prompt_ids(tok, [{"role": "user", "content": item.turns[0]}])
         ref, _ = ar_generate(model, tok, ids, 20, stop_ids=stop)

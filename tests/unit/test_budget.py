@@ -101,9 +101,13 @@ def test_phase_two_walks_down_while_a_smaller_cap_could_pay():
     assert budget.measured == pytest.approx({8: 4 / 26, 4: 3 / 14})
 
 
-def test_machine_key_changes_with_path_and_dtype():
+def test_machine_key_changes_with_path_dtype_and_attention():
+    from specdraft.models.attention import use_gqa_sdpa
+
     model = tiny_llama(num_layers=1)
     assert machine_key(model, "eager") != machine_key(model, "fixed")
+    key = machine_key(model, "eager")
+    assert use_gqa_sdpa(model) and machine_key(model, "eager") != key  # a curve per attention implementation
     assert machine_key(model, "eager") != machine_key(model.double(), "eager")
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdraft.eval.decode import ar_generate, speculative_generate
+from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import (
     Int8Linear,
     PromptLookupProposer,
@@ -117,7 +118,7 @@ def test_lookup_proposers_are_lossless_and_accept_repeats(target_and_drafter, pr
     # the AR continuation appears in the prompt: lookup must find and accept it
     echo = torch.cat([prompt, torch.tensor(ref[:30]), prompt[-3:]])
     ref_echo, _ = ar_generate(target, None, echo, 30, stop_ids=set())
-    for proposer in [PromptLookupProposer(6), ReDrafterProposer(drafter, 4, 4, lookup_tokens=6)]:
+    for proposer in [PromptLookupProposer(6), LookupBranch(ReDrafterProposer(drafter, 4, 4), 6)]:
         out, _ = speculative_generate(target, None, prompt, proposer, 40, stop_ids=set())
         assert out == ref
         out, stats = speculative_generate(target, None, echo, proposer, 30, stop_ids=set())

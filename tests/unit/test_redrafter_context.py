@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdraft.eval.decode import ar_generate, speculative_generate
+from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import ReDrafterProposer
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
@@ -125,8 +126,9 @@ def test_decoder_memory_grows_past_its_buffer_and_resets(target_and_drafter):
 @pytest.mark.parametrize("min_prob", [0.0, 0.01])  # 0.01: trees pruned on the cumulative log-probs
 def test_prefix_attention_decoding_is_lossless(target_and_drafter, prompt_len, min_prob):
     target, drafter = target_and_drafter
-    proposer = ReDrafterProposer(drafter, 4, D + 1, lookup_tokens=4, min_prob=min_prob)
-    assert proposer.uses_context
+    inner = ReDrafterProposer(drafter, 4, D + 1, min_prob=min_prob)
+    proposer = LookupBranch(inner, 4)  # with a prompt-lookup chain merged in
+    assert inner.uses_context
     prompt = torch.randint(0, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
     ref, _ = ar_generate(target, None, prompt, 30, stop_ids=set())
     for _ in range(2):  # the proposer is reused: `reset` must forget the previous prompt's memory
@@ -134,7 +136,7 @@ def test_prefix_attention_decoding_is_lossless(target_and_drafter, prompt_len, m
         assert out == ref
         # the history holds every position committed before the last step (whose tokens end the loop)
         grown = prompt_len + sum(stats.accepted[:-1]) + stats.steps - 1
-        assert proposer._history is not None and proposer._history.shape[0] == grown
+        assert inner._history is not None and inner._history.shape[0] == grown
 
 
 def test_warm_start_adds_prefix_attention_exactly(target_and_drafter, tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 from specdraft.data.collate import Collator
 from specdraft.eval.decode import ar_generate, speculative_generate
+from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import ReDrafterProposer
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
@@ -185,8 +186,9 @@ def test_the_gate_can_make_the_candidate_the_draft(target_and_drafter):
 @pytest.mark.parametrize("prompt_len", [1, 3, 20])
 def test_copy_gate_decoding_is_lossless(target_and_drafter, prompt_len):
     target, drafter = target_and_drafter
-    proposer = ReDrafterProposer(drafter, 4, D + 1, lookup_tokens=4)
-    assert proposer.copy_ngram == N
+    inner = ReDrafterProposer(drafter, 4, D + 1)
+    proposer = LookupBranch(inner, 4)  # with a prompt-lookup chain merged in
+    assert inner.copy_ngram == N
     prompt = _repetitive(prompt_len, prompt_len)
     ref, _ = ar_generate(target, None, prompt, 30, stop_ids=set())
     for _ in range(2):  # the proposer is reused: `reset` must forget the previous prompt's index
@@ -194,7 +196,7 @@ def test_copy_gate_decoding_is_lossless(target_and_drafter, prompt_len):
         assert out == ref
         # indexed: x_1 .. the token before the last step's root (each step commits its accepted drafts + 1)
         grown = prompt_len + sum(stats.accepted[:-1]) + stats.steps - 2
-        assert proposer._copy is not None and len(proposer._copy.ids) == grown
+        assert inner._copy is not None and len(inner._copy.ids) == grown
 
 
 def test_warm_start_adds_the_copy_gate_at_its_init(target_and_drafter, tmp_path):

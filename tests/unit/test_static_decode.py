@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.fallback import FallbackController
+from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer, make_proposer
 from specdraft.eval.static_decode import StaticDecoder, budget_for
 from specdraft.eval.static_kv import StaticKVCache
@@ -124,6 +125,39 @@ def test_every_family_equals_ar(arch, family, shape):
     model = _target(arch, device)
     proposer = _proposer(family, model)
     check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", ["redrafter", "medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_family_with_a_lookup_branch_equals_ar(arch, family, shape):
+    """Prompt lookup merged into each family's tree (eval/hybrid.py), under a node budget too."""
+    device = torch.device("cuda") if shape == "graph" else CPU
+    model = _target(arch, device)
+    proposer = LookupBranch(_proposer(family, model), 5)
+    stats = check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
+    assert max(n for s in stats for n in s.tree_sizes) > _proposer(family, model).spec.node_budget // 2
+    proposer.fit_budget(4)  # what `NodeBudget` does: both sources draft small trees, the output holds
+    check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
+
+
+@pytest.mark.parametrize("family", ["redrafter", "medusa", "eagle3"])
+def test_a_lookup_branch_finds_an_echo_and_stays_lossless(family):
+    """The AR continuation echoed in the prompt: the merged tree accepts it in long runs (more tokens per step
+    than the family alone), and the output equals the target's own greedy output."""
+    target = _target("llama")
+    prompt = torch.randint(5, 128, (12,), generator=torch.Generator().manual_seed(3))
+    ref, _ = ar_generate(target, None, prompt, 40, stop_ids=set())
+    echo = torch.cat([prompt, torch.tensor(ref[:30]), prompt[-3:]])
+    ref_echo, _ = ar_generate(target, None, echo, 30, stop_ids=set())
+    alone, alone_stats = speculative_generate(
+        target, None, echo, _proposer(family, target), 30, stop_ids=set()
+    )
+    both, stats = speculative_generate(
+        target, None, echo, LookupBranch(_proposer(family, target), 6), 30, stop_ids=set()
+    )
+    assert alone == both == ref_echo
+    assert max(stats.accepted) >= 4 and stats.tokens_per_step > alone_stats.tokens_per_step
 
 
 @pytest.mark.parametrize("shape", ["eager", "fixed"])

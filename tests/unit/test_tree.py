@@ -9,7 +9,6 @@ from specdraft.eval.tree import (
     ancestor_matrix,
     dedup_prefix,
     pack_beams,
-    pad_beams,
     path_to,
     tree_attention_mask,
     tree_position_ids,
@@ -99,15 +98,9 @@ def test_pack_beams_rejects_mixed_roots():
 
 
 def test_pack_beams_with_padded_beams():
-    beams = pad_beams(
-        [torch.tensor([[9, 1, 2], [9, 4, 2]]), torch.tensor([9, 1, 2, 7, 8]), torch.tensor([9])]
-    )
-    assert beams.tolist() == [
-        [9, 1, 2, PAD, PAD],
-        [9, 4, 2, PAD, PAD],
-        [9, 1, 2, 7, 8],
-        [9, PAD, PAD, PAD, PAD],
-    ]
+    beams = torch.tensor(
+        [[9, 1, 2, PAD, PAD], [9, 4, 2, PAD, PAD], [9, 1, 2, 7, 8], [9, PAD, PAD, PAD, PAD]]
+    )  # beams of different lengths, right-padded (e.g. `min_prob`-pruned tails)
     tree, ratio = pack_beams(beams)
     assert tree.tokens.tolist() == [9, 1, 2, 4, 2, 7, 8]
     assert tree.parents.tolist() == [-1, 0, 1, 0, 3, 2, 5]

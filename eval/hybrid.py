@@ -1,0 +1,181 @@
+"""Prompt lookup merged into any family's draft tree: a proposer composed around another one.
+
+A small target repeats itself and its prompt: on 8 MT-Bench questions (SmolLM2-135M, greedy, docs/experiments.md
+"Session 21") prompt lookup through our decoder served more tokens per step than the copy-gate ReDrafter in 7
+of 8 categories (extraction 7.56 against 3.14), while the drafter led on math. The two fail on different text,
+so `LookupBranch` drafts both every step and verifies their union:
+
+  * the family's proposer drafts its tree as usual (beams, Medusa's static tree, EAGLE-2's tree);
+  * prompt lookup adds its chain (`PromptLookupProposer`, ~1 ms): the tokens that followed the newest earlier
+    occurrence of the context's last n-gram. Its nodes are scored by `LookupCalibration`: the measured rate at
+    which lookup's depth-d token was right when its first d - 1 were, over recent steps (the committed
+    tokens tell, whatever branch was verified), multiplied along the chain. So lookup outranks the drafter
+    while the text repeats itself (extraction, code edits) and falls behind it on fresh prose;
+  * `merge_trees` takes the union (a node is a token under a parent, so a shared prefix is verified once) and
+    ranks the nodes best first by score (the drafter's path probability, lookup's agreement rate), parents
+    before children. The node budget (`eval/budget.py`) cuts trees to their first b nodes, so at every cap the
+    tree holds the best-scored nodes of both sources.
+
+The decoder hands `propose` every committed position, whichever branch the target accepted, so neither source
+needs to know about the other. Which nodes are verified never changes the output: lossless as any proposer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specdraft.eval.adaptive import effective_scores
+from specdraft.eval.decode import Proposer
+from specdraft.eval.proposers import PromptLookupProposer
+from specdraft.eval.tree import DraftTree, ProposerSpec, reorder_tree
+
+
+def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:
+    """The union of two draft trees with the same root, ranked best first.
+
+    A node of `second` whose token already sits under the same parent in `first` is shared, not repeated.
+    When both trees carry `scores`, every node's score is its best effective score over the trees that hold
+    it (`effective_scores`: non-increasing along each path, so the max over trees is too) and the nodes are
+    sorted by (score desc, depth asc, index asc): parents before children, and the first b nodes are a tree.
+    Otherwise `first`'s nodes keep their order and `second`'s new ones follow; scores are dropped.
+
+    Args:
+        first: N1 nodes (e.g. a drafter's tree).
+        second: N2 nodes (e.g. a lookup chain), same root token.
+
+    Returns:
+        N <= N1 + N2 - 1 nodes.
+    """
+    toks, pars = first.tokens.tolist(), first.parents.tolist()
+    if int(second.tokens[0]) != toks[0]:
+        raise ValueError(f"merge_trees: roots differ ({toks[0]} vs {int(second.tokens[0])})")
+    scored = first.scores is not None and second.scores is not None
+    s1 = effective_scores(first).tolist() if scored else [0.0] * len(toks)
+    s2 = effective_scores(second).tolist() if scored else [0.0] * second.num_nodes
+    index = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks, strict=True))}
+    node_of = [0]  # second's node j -> merged node
+    for j, (p, t) in enumerate(zip(second.parents.tolist(), second.tokens.tolist(), strict=True)):
+        if j == 0:
+            continue
+        key = (node_of[p], t)
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(toks)
+            toks.append(t)
+            pars.append(key[0])
+            s1.append(s2[j])
+        else:
+            s1[i] = max(s1[i], s2[j])
+        node_of.append(i)
+    dev = first.tokens.device
+    merged = DraftTree(
+        torch.tensor(toks, dtype=torch.long, device=dev),
+        torch.tensor(pars, dtype=torch.long, device=dev),
+        scores=torch.tensor(s1, dtype=torch.float32, device=dev) if scored else None,
+    )
+    if not scored:
+        return merged
+    assert merged.depth is not None
+    depth = merged.depth.tolist()
+    return reorder_tree(merged, sorted(range(len(toks)), key=lambda i: (-s1[i], depth[i], i)))
+
+
+class LookupCalibration:
+    """Per-depth acceptance rates of lookup chains, from the tokens committed after each chain was proposed.
+
+    Depth d counts as tested when the chain's first d - 1 tokens were all committed (and a d-th token was
+    committed at all), and as right when its d-th was too. Counts decay by `decay` per observed chain, so the
+    rates follow the text; each starts at `prior` (weight `prior_weight`).
+
+    Args:
+        max_depth: longest chain.
+    """
+
+    def __init__(
+        self, max_depth: int, decay: float = 0.9, prior: float = 0.5, prior_weight: float = 1.0
+    ) -> None:
+        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        self.tested = [0.0] * max_depth  # (D,) decayed counts per depth
+        self.right = [0.0] * max_depth  # (D,)
+
+    def reset(self) -> None:
+        """Back to the prior."""
+        self.tested = [0.0] * len(self.tested)
+        self.right = [0.0] * len(self.right)
+
+    def observe(self, chain: list[int], committed: list[int]) -> None:
+        """chain: the proposed lookup tokens after the root; committed: the tokens committed since."""
+        self.tested = [x * self.decay for x in self.tested]
+        self.right = [x * self.decay for x in self.right]
+        for d, (c, t) in enumerate(zip(chain, committed)):
+            self.tested[d] += 1.0
+            if c != t:
+                break
+            self.right[d] += 1.0
+
+    def scores(self, k: int) -> list[float]:
+        """Cumulative probabilities of a k-token chain, root excluded: prod over depths <= d of the rates."""
+        out, cum = [], 1.0
+        for d in range(k):
+            cum *= (self.right[d] + self.prior * self.prior_weight) / (self.tested[d] + self.prior_weight)
+            out.append(cum)
+        return out
+
+
+class LookupBranch:
+    """`inner`'s tree with prompt lookup's chain merged in (see module docstring).
+
+    Args:
+        inner: any family's proposer (its features, depth and node budget are declared through).
+        num_tokens: lookup continuation length.
+        max_ngram: longest suffix n-gram matched against the committed tokens.
+    """
+
+    def __init__(self, inner: Proposer, num_tokens: int, max_ngram: int = 3) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"LookupBranch: num_tokens={num_tokens} must be >= 1")
+        self.inner, self.lookup = inner, PromptLookupProposer(num_tokens, max_ngram)
+        self.calibration = LookupCalibration(num_tokens)
+        self._chain: list[int] | None = None  # the previous step's lookup tokens (root excluded)
+        s = inner.spec
+        self.spec = ProposerSpec(
+            feature_layers=s.feature_layers,
+            keep_last_hidden=s.keep_last_hidden,
+            max_depth=max(s.max_depth, num_tokens),
+            node_budget=s.node_budget + num_tokens if s.node_budget else 0,
+        )
+        self.last_compression: float | None = None
+
+    def reset(self) -> None:
+        """Forget the previous prompt (both sources)."""
+        self.inner.reset()
+        self.lookup.reset()
+        self.calibration.reset()
+        self._chain, self.last_compression = None, None
+
+    def fit_budget(self, nodes: int) -> None:
+        """Each source drafts no more than a `nodes`-node tree (the merged tree is cut to its best `nodes`)."""
+        self.inner.fit_budget(nodes)
+        self.lookup.fit_budget(nodes)
+
+    def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
+        """The inner tree, merged with the lookup chain from the same root when lookup finds one.
+
+        Args:
+            hidden: (n, F) target features of the newly committed positions (for the inner proposer).
+            tokens: (n,) the token each predicts; tokens[-1] is the root.
+        """
+        if self._chain:  # how far the previous chain was right: the committed tokens begin with its answer
+            self.calibration.observe(self._chain, tokens.tolist())
+        tree = self.inner.propose(hidden, tokens)
+        chain = self.lookup.propose(hidden, tokens)  # (1 + k,) chain, k = 0 without a match
+        self.last_compression = self.inner.last_compression  # the inner beams' packing
+        self._chain = chain.tokens[1:].tolist()
+        if not self._chain:
+            return tree
+        rates = self.calibration.scores(len(self._chain))
+        chain.scores = torch.tensor(
+            [1.0, *rates], dtype=torch.float32, device=chain.tokens.device
+        )  # (1 + k,)
+        return merge_trees(tree, chain)

@@ -1,0 +1,60 @@
+"""Grouped-query SDPA without repeat_kv on the CPU (models/attention.py): same outputs, the copy-free path taken."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdraft.models import attention
+from specdraft.models.attention import NAME, use_gqa_sdpa
+from specdraft.testing import tiny_target
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_same_outputs_as_transformers_sdpa_and_no_repeat_kv(arch, monkeypatch):
+    """Padded batches, a tree-shaped 4D mask and one-token steps: bit-identical logits in fp32; masked
+    multi-token queries never reach transformers' function (which would copy K/V per group)."""
+    ref = tiny_target(arch, CPU).float()
+    assert ref.config.num_key_value_heads < ref.config.num_attention_heads  # grouped-query attention
+    model = copy.deepcopy(ref)
+    assert use_gqa_sdpa(model) and model.config._attn_implementation == NAME
+    assert ref.config._attn_implementation == "sdpa"
+    calls: list[tuple[int, bool]] = []  # (query length, masked) of every delegated call
+    plain = attention.sdpa_attention_forward
+
+    def counted(module, query, key, value, mask, **kw):
+        calls.append((query.shape[2], mask is not None))
+        return plain(module, query, key, value, mask, **kw)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", counted)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (3, 12), generator=g)
+    pad = torch.ones(3, 12, dtype=torch.long)
+    pad[0, :4] = 0  # left padding
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=pad).logits, ref(ids, attention_mask=pad).logits)
+        assert not any(masked and n > 1 for n, masked in calls)
+        # a tree after a cached prefix: node i sees the prefix, the root and itself (4D additive mask)
+        prefix, n = 7, 4
+        allow = torch.zeros(n, prefix + n, dtype=torch.bool)
+        allow[:, : prefix + 1] = True
+        allow[torch.arange(n), prefix + torch.arange(n)] = True
+        mask = torch.where(allow, 0.0, torch.finfo(torch.float32).min)[None, None]
+        full = torch.randint(0, 100, (1, prefix + n), generator=g)
+        out = []
+        for m in (model, ref):
+            past = m(full[:, :prefix], use_cache=True).past_key_values
+            pos = (prefix + torch.tensor([0, 1, 1, 1]))[None]
+            out.append(m(full[:, prefix:], attention_mask=mask, position_ids=pos, past_key_values=past).logits)
+        assert torch.equal(out[0], out[1])
+    assert calls and all(n == 1 or not masked for n, masked in calls)  # prefill and one-token steps delegate
+
+
+def test_other_attention_implementations_are_left_alone():
+    model = tiny_target("llama", CPU)
+    model.set_attn_implementation("eager")
+    assert not use_gqa_sdpa(model) and model.config._attn_implementation == "eager"

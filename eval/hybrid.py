@@ -16,6 +16,13 @@ so `LookupBranch` drafts both every step and verifies their union:
     before children. The node budget (`eval/budget.py`) cuts trees to their first b nodes, so at every cap the
     tree holds the best-scored nodes of both sources.
 
+Where lookup is expected to accept more tokens than the drafter does (the sum of its chain's calibrated
+scores against the drafter's recent mean accepted length), the step proposes lookup's chain alone and the
+drafter does not draft at all: its draft time and its nodes would buy nothing on text that lookup copies
+(measured: with both merged on every step, extraction ran at 2.35x against 3.08x for lookup alone). The
+positions committed meanwhile are kept and handed to the drafter on its next step, as the decoders do for a
+node budget that paused drafting.
+
 The decoder hands `propose` every committed position, whichever branch the target accepted, so neither source
 needs to know about the other. Which nodes are verified never changes the output: lossless as any proposer.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdraft.eval.adaptive import effective_scores
+from specdraft.eval.adaptive import accepted_length, effective_scores
 from specdraft.eval.decode import Proposer
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.tree import DraftTree, ProposerSpec, reorder_tree
@@ -130,14 +137,29 @@ class LookupBranch:
         inner: any family's proposer (its features, depth and node budget are declared through).
         num_tokens: lookup continuation length.
         max_ngram: longest suffix n-gram matched against the committed tokens.
+        lookup_alone: propose lookup's chain alone (the drafter idle) on steps where it is expected to accept
+            more than the drafter's recent mean (False: always the union).
+        ema: weight of the newest drafted step in the drafter's mean accepted length.
     """
 
-    def __init__(self, inner: Proposer, num_tokens: int, max_ngram: int = 3) -> None:
+    def __init__(
+        self,
+        inner: Proposer,
+        num_tokens: int,
+        max_ngram: int = 3,
+        lookup_alone: bool = True,
+        ema: float = 0.25,
+    ) -> None:
         if num_tokens < 1:
             raise ValueError(f"LookupBranch: num_tokens={num_tokens} must be >= 1")
         self.inner, self.lookup = inner, PromptLookupProposer(num_tokens, max_ngram)
         self.calibration = LookupCalibration(num_tokens)
+        self.lookup_alone, self.ema = lookup_alone, ema
         self._chain: list[int] | None = None  # the previous step's lookup tokens (root excluded)
+        self._inner_tree: DraftTree | None = None  # the drafter's previous tree (None: it did not draft)
+        self.inner_mean: float | None = None  # EMA of the drafter's accepted drafts per step it drafted
+        self._pending: tuple[Tensor, Tensor] | None = None  # positions committed while the drafter was idle
+        self.alone_steps = 0  # steps that proposed lookup's chain alone (reported)
         s = inner.spec
         self.spec = ProposerSpec(
             feature_layers=s.feature_layers,
@@ -153,6 +175,7 @@ class LookupBranch:
         self.lookup.reset()
         self.calibration.reset()
         self._chain, self.last_compression = None, None
+        self._inner_tree, self.inner_mean, self._pending = None, None, None
 
     def fit_budget(self, nodes: int) -> None:
         """Each source drafts no more than a `nodes`-node tree (the merged tree is cut to its best `nodes`)."""
@@ -160,22 +183,35 @@ class LookupBranch:
         self.lookup.fit_budget(nodes)
 
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
-        """The inner tree, merged with the lookup chain from the same root when lookup finds one.
+        """The inner tree merged with the lookup chain from the same root when lookup finds one, or that chain
+        alone where it is expected to accept more than the drafter (which then keeps the positions for later).
 
         Args:
             hidden: (n, F) target features of the newly committed positions (for the inner proposer).
             tokens: (n,) the token each predicts; tokens[-1] is the root.
         """
+        committed = tokens.tolist()
         if self._chain:  # how far the previous chain was right: the committed tokens begin with its answer
-            self.calibration.observe(self._chain, tokens.tolist())
-        tree = self.inner.propose(hidden, tokens)
+            self.calibration.observe(self._chain, committed)
+        if self._inner_tree is not None:  # and the drafter's previous tree
+            a = accepted_length(self._inner_tree, committed)
+            self.inner_mean = (
+                a if self.inner_mean is None else self.ema * a + (1 - self.ema) * self.inner_mean
+            )
         chain = self.lookup.propose(hidden, tokens)  # (1 + k,) chain, k = 0 without a match
-        self.last_compression = self.inner.last_compression  # the inner beams' packing
+        if self._pending is not None:  # the drafter idled: it gets every position committed since it drafted
+            hidden, tokens = torch.cat([self._pending[0], hidden]), torch.cat([self._pending[1], tokens])
+            self._pending = None
         self._chain = chain.tokens[1:].tolist()
-        if not self._chain:
-            return tree
         rates = self.calibration.scores(len(self._chain))
         chain.scores = torch.tensor(
             [1.0, *rates], dtype=torch.float32, device=chain.tokens.device
         )  # (1 + k,)
-        return merge_trees(tree, chain)
+        if self._chain and self.lookup_alone and self.inner_mean is not None and sum(rates) > self.inner_mean:
+            self._pending, self._inner_tree = (hidden, tokens), None
+            self.alone_steps += 1
+            self.last_compression = 1.0
+            return chain
+        self._inner_tree = tree = self.inner.propose(hidden, tokens)
+        self.last_compression = self.inner.last_compression  # the inner beams' packing
+        return merge_trees(tree, chain) if self._chain else tree

@@ -25,8 +25,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "specdraft_gqa_sdpa"  # the `config._attn_implementation` it registers as
-# the kwargs it handles: `sliding_window` is informational for SDPA (the mask already encodes the window)
-_PLAIN = {"dropout", "scaling", "is_causal", "position_ids", "past_key_values", "use_cache", "sliding_window"}
+# the kwargs it handles (any other one goes to transformers' function): bookkeeping that SDPA ignores;
+# `sliding_window` is informational for SDPA too (the mask already encodes the window)
+_PLAIN = {
+    "dropout", "scaling", "is_causal", "position_ids", "past_key_values", "use_cache", "cache_position",
+    "sliding_window", "output_hidden_states", "output_attentions",
+}  # fmt: skip
 
 
 def gqa_sdpa_forward(
@@ -56,6 +60,7 @@ def gqa_sdpa_forward(
         and query.shape[2] > 1
         and groups > 1
         and not kwargs.get("dropout")
+        and not kwargs.get("output_attentions")
         and set(kwargs) <= _PLAIN
     ):
         out = F.scaled_dot_product_attention(

@@ -2,12 +2,16 @@
 
     # native, transposed, MKL-packed and panel weights (models/linear_layout.py), 1..32 nodes after a 256-token prefix
     python scripts/bench_layouts.py --layouts native transposed packed panel --sizes 1 2 3 4 6 8 12 16 32 --reps 11
+    # the panel layout with grouped-query SDPA (models/attention.py, the default) and with transformers' repeat_kv
+    python scripts/bench_layouts.py --layouts panel --attention both --sizes 1 2 4 8 16 32 --reps 9
 
 Each layout gets its own copy of the target and its own decoder (the static path in the shape evaluate.py
 uses on this device); every repetition times each node count under every layout back to back (round robin,
 `eval.budget.time_round_robin`), so the machine's drift hits all layouts alike. Prints, per layout, the median ms
 per node count, its ratio to that layout's one-token step, its speedup over the first layout and the memory the
-layout adds to the target; `--json` writes them with the command and the machine, atomically.
+layout adds to the target; `--json` writes them with the command and the machine, atomically. With
+`--attention both` every layout runs twice: as loaded (grouped-query SDPA) and as `<layout>+sdpa`, with
+transformers' own SDPA attention (K/V copied per query group under a mask).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 3, 4, 6, 8, 12, 16, 32], help="node counts")
     p.add_argument("--prefix", type=int, default=256, help="cached tokens before the verified nodes")
     p.add_argument("--reps", type=int, default=11, help="timed repetitions (after one warm-up)")
+    p.add_argument(
+        "--attention",
+        choices=["gqa", "sdpa", "both"],
+        default="gqa",
+        help="gqa: as load_target sets it (models/attention.py); sdpa: transformers' own; both: side by side",
+    )
     a = p.parse_args(argv)
 
     import torch
@@ -43,14 +53,20 @@ def main(argv: list[str] | None = None) -> None:
     sizes = tuple(sorted(set(a.sizes)))
     base = weight_bytes(model)
     probes, added = [], {}
-    for layout in a.layouts:
+    attentions = {"gqa": [""], "sdpa": ["+sdpa"], "both": ["", "+sdpa"]}[a.attention]
+    variants = [layout + suffix for layout in a.layouts for suffix in attentions]  # the table's columns
+    for variant in variants:
+        layout, _, attn = variant.partition("+")
         m = copy.deepcopy(model)
         apply_layout(m, layout)
-        added[layout] = weight_bytes(m) - base
+        if attn:
+            m.set_attn_implementation("sdpa")  # transformers' own (repeat_kv under a mask)
+        added[variant] = weight_bytes(m) - base
         dec = make_decoder(m, "static", "auto")
         assert dec is not None
         probes.append(dec.cost_probe(sizes, a.prefix))
-    keys = [(k, b) for b in sizes for k in range(len(a.layouts))]  # round robin: every layout at each size
+    a.layouts = variants
+    keys = [(k, b) for b in sizes for k in range(len(a.layouts))]  # round robin: every variant at each size
     with torch.inference_mode():
         med = time_round_robin(
             lambda i: probes[keys[i][0]](keys[i][1]), tuple(range(len(keys))), a.reps, model.device

@@ -117,6 +117,23 @@ def test_bench_layouts(eval_assets: Path, tmp_path: Path, capsys) -> None:
     assert res["added_bytes"]["native"] == 0 and res["added_bytes"]["transposed"] >= 0
     assert "packed" not in layouts or res["added_bytes"]["packed"] > res["added_bytes"]["transposed"]
     assert "memory added" in capsys.readouterr().out
+    _main("bench_layouts")(
+        [
+            *argv,
+            "--layouts",
+            "native",
+            "--attention",
+            "both",
+            "--sizes",
+            "1",
+            "3",
+            "--reps",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert _load(out)["layouts"] == ["native", "native+sdpa"]  # grouped-query SDPA and transformers' own
 
 
 def test_bench_draft_layout(eval_assets: Path, tmp_path: Path, capsys) -> None:

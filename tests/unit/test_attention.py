@@ -49,8 +49,19 @@ def test_same_outputs_as_transformers_sdpa_and_no_repeat_kv(arch, monkeypatch):
         for m in (model, ref):
             past = m(full[:, :prefix], use_cache=True).past_key_values
             pos = (prefix + torch.tensor([0, 1, 1, 1]))[None]
-            out.append(m(full[:, prefix:], attention_mask=mask, position_ids=pos, past_key_values=past).logits)
+            out.append(
+                m(full[:, prefix:], attention_mask=mask, position_ids=pos, past_key_values=past).logits
+            )
         assert torch.equal(out[0], out[1])
+        # as the decoders call it (`forward_with_hidden`: output_hidden_states and a cache): the same path
+        from specdraft.models.base_llm import forward_with_hidden
+
+        past = [m(full[:, :prefix], use_cache=True).past_key_values for m in (model, ref)]
+        got = [
+            forward_with_hidden(m, full[:, prefix:], mask, pos, c, layers=(1,), use_cache=True)
+            for m, c in zip((model, ref), past, strict=True)
+        ]
+        assert torch.equal(got[0].logits, got[1].logits) and torch.equal(got[0].layers, got[1].layers)
     assert calls and all(n == 1 or not masked for n, masked in calls)  # prefill and one-token steps delegate
 
 

@@ -63,6 +63,7 @@ class _FixedChain:
         self.spec = ProposerSpec(feature_layers=(2,), keep_last_hidden=True, max_depth=3, node_budget=4)
         self.caps: list[int] = []
         self.calls = 0
+        self.seen: list[tuple[int, list[int]]] = []  # (positions, tokens) of every call
 
     def reset(self) -> None:
         self.calls = 0
@@ -72,12 +73,13 @@ class _FixedChain:
 
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
         self.calls += 1
+        self.seen.append((hidden.shape[0], tokens.tolist()))
         return _tree([int(tokens[-1]), 1, 2, 3], [-1, 0, 1, 2], [1.0, 0.9, 0.8, 0.7])
 
 
 def test_lookup_branch_declares_the_inner_contract_and_forwards_budget_and_reset():
     inner = _FixedChain()
-    branch = LookupBranch(inner, 6)
+    branch = LookupBranch(inner, 6, lookup_alone=False)  # always the union
     assert branch.spec == ProposerSpec(
         feature_layers=(2,), keep_last_hidden=True, max_depth=6, node_budget=10
     )
@@ -114,3 +116,17 @@ def test_lookup_calibration_counts_tested_and_right_depths():
         fading.observe([1], [1])
     fading.observe([1], [2])  # one miss after a long run of hits weighs half of all of them
     assert fading.scores(1)[0] == pytest.approx((1.0 + 0.5) / (2.0 + 1.0), abs=1e-4)
+
+
+def test_lookup_alone_where_it_beats_the_drafter_and_the_drafter_gets_the_skipped_positions():
+    inner = _FixedChain()
+    branch = LookupBranch(inner, 4)
+    branch.propose(torch.zeros(3, 4), torch.tensor([5, 6, 7]))  # no match: the drafter's tree
+    # the drafter's chain 1, 2, 3 after 7 was wrong (8 came): mean 0 accepted; "5 6" matched: lookup alone
+    tree = branch.propose(torch.zeros(3, 4), torch.tensor([8, 5, 6]))
+    assert tree.tokens.tolist() == [6, 7, 8, 5, 6] and branch.alone_steps == 1 and inner.calls == 1
+    # no match: the drafter drafts again, handed every position since its last tree
+    tree = branch.propose(torch.ones(1, 4), torch.tensor([9]))
+    assert tree.tokens.tolist() == [9, 1, 2, 3] and inner.seen[-1] == (4, [8, 5, 6, 9])
+    assert branch.lookup.context.tolist() == [5, 6, 7, 8, 5, 6, 9]  # lookup saw each position once
+    assert branch.inner_mean == 0.0

@@ -127,7 +127,7 @@ def test_decoder_memory_grows_past_its_buffer_and_resets(target_and_drafter):
 def test_prefix_attention_decoding_is_lossless(target_and_drafter, prompt_len, min_prob):
     target, drafter = target_and_drafter
     inner = ReDrafterProposer(drafter, 4, D + 1, min_prob=min_prob)
-    proposer = LookupBranch(inner, 4)  # with a prompt-lookup chain merged in
+    proposer = LookupBranch(inner, 4, lookup_alone=False)  # a lookup chain merged in on every step
     assert inner.uses_context
     prompt = torch.randint(0, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
     ref, _ = ar_generate(target, None, prompt, 30, stop_ids=set())

@@ -187,7 +187,7 @@ def test_the_gate_can_make_the_candidate_the_draft(target_and_drafter):
 def test_copy_gate_decoding_is_lossless(target_and_drafter, prompt_len):
     target, drafter = target_and_drafter
     inner = ReDrafterProposer(drafter, 4, D + 1)
-    proposer = LookupBranch(inner, 4)  # with a prompt-lookup chain merged in
+    proposer = LookupBranch(inner, 4, lookup_alone=False)  # a lookup chain merged in on every step
     assert inner.copy_ngram == N
     prompt = _repetitive(prompt_len, prompt_len)
     ref, _ = ar_generate(target, None, prompt, 30, stop_ids=set())

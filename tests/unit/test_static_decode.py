@@ -137,6 +137,7 @@ def test_every_family_with_a_lookup_branch_equals_ar(arch, family, shape):
     proposer = LookupBranch(_proposer(family, model), 5)
     stats = check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
     assert max(n for s in stats for n in s.tree_sizes) > _proposer(family, model).spec.node_budget // 2
+    assert proposer.alone_steps > 0  # steps with lookup's chain alone: the drafter caught up afterwards
     proposer.fit_budget(4)  # what `NodeBudget` does: both sources draft small trees, the output holds
     check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
 

@@ -2,7 +2,7 @@
 target / drafter / prompt arguments, loading them as evaluate.py does, and the results JSON.
 
     p = argparse.ArgumentParser(...)
-    add_target_args(p)                      # --target --dtype --device --layout --drafter --lookup --bench ...
+    add_target_args(p)                      # --target --dtype --device --layout --drafter --lookup(-branch) --bench ...
     a = p.parse_args(argv)
     b = load_bench(a)                       # threads, target (+ Linear layout), stop ids, labelled drafters
     prompts = first_turns(b.tokenizer, a.bench, n)
@@ -50,6 +50,12 @@ def add_target_args(
     )
     p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders / Hub ids")
     p.add_argument("--lookup", type=int, default=0, help="> 0: also prompt lookup with this many tokens")
+    p.add_argument(
+        "--lookup-branch",
+        type=int,
+        default=0,
+        help="> 0: also each drafter with a prompt-lookup chain this long merged in (eval.lookup_tokens)",
+    )
     p.add_argument("--bench", default="mt_bench", help="prompts: mt_bench | alpaca_eval | a .jsonl file")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", default=None, help="also write the rows (+ command, machine) to this JSON file")

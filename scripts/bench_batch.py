@@ -2,8 +2,8 @@
 
     # AR and prompt lookup at batch 1, 4 and 16 over 16 MT-Bench first turns, 64 new tokens each
     python scripts/bench_batch.py --requests 16 --batch 1 4 16 --lookup 10
-    # a trained drafter too (one proposer per row)
-    python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16
+    # a trained drafter too (one proposer per row), alone and with prompt lookup merged into its trees
+    python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --lookup-branch 10
     # ... with each drafter's node budget fitted per batch size on that batch size's measured cost curve
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --budget
     # FIFO vs length-aware admission (S3 predictor from scripts/train_length_predictor.py) vs the oracle order
@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     requests = first_turns(bench.tokenizer, a.bench, a.requests)
     methods: list[tuple[str, Factory]] = [("ar", None)]
     methods += [(name, partial(make_proposer, d)) for name, d in bench.drafters]
+    if a.lookup_branch:  # each drafter again, prompt lookup's chain merged into its trees (eval/hybrid.py)
+        n = a.lookup_branch
+        methods += [
+            (f"{name}+lookup", partial(make_proposer, d, lookup_tokens=n)) for name, d in bench.drafters
+        ]
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     predicted, reserve, predict_s = None, None, 0.0

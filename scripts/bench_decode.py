@@ -52,12 +52,6 @@ def main(argv: list[str] | None = None) -> None:
         default=[128],
         help="with --budget: one row per value of eval.node_budget_refit (0: the first fit is final)",
     )
-    p.add_argument(
-        "--lookup-branch",
-        type=int,
-        default=0,
-        help="> 0: also each drafter with a prompt-lookup chain this long merged in (eval.lookup_tokens)",
-    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     a = p.parse_args(argv)

@@ -68,12 +68,12 @@ def test_bench_decode(eval_assets: Path, tmp_path: Path, capsys) -> None:
 def test_bench_batch(eval_assets: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "batch.json"
     _main("bench_batch")(
-        [*_common(eval_assets, out), "--requests", "3", "--batch", "1", "2", "--max-new-tokens", "6"]
-    )
+        [*_common(eval_assets, out), "--requests", "3", "--batch", "1", "2", "--max-new-tokens", "6",
+         "--lookup-branch", "3"]
+    )  # fmt: skip
     rows = _load(out)["rows"]
-    assert {(r["method"], r["batch"]) for r in rows} == {
-        (m, b) for m in ("ar", "redrafter:drafter", "lookup:3") for b in (1, 2)
-    }
+    methods = ("ar", "redrafter:drafter", "redrafter:drafter+lookup", "lookup:3")
+    assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in methods for b in (1, 2)}
     assert all(r["identical"] == r["requests"] == 3 for r in rows)  # batched outputs equal batch-1 AR
     assert "mini_mt" in capsys.readouterr().out
 

@@ -16,6 +16,17 @@ Greedy acceptance: each row's output equals its own batch-1 `decode.ar_generate`
 With `temperature > 0` every row runs the recursive rejection rule of `verify.sample_verify` on its own tree
 (one host sync per row instead of one per step), so each row's tokens follow the target's sampling
 distribution. Inactive rows ride along with a dummy one-node-wide tree and commit nothing (fixed B).
+
+Two shapes of the same step, as for the single-prompt `static_decode.StaticDecoder`:
+  * eager (`static=False`, the CPU default): trees padded to the largest tree of the step, attention over
+    the longest active row's filled prefix (`span`), so the cost follows what is filled;
+  * fixed (`static=True`): trees padded to the next power of two, copied into persistent (B, b) buffers,
+    attention over the whole cache with the mask and write positions computed on the device from the
+    per-row lengths, so every step of a budget has the same shapes and addresses; with `graphs=True`
+    (CUDA) each budget's forward is captured once as a CUDA graph and replayed
+    (`make_batch_decoder`: `eval.cuda_graphs`).
+Either way greedy acceptance runs for all rows at once (`verify.greedy_verify_rows`) and the step reads one
+packed (B, 2 + 2b) tensor: its only host sync.
 """
 
 from __future__ import annotations
@@ -33,8 +44,10 @@ from transformers import PreTrainedModel
 from specdraft.eval.batch_kv import BatchKVCache
 from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
 from specdraft.eval.decode import DecodeStats, Proposer, _emit, default_stop_ids, sync_device
+from specdraft.eval.graphs import CudaGraph, capture_or_none, graphs_wanted
+from specdraft.eval.static_decode import budget_for
 from specdraft.eval.tree import DraftTree
-from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
+from specdraft.eval.verify import greedy_verify_rows, sample_token, sample_verify
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 Sampling = tuple[float, int, float, torch.Generator | None]  # (temperature, top_k, top_p, generator)
@@ -91,16 +104,38 @@ class BatchDecoder:
         model: HF causal LM, frozen.
         batch_size: B, rows decoded together.
         max_len: cache capacity per row; grown (reallocated to exactly the longest prompt + budget + one tree) when
-            a call needs more. Each step attends over the longest active row's positions only (finished rows
-            are emptied), so attention and GQA key expansion cost what is filled, not max_len.
+            a call needs more. Each eager step attends over the longest active row's positions only (finished
+            rows are emptied), so attention and GQA key expansion cost what is filled, not max_len.
+        static: fixed-shape verify (power-of-two trees, whole-cache attention, device-side mask and positions).
+        graphs: capture each budget's verify forward as a CUDA graph (needs `static` and a CUDA model).
     """
 
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int = 1024) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        batch_size: int,
+        max_len: int = 1024,
+        static: bool = False,
+        graphs: bool = False,
+    ) -> None:
         emb = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
         self.model, self.device, self.dtype = model, emb.device, emb.dtype
-        self.batch_size = batch_size
+        if graphs and (not static or self.device.type != "cuda"):
+            raise ValueError("graphs=True needs static=True and a model on a CUDA device")
+        self.batch_size, self.static, self.graphs = batch_size, static, graphs
         self.cache = BatchKVCache(model, batch_size, max_len)
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
+        self._inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # static: b -> (tokens, ancestors, depth)
+        self._graphs: dict[tuple, CudaGraph[tuple[Tensor, Tensor]] | None] = {}
+
+    def _new_cache(self, max_len: int) -> None:
+        """Reallocate the cache at `max_len` positions per row (captured graphs read the old one: dropped)."""
+        self.cache = BatchKVCache(self.model, self.batch_size, max_len)
+        self._graphs.clear()
+
+    def path_name(self) -> str:
+        """ "eager" | "fixed" | "graph": the shape of this decoder's verify (a cost-curve cache key)."""
+        return "graph" if self.graphs else "fixed" if self.static else "eager"
 
     def _forward(
         self,
@@ -110,6 +145,7 @@ class BatchDecoder:
         depth: Tensor,
         layers: tuple[int, ...],
         keep_last: bool,
+        span: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One target forward of R rows over L new positions each, written after each row's committed ones.
 
@@ -117,13 +153,16 @@ class BatchDecoder:
             rows: the cache rows (R of them).
             tokens: (R, L) long; ancestors: (R, L, L) bool ancestor-or-self; depth: (R, L) long.
             layers, keep_last: the proposer's features (as `decode.target_forward`).
+            span: positions attention reads per row; None: the longest of these rows' filled prefixes + L
+                (read from the host lengths); the fixed shape passes `max_len` (nothing read on the host).
 
         Returns:
             logits (R, L, V); hidden (R, L, H') last-layer states or the requested layers.
         """
         c, (r, n) = self.cache, tokens.shape
         lengths = c.lengths_t[rows]  # (R,)
-        span = max(c.lengths[rows]) + n  # attend over the filled prefix only (host lengths: no sync)
+        if span is None:
+            span = max(c.lengths[rows]) + n  # attend over the filled prefix only (host lengths: no sync)
         c.prepare_write(rows, lengths[:, None] + torch.arange(n, device=self.device), span)  # (R, L)
         rel = torch.arange(c.span, device=self.device)[None] - lengths[:, None]  # (R, S)
         in_tree = (rel >= 0) & (rel < n)
@@ -149,6 +188,41 @@ class BatchDecoder:
             hidden = torch.cat([hidden, extra], dim=-1) if keep_last else extra
         return logits, hidden
 
+    def _verify(
+        self, tokens: Tensor, ancestors: Tensor, depth: Tensor, layers: tuple[int, ...], keep_last: bool
+    ) -> tuple[Tensor, Tensor]:
+        """One verify forward of every row's padded tree, on this decoder's path.
+
+        Args:
+            tokens: (B, b) long; ancestors: (B, b, b) bool; depth: (B, b) long (`_pack_trees`).
+            layers, keep_last: the proposer's features.
+
+        Returns:
+            logits (B, b, V); hidden (B, b, H'). On the graph path both are the graph's own output buffers,
+            overwritten by the next replay (callers index them, which copies).
+        """
+        rows = slice(0, self.batch_size)
+        if not self.static:
+            return self._forward(rows, tokens, ancestors, depth, layers, keep_last)
+        b = tokens.shape[1]
+        if b not in self._inputs:
+            self._inputs[b] = (torch.empty_like(tokens), torch.empty_like(ancestors), torch.empty_like(depth))
+        buf = self._inputs[b]
+        for dst, src in zip(buf, (tokens, ancestors, depth), strict=True):
+            dst.copy_(src)
+
+        def run() -> tuple[Tensor, Tensor]:
+            return self._forward(rows, *buf, layers, keep_last, span=self.cache.max_len)
+
+        if not self.graphs:
+            return run()
+        key = (b, layers, keep_last)
+        if key not in self._graphs:
+            what = f"a {self.batch_size}-row {b}-node verify"
+            self._graphs[key] = capture_or_none(run, self.device, what)
+        graph = self._graphs[key]
+        return graph() if graph is not None else run()
+
     @torch.inference_mode()
     def measure_costs(
         self, sizes: tuple[int, ...] = SIZES[:5], prefix: int = 256, reps: int = 5
@@ -160,22 +234,24 @@ class BatchDecoder:
         g = torch.Generator(device="cpu").manual_seed(0)
         vocab = int(cast(PreTrainedModel, self.model).config.get_text_config(decoder=True).vocab_size)
         if prefix + max(sizes) > self.cache.max_len:
-            self.cache = BatchKVCache(self.model, B, prefix + max(sizes))
+            self._new_cache(prefix + max(sizes))
         for r in range(B):
             self._release(r)
-        ids = torch.randint(0, vocab, (B, prefix), generator=g).to(dev)  # (B, P)
+        ids = torch.randint(0, vocab, (B, prefix), generator=g, device="cpu").to(dev)  # (B, P)
         causal = torch.ones(prefix, prefix, dtype=torch.bool, device=dev).tril()[None].expand(B, -1, -1)
         self._forward(
             slice(0, B), ids, causal, torch.arange(prefix, device=dev)[None].expand(B, -1), (), False
         )
         for r in range(B):
             self.cache.set_length(r, prefix)
-        toks = {b: torch.randint(0, vocab, (B, b), generator=g).to(dev) for b in sizes}  # (B, b) each
+        toks = {
+            b: torch.randint(0, vocab, (B, b), generator=g, device="cpu").to(dev) for b in sizes
+        }  # (B, b) each
 
         def verify(b: int) -> None:
             chain = torch.ones(b, b, dtype=torch.bool, device=dev).tril()[None].expand(B, -1, -1)  # (B, b, b)
             depth = torch.arange(b, device=dev)[None].expand(B, -1)  # (B, b)
-            logits, _ = self._forward(slice(0, B), toks[b], chain, depth, (), False)
+            logits, _ = self._verify(toks[b], chain, depth, (), False)
             logits.float().argmax(-1).tolist()  # the step's host sync, as in `generate`
 
         ms = time_round_robin(verify, sizes, reps, dev)
@@ -187,7 +263,8 @@ class BatchDecoder:
         """This batch size's verify cost per row (ms of a B-row forward / B), cached per machine and B: with it
         a `NodeBudget` fed one observation per row and step maximises the batch's tokens/s, since
         sum_r gain_r / (cost_B(b) + sum_r draft_r) = mean gain / (cost_B(b) / B + mean draft)."""
-        key = machine_key(self.model, f"batch{self.batch_size}")
+        path = "" if not self.static else f"-{self.path_name()}"  # eager keeps its earlier key
+        key = machine_key(self.model, f"batch{self.batch_size}{path}")
         curve = CostCurve.load_or_measure(key, self.measure_costs, refresh=refresh, log=log)
         return CostCurve({b: ms / self.batch_size for b, ms in curve.ms.items()})
 
@@ -271,10 +348,10 @@ class BatchDecoder:
         proposers = [proposer_factory() for _ in range(B)] if proposer_factory is not None else []
         layers = proposers[0].spec.feature_layers if proposers else ()
         keep_last = proposers[0].spec.keep_last_hidden if proposers else False
-        margin = max(proposers[0].spec.node_budget, 1) + 64 if proposers else 2
+        margin = budget_for(max(proposers[0].spec.node_budget, 1)) + 64 if proposers else 2
         needed = max((len(p) + m for p, m in zip(requests, budgets, strict=True)), default=0) + margin
         if needed > self.cache.max_len:  # exactly what this call needs
-            self.cache = BatchKVCache(self.model, B, needed)
+            self._new_cache(needed)
         for r in range(B):
             self._release(r)
         batch = BatchStats(rows=B, requests=len(requests))
@@ -323,54 +400,34 @@ class BatchDecoder:
                     p.fit_budget(FULL)
             fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
             off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
-            trees: dict[int, DraftTree] = {}
+            trees: dict[int, DraftTree] = {}  # drafted rows; the others verify their root alone (AR)
             draft_s: dict[int, float] = {}  # per row: the proposer's time this step
-            for r in active:
+            for r in active if proposers and not off else ():
                 st = cast(_Row, rows[r])
-                if proposers and not off:
-                    t_draft = time.perf_counter()
-                    tree = (
-                        proposers[r].propose(cast(Tensor, st.new_hidden), cast(Tensor, st.new_tokens)).to(dev)
-                    )
-                    draft_s[r] = time.perf_counter() - t_draft
-                    trees[r] = tree.truncated(budget.cap) if budget is not None and budget.cap else tree
-                else:
-                    trees[r] = DraftTree(torch.tensor([st.root], device=dev), torch.tensor([-1], device=dev))
-            cap = self.cache.max_len - max(
-                self.cache.lengths[r] for r in active
-            )  # room left in the fullest row
-            trees = {r: t.truncated(cap) for r, t in trees.items()}
-            b = max(t.num_nodes for t in trees.values())
-            # every row starts as b dummies (children of node 0 that see only node 0 and themselves)
-            eye = torch.eye(b, dtype=torch.bool, device=dev)
-            anc = (eye | (torch.arange(b, device=dev) == 0)[None]).repeat(B, 1, 1)  # (B, b, b)
-            depth = (torch.arange(b, device=dev) > 0).long().repeat(B, 1)  # (B, b)
-            parents = torch.zeros(B, b, dtype=torch.long, device=dev)  # (B, b)
-            parents[:, 0] = -1
-            tokens = torch.zeros(B, b, dtype=torch.long, device=dev)  # (B, b)
-            valid = torch.zeros(B, b, dtype=torch.bool, device=dev)  # (B, b)
-            for r, t in trees.items():
-                n = t.num_nodes
-                tokens[r, :n], tokens[r, n:] = t.tokens, cast(_Row, rows[r]).root
-                parents[r, :n], depth[r, :n], valid[r, :n] = t.parents, cast(Tensor, t.depth), True
-                anc[r, :n, :n] = cast(Tensor, t.ancestors)
-            logits, hidden = self._forward(slice(0, B), tokens, anc, depth, layers, keep_last)  # (B, b, V)
+                t_draft = time.perf_counter()
+                tree = proposers[r].propose(cast(Tensor, st.new_hidden), cast(Tensor, st.new_tokens)).to(dev)
+                draft_s[r] = time.perf_counter() - t_draft
+                trees[r] = tree.truncated(budget.cap) if budget is not None and budget.cap else tree
+            room = self.cache.max_len - max(self.cache.lengths[r] for r in active)  # in the fullest row
+            if self.static:  # the padded size must fit: the largest power of two that does
+                room = 1 << (room.bit_length() - 1)
+            trees = {r: t.truncated(room) for r, t in trees.items()}
+            b = max((t.num_nodes for t in trees.values()), default=1)
+            b = budget_for(b) if self.static else b
+            roots = [st.root if st is not None else 0 for st in rows]
+            tokens, parents, anc, depth, valid = _pack_trees(
+                trees, roots, b, dev
+            )  # (B, b) each, anc (B, b, b)
+            logits, hidden = self._verify(tokens, anc, depth, layers, keep_last)  # (B, b, V), (B, b, H')
             gains = fitting and not off and cast(NodeBudget, budget).cap is None  # phase 1: the gain curves
-            if sampling is None:
-                packed = torch.stack(
-                    [
-                        greedy_verify_packed(
-                            tokens[r], parents[r], anc[r], depth[r], logits[r], valid[r], gains
-                        )
-                        for r in range(B)
-                    ]
-                )  # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gain curve (b,)]] per row
+            if sampling is None:  # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gains (b,)]]
+                packed = greedy_verify_rows(tokens, parents, anc, depth, logits, valid, gains)
             else:  # the same layout from the sampling rule, row by row; idle rows accept nothing
                 packed = torch.zeros(B, 2 + 2 * b, dtype=torch.long, device=dev)
                 packed[:, 2 : 2 + b] = torch.arange(b, device=dev)
                 for r in active:
-                    n = trees[r].num_nodes
-                    path, bonus = sample_verify(trees[r], logits[r, :n], *sampling)  # (a,), int
+                    tree = trees[r] if r in trees else DraftTree(tokens[r, :1], parents[r, :1])
+                    path, bonus = sample_verify(tree, logits[r, : tree.num_nodes], *sampling)  # (a,), int
                     a = path.shape[0]
                     packed[r, 0], packed[r, 1] = a, bonus
                     packed[r, 2 : 2 + a], packed[r, 2 + b : 2 + b + a] = path, tokens[r, path]
@@ -387,7 +444,9 @@ class BatchDecoder:
                     for p in proposers:
                         p.fit_budget(cast(int, fit.cap))
             path_t = packed[:, 2 : 2 + b]  # (B, b) padded paths
-            self.cache.commit(path_t, accepted)
+            # path[a-1] == a-1 in every row (paths ascend from 0): nothing to move, known without a sync
+            in_place = all(vals[r][1 + accepted[r]] == accepted[r] - 1 for r in active)
+            self.cache.commit(path_t, accepted, in_place)
             batch.steps += 1
             batch.idle_row_steps += B - len(active)
             for r in active:
@@ -400,16 +459,16 @@ class BatchDecoder:
                 self.committed[r] += path_tokens
                 st.stats.steps += 1
                 st.stats.accepted.append(a - 1)
-                st.stats.tree_sizes.append(trees[r].num_nodes)
+                st.stats.tree_sizes.append(trees[r].num_nodes if r in trees else 1)
                 if proposers and proposers[r].last_compression is not None:
                     st.stats.compression.append(float(cast(float, proposers[r].last_compression)))
-                new_h = hidden[r, path_t[r, :a]]  # (a, H')
-                new_t = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
-                # not drafted: the proposer gets these with its next call (after a refit)
-                if proposers and off and not cast(NodeBudget, budget).off_for_good:
-                    new_h = torch.cat([cast(Tensor, st.new_hidden), new_h])
-                    new_t = torch.cat([cast(Tensor, st.new_tokens), new_t])
-                st.new_hidden, st.new_tokens = new_h, new_t
+                if proposers:  # the proposer's next inputs: the newly committed positions
+                    new_h = hidden[r, path_t[r, :a]]  # (a, H'), a copy (graph outputs are overwritten)
+                    new_t = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
+                    if off and not cast(NodeBudget, budget).off_for_good:  # kept for its next call
+                        new_h = torch.cat([cast(Tensor, st.new_hidden), new_h])
+                        new_t = torch.cat([cast(Tensor, st.new_tokens), new_t])
+                    st.new_hidden, st.new_tokens = new_h, new_t
                 st.root = bonus
                 if _emit(st.out, [*path_tokens[1:], bonus], stops, st.max_new):
                     finish(st, r)
@@ -420,3 +479,52 @@ class BatchDecoder:
         batch.time_s = time.perf_counter() - t_call
         batch.new_tokens = sum(len(res[0]) for res in results if res is not None)
         return [cast(tuple[list[int], RequestStats], res) for res in results]
+
+
+def _pack_trees(
+    trees: dict[int, DraftTree], roots: list[int], b: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The (B, b) verify inputs of one step: row r holds `trees[r]` (a row without a tree: its root alone),
+    then dummy nodes, children of node 0 that see only node 0 and themselves and are never accepted.
+
+    Args:
+        trees: drafted rows' trees (at most b nodes each).
+        roots: (B,) each row's root token (an idle row: anything).
+        b: padded nodes per row.
+        device: the target's device.
+
+    Returns:
+        tokens (B, b) long, parents (B, b) long, ancestors (B, b, b) bool, depth (B, b) long, valid (B, b) bool.
+    """
+    B = len(roots)
+    tokens = torch.tensor(roots, dtype=torch.long, device=device)[:, None].repeat(1, b)  # (B, b)
+    eye = torch.eye(b, dtype=torch.bool, device=device)
+    anc = (eye | (torch.arange(b, device=device) == 0)[None]).repeat(B, 1, 1)  # (B, b, b)
+    depth = (torch.arange(b, device=device) > 0).long().repeat(B, 1)  # (B, b)
+    parents = torch.zeros(B, b, dtype=torch.long, device=device)  # (B, b)
+    parents[:, 0] = -1
+    valid = torch.zeros(B, b, dtype=torch.bool, device=device)  # (B, b)
+    valid[:, 0] = True
+    for r, t in trees.items():
+        n = t.num_nodes
+        tokens[r, :n], parents[r, :n], depth[r, :n] = t.tokens, t.parents, cast(Tensor, t.depth)
+        valid[r, :n] = True
+        anc[r, :n, :n] = cast(Tensor, t.ancestors)
+    return tokens, parents, anc, depth, valid
+
+
+def make_batch_decoder(
+    model: nn.Module, batch_size: int, cuda_graphs: str = "auto", max_len: int = 1
+) -> BatchDecoder:
+    """The batch decoder `eval.cuda_graphs` asks for: fixed-shape verify captured as CUDA graphs when on
+    (auto: exactly when the target is on CUDA), else the eager path.
+
+    Args:
+        model: the target.
+        batch_size: B.
+        cuda_graphs: "auto" | "on" | "off".
+        max_len: initial cache capacity per row (default 1: sized snugly by the first call).
+    """
+    emb = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
+    graphs = graphs_wanted(emb.device, cuda_graphs)
+    return BatchDecoder(model, batch_size, max_len, static=graphs, graphs=graphs)

@@ -113,19 +113,24 @@ class BatchKVCache(Cache):
         self.lengths[row] = length
         self.lengths_t[row] = length
 
-    def commit(self, path: Tensor, accepted: list[int]) -> None:
+    def commit(self, path: Tensor, accepted: list[int], in_place: bool | None = None) -> None:
         """Keep, in every row r, the first `accepted[r]` entries of `path[r]` right after its committed prefix.
 
         Args:
             path: (B, k) long node indices per row, ascending, `path[r, i] >= i`; entries past `accepted[r]`
                 are ignored. A row with `accepted[r] == 0` is left as it is.
             accepted: (B,) host counts a_r (root included); `lengths[r]` advances by a_r.
+            in_place: whether every row's kept entries are already in place (`path[r, :a_r] == arange(a_r)`),
+                when the caller knows it from the host copy of the paths; None: read it from `path` (a host
+                sync on a GPU).
         """
         k = path.shape[1]
         acc = torch.tensor(accepted, dtype=torch.long, device=path.device)  # (B,)
         slot = torch.arange(k, device=path.device)[None]  # (1, k)
         src = torch.where(slot < acc[:, None], path, slot) + self.lengths_t[:, None]  # (B, k)
-        if not bool((src == slot + self.lengths_t[:, None]).all()):  # some row's path is not in place
+        if in_place is None:
+            in_place = bool((src == slot + self.lengths_t[:, None]).all())
+        if not in_place:  # some row's path is not in place
             dst = self.lengths_t[:, None] + slot  # (B, k)
             for layer in self.kv_layers:
                 for buf in (layer.keys, layer.values):

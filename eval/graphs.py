@@ -49,3 +49,16 @@ def capture_or_none(fn: Callable[[], T], device: torch.device, what: str) -> Cud
     except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
         warnings.warn(f"CUDA graph capture failed for {what} ({e}); running it eagerly", stacklevel=2)
         return None
+
+
+def graphs_wanted(device: torch.device, cuda_graphs: str) -> bool:
+    """Whether `eval.cuda_graphs` (auto | on | off) turns the fixed-shape, graph-captured verify on for a
+    target on `device`: auto means exactly when it is on CUDA; on without CUDA is a config error."""
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise ValueError(f"eval.cuda_graphs={cuda_graphs!r}: expected auto | on | off")
+    on_cuda = device.type == "cuda"
+    if cuda_graphs == "on" and not on_cuda:
+        raise ValueError(
+            "eval.cuda_graphs=on needs the target on a CUDA device (base_model.device=cuda); use auto or off"
+        )
+    return cuda_graphs == "on" or (cuda_graphs == "auto" and on_cuda)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.batch_decode import make_batch_decoder
 from specdraft.eval.budget import NodeBudget
 from specdraft.eval.decode import Proposer
 from specdraft.eval.scheduler import first_fit_decreasing
@@ -96,6 +96,7 @@ def serve_grouped(
     max_batch: int | None = None,
     budget: NodeBudget | None = None,
     sample: dict[str, Any] | None = None,
+    cuda_graphs: str = "auto",
 ) -> tuple[list[list[int]], GroupedStats]:
     """Decreasing-first-fit groups under `kv_budget`, each decoded as its own batch; overflows re-admitted.
 
@@ -113,6 +114,7 @@ def serve_grouped(
             approximation for groups of other sizes; outputs never depend on it).
         sample: `BatchDecoder.generate` sampling keywords; None: greedy. A resumed overflow continues from
             its emitted prefix, so its tokens still follow the target's distribution.
+        cuda_graphs: `eval.cuda_graphs` for each group's batch decoder (`batch_decode.make_batch_decoder`).
 
     Returns:
         (new tokens per request in request order, stats); each output equals the request's batch-1 greedy one.
@@ -132,7 +134,7 @@ def serve_grouped(
         again: list[int] = []
         for g in groups:
             reserved = max(len(heads[j]) + want[j] for j in g)
-            out = BatchDecoder(model, len(g), max_len=1).generate(
+            out = make_batch_decoder(model, len(g), cuda_graphs).generate(
                 [heads[j] for j in g],
                 [want[j] for j in g],
                 stop_ids,

@@ -37,7 +37,7 @@ from specdraft.eval.decode import (
     target_forward,
 )
 from specdraft.eval.fallback import FallbackController
-from specdraft.eval.graphs import CudaGraph, capture_or_none
+from specdraft.eval.graphs import CudaGraph, capture_or_none, graphs_wanted
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
@@ -206,12 +206,12 @@ class StaticDecoder:
         chain (b in `sizes`) after it that commits nothing (call it under `torch.inference_mode()`)."""
         g = torch.Generator(device="cpu").manual_seed(0)
         vocab = int(cast(PreTrainedModel, self.model).config.get_text_config(decoder=True).vocab_size)
-        ids = torch.randint(0, vocab, (1, prefix), generator=g).to(self.device)
+        ids = torch.randint(0, vocab, (1, prefix), generator=g, device="cpu").to(self.device)
         self._reserve(prefix + 2 * max(sizes))
         self._prefill(ids, (), False)
         trees = {
             b: DraftTree(
-                torch.randint(0, vocab, (b,), generator=g).to(self.device),
+                torch.randint(0, vocab, (b,), generator=g, device="cpu").to(self.device),
                 torch.arange(b, device=self.device) - 1,
             )
             for b in sizes
@@ -403,12 +403,6 @@ def make_decoder(
     """
     if decode_path == "dynamic":
         return None
-    on_cuda = (
-        cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.device.type == "cuda"
-    )
-    if cuda_graphs == "on" and not on_cuda:
-        raise ValueError(
-            "eval.cuda_graphs=on needs the target on a CUDA device (base_model.device=cuda); use auto or off"
-        )
-    graphs = cuda_graphs == "on" or (cuda_graphs == "auto" and on_cuda)
+    device = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.device
+    graphs = graphs_wanted(device, cuda_graphs)
     return StaticDecoder(model, max_len, static=graphs, graphs=graphs)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.batch_decode import make_batch_decoder
 from specdraft.eval.budget import NodeBudget
 from specdraft.eval.decode import Proposer
 from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
@@ -44,6 +44,7 @@ def throughput_rows(
     node_budget: bool = False,
     sample: dict[str, Any] | None = None,
     budget_refit: int = 128,
+    cuda_graphs: str = "auto",
 ) -> list[dict[str, Any]]:
     """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
 
@@ -66,6 +67,8 @@ def throughput_rows(
             refits at all; `eval.node_budget_refit`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
             a generator seeded with `seed`, and `identical` is then None (outputs are samples, not AR's).
+        cuda_graphs: `eval.cuda_graphs` (auto | on | off): the batch decoders' fixed-shape, graph-captured
+            verify (`batch_decode.make_batch_decoder`; auto: on exactly when the target is on CUDA).
     """
     for s in schedulers:
         if s not in SCHEDULERS:
@@ -81,7 +84,7 @@ def throughput_rows(
     reference: list[list[int]] | None = None
     batch1_ar: float | None = None
     for b in batch_sizes:
-        dec = BatchDecoder(model, b, max_len=1)  # sized by the first call (a snug cache)
+        dec = make_batch_decoder(model, b, cuda_graphs)  # sized by the first call (a snug cache)
         dec.generate(prompts[:b], 4, stop_ids)  # warm-up (allocator, kernels)
         ar_rate: dict[str, float] = {}
         curve = dec.row_cost_curve(log=log) if node_budget and any(f for _, f in methods) else None
@@ -99,7 +102,7 @@ def throughput_rows(
                     bound = reserve if sched == "groups" else measured
                     toks, gs = serve_grouped(
                         model, prompts, list(bound or []), max_new_tokens, b * worst, stop_ids, factory,
-                        budget=budget, sample=kw,
+                        budget=budget, sample=kw, cuda_graphs=cuda_graphs,
                     )  # fmt: skip
                 else:
                     lengths = measured if sched == "oracle" else predicted

@@ -153,9 +153,9 @@ def greedy_verify_packed(
 ) -> Tensor:
     """`greedy_verify` with fixed shapes and no host sync: everything the decoder needs in one tensor.
 
-    Same rule as `greedy_verify` (deepest fully matched node, ties to the lowest index). Padding nodes
-    (`valid` False) are never accepted. The path comes back padded to b entries with the identity (slot k
-    holds k for k >= a), the form `StaticKVCache.commit` takes.
+    One tree of `greedy_verify_rows` (the same rule: deepest fully matched node, ties to the lowest index;
+    padding nodes, `valid` False, are never accepted). The path comes back padded to b entries with the
+    identity (slot k holds k for k >= a), the form `StaticKVCache.commit` takes.
 
     Args:
         tokens: (b,) long node tokens, node 0 the root.
@@ -171,20 +171,56 @@ def greedy_verify_packed(
         (2 + 2b,) long: [a, bonus, path (b,), tokens[path] (b,)], `a` nodes accepted (root included),
         followed by (b,) accepted-with-the-first-k-nodes counts when `prefix_accept`.
     """
-    b = tokens.shape[0]
-    top = logits.float().argmax(-1)  # (b,)
-    ok = tokens == top[parents.clamp(min=0)]  # (b,) node matches its parent's argmax
+    rows = greedy_verify_rows(
+        tokens[None], parents[None], ancestors[None], depth[None], logits[None],
+        None if valid is None else valid[None], prefix_accept,
+    )  # fmt: skip
+    return rows[0]
+
+
+def greedy_verify_rows(
+    tokens: Tensor,
+    parents: Tensor,
+    ancestors: Tensor,
+    depth: Tensor,
+    logits: Tensor,
+    valid: Tensor | None = None,
+    prefix_accept: bool = False,
+) -> Tensor:
+    """`greedy_verify` for B padded trees at once, with fixed shapes and no host sync: one packed row each.
+
+    Same rule as `greedy_verify` (deepest fully matched node, ties to the lowest index). Padding nodes
+    (`valid` False) are never accepted. Each path comes back padded to b entries with the identity (slot k
+    holds k for k >= a), the form `StaticKVCache.commit` and `BatchKVCache.commit` take.
+
+    Args:
+        tokens: (B, b) long node tokens, node 0 the root.
+        parents: (B, b) long, `parents[:, 0] == -1`.
+        ancestors: (B, b, b) bool ancestor-or-self matrices.
+        depth: (B, b) long.
+        logits: (B, b, V) target logits at every node.
+        valid: (B, b) bool real nodes (None: all).
+        prefix_accept: also return, for every k, the nodes the first k nodes alone would have accepted
+            (the gain curve of `eval.budget`).
+
+    Returns:
+        (B, 2 + 2b) long rows [a, bonus, path (b,), tokens[path] (b,)], `a` nodes accepted (root included),
+        each followed by (b,) accepted-with-the-first-k-nodes counts when `prefix_accept`.
+    """
+    B, b = tokens.shape
+    top = logits.float().argmax(-1)  # (B, b)
+    ok = tokens == top.gather(1, parents.clamp(min=0))  # (B, b) node matches its parent's argmax
     if valid is not None:
         ok = ok & valid
-    ok[0] = True
-    accepted = ~(ancestors & ~ok[None, :]).any(1)  # (b,) every ancestor ok
-    best = torch.where(accepted, depth, torch.full_like(depth, -1)).argmax()  # () first deepest
-    row = ancestors[best]  # (b,) nodes on the root->best path
-    idx = torch.arange(b, device=tokens.device)
-    slot = torch.where(row, row.long().cumsum(0) - 1, b)  # (b,) path position; others -> trash slot b
-    path = torch.arange(b + 1, device=tokens.device).scatter(0, slot, idx)[:b]  # (b,) identity past a
-    a = (depth[best] + 1).view(1)
-    parts = [a, top[best].view(1), path, tokens[path]]
-    if prefix_accept:  # (b,) deepest accepted node among the first k, + 1
-        parts.append(torch.cummax(torch.where(accepted, depth, torch.full_like(depth, -1)), 0).values + 1)
-    return torch.cat(parts)
+    ok[:, 0] = True
+    accepted = ~(ancestors & ~ok[:, None, :]).any(2)  # (B, b) every ancestor ok
+    score = torch.where(accepted, depth, torch.full_like(depth, -1))  # (B, b)
+    best = score.argmax(1, keepdim=True)  # (B, 1) first deepest
+    row = ancestors.gather(1, best[:, :, None].expand(B, 1, b))[:, 0]  # (B, b) nodes on the root->best path
+    idx = torch.arange(b, device=tokens.device).expand(B, b)  # (B, b)
+    slot = torch.where(row, row.long().cumsum(1) - 1, b)  # (B, b) path position; others -> trash slot b
+    path = torch.arange(b + 1, device=tokens.device).repeat(B, 1).scatter(1, slot, idx)[:, :b]  # (B, b)
+    parts = [depth.gather(1, best) + 1, top.gather(1, best), path, tokens.gather(1, path)]
+    if prefix_accept:  # (B, b) deepest accepted node among the first k, + 1
+        parts.append(torch.cummax(score, 1).values + 1)
+    return torch.cat(parts, 1)

@@ -6,6 +6,10 @@
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --lookup-branch 10
     # ... with each drafter's node budget fitted per batch size on that batch size's measured cost curve
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --budget
+    # on a GPU: every batched verify has a fixed shape and is replayed as a CUDA graph (--graphs auto: on
+    # exactly when the target is on CUDA; off: the eager batched path, for an A/B in another run)
+    python scripts/bench_batch.py --device cuda --dtype bf16 --batch 1 4 16 64 --lookup 10 \
+        --drafter outputs/redrafter_smollm2_copy/export --budget --json $OUT/bench_batch_gpu.json
     # FIFO vs length-aware admission (S3 predictor from scripts/train_length_predictor.py) vs the oracle order
     python scripts/bench_batch.py --requests 32 --batch 4 8 --max-new-tokens 128 --scheduler fifo length oracle \
         --length-predictor outputs/redrafter_smollm2/length_predictor.safetensors
@@ -74,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="fit a node budget per (batch size, drafter) (eval.node_budget=auto)",
     )
+    p.add_argument(
+        "--graphs", default="auto", help="auto | on | off: fixed-shape batched verify as CUDA graphs"
+    )
     a = p.parse_args(argv)
 
     from rich.console import Console
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = throughput_rows(
         model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
         schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
-        node_budget=a.budget,
+        node_budget=a.budget, cuda_graphs=a.graphs,
     )  # fmt: skip
     print_throughput(rows, Console(width=160))
     if predicted is not None:

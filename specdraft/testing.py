@@ -205,6 +205,63 @@ def run_tiny_train(
 
 
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
+FAMILIES = ("redrafter", "redrafter_context", "medusa", "eagle", "eagle3", "lookup")
+
+
+def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
+    """Random non-identity weights (identity-initialised heads would all draft the same token)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return module
+
+
+def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
+    """A randomly initialised drafter of `family` (one of `FAMILIES`; "lookup": prompt lookup of 4 tokens) on a
+    `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
+    call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    from transformers import PreTrainedModel
+
+    from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer, make_proposer
+    from specdraft.models import eagle, eagle3, medusa, redrafter
+    from specdraft.models.base_llm import target_fingerprint
+    from specdraft.train.config import ReDrafterSchema
+
+    if family == "lookup":
+        return PromptLookupProposer(4)
+    torch.manual_seed(1)
+    model = cast(PreTrainedModel, target)
+    fp = target_fingerprint(model, tiny_tokenizer())
+    dtype = next(target.parameters()).dtype
+
+    def ready(drafter: torch.nn.Module, scale: float) -> torch.nn.Module:
+        return jitter(drafter.to(dtype).eval(), scale)  # the target's dtype, random non-identity weights
+
+    if family in ("redrafter", "redrafter_context"):
+        extra: dict[str, Any] = (
+            dict(context_heads=2, context_dim=16, copy_ngram=3) if family == "redrafter_context" else {}
+        )
+        d = redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, **extra), model, fp)
+        return ReDrafterProposer(ready(d, 0.05), beam_width=4, beam_length=4)
+    if family == "medusa":
+        schema = OmegaConf.create(
+            {"draft_len": 3, "num_layers": 1, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
+             "tree_choices": None}
+        )  # fmt: skip
+        return make_proposer(ready(medusa.build(schema, model, fp), 0.05), tree_nodes=12)
+    if family in ("eagle", "eagle3"):
+        eagle_schema = SimpleNamespace(
+            draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
+            token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=None, ttt_decay=0.8,
+        )  # fmt: skip
+        module = eagle if family == "eagle" else eagle3
+        return make_proposer(ready(module.build(eagle_schema, model, fp), 0.2), tree_nodes=10)
+    raise ValueError(f"tiny_proposer: family={family!r}, expected one of {', '.join(FAMILIES)}")
+
+
 class RandomTreeProposer:
     """Random trees of random size over the whole vocabulary (mostly rejected drafts)."""
 

@@ -11,12 +11,19 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.batch_decode import BatchDecoder, make_batch_decoder
 from specdraft.eval.decode import ar_generate, target_forward
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree
-from specdraft.testing import OracleBeamProposer, RandomTreeProposer, random_prompts, tiny_target
+from specdraft.testing import (
+    FAMILIES,
+    OracleBeamProposer,
+    RandomTreeProposer,
+    random_prompts,
+    tiny_proposer,
+    tiny_target,
+)
 
 CPU = torch.device("cpu")
 LENGTHS = [1, 4, 25, 9, 17, 6, 13]  # prompt lengths: mixed, more requests than rows
@@ -24,6 +31,21 @@ BUDGETS = [14, 20, 1, 9, 20, 16, 11]  # max_new_tokens per request (1: done at t
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+SHAPES = [
+    "eager",
+    "fixed",
+    pytest.param("graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+def _device(shape: str) -> torch.device:
+    """The device a decoder shape runs on: graphs need CUDA, the other shapes are pinned to the CPU."""
+    return torch.device("cuda") if shape == "graph" else CPU
+
+
+def _decoder(model, batch_size: int, shape: str, max_len: int = 1024) -> BatchDecoder:
+    """The batch decoder in one of its three shapes (eager, fixed, graph)."""
+    return BatchDecoder(model, batch_size, max_len, static=shape != "eager", graphs=shape == "graph")
 
 
 def _references(model, prompts: list[list[int]], budgets: list[int]) -> tuple[set[int], list[list[int]]]:
@@ -81,10 +103,10 @@ def _factory(mode: str, prompts, refs) -> Callable | None:
     return lambda: PromptLookupProposer(4)
 
 
-def _check_equal(model, batch_size: int, mode: str) -> None:
+def _check_equal(model, batch_size: int, mode: str, shape: str = "eager") -> BatchDecoder:
     prompts = random_prompts(LENGTHS)
     stops, refs = _references(model, prompts, BUDGETS)
-    dec = BatchDecoder(model, batch_size, max_len=32)  # too small: growing the cache is exercised too
+    dec = _decoder(model, batch_size, shape, max_len=32)  # too small: growing the cache is exercised too
     res = dec.generate(prompts, BUDGETS, stop_ids=stops, proposer_factory=_factory(mode, prompts, refs))
     for i, ((out, stats), ref) in enumerate(zip(res, refs, strict=True)):
         assert out == ref, f"request {i} (prompt {LENGTHS[i]}, budget {BUDGETS[i]})"
@@ -99,6 +121,7 @@ def _check_equal(model, batch_size: int, mode: str) -> None:
         assert batch.steps < sum(s.steps for _, s in res)
     if mode == "oracle":
         assert sum(sum(s.accepted) for _, s in res) > 0
+    return dec
 
 
 @pytest.mark.parametrize("mode", ["ar", "random", "oracle", "lookup"])
@@ -142,9 +165,12 @@ def test_every_row_holds_exactly_its_committed_kv(mode):
     dec = BatchDecoder(model, 3, max_len=128)  # big enough: the spied cache is not reallocated
     commit, moved = dec.cache.commit, []
 
-    def spy(path: torch.Tensor, accepted: list[int]) -> None:  # did a row keep a scattered path?
-        moved.append(any(path[r, :a].tolist() != list(range(a)) for r, a in enumerate(accepted)))
-        commit(path, accepted)
+    def spy(path: torch.Tensor, accepted: list[int], in_place: bool | None = None) -> None:
+        """Did a row keep a scattered path, and did the decoder's host-side `in_place` say so?"""
+        scattered = any(path[r, :a].tolist() != list(range(a)) for r, a in enumerate(accepted))
+        assert in_place is None or in_place == (not scattered)
+        moved.append(scattered)
+        commit(path, accepted, in_place)
 
     dec.cache.commit = spy  # type: ignore[method-assign]
     res = dec.generate(prompts, BUDGETS, stops, _factory(mode, prompts, refs), on_step=check)
@@ -255,3 +281,69 @@ def test_batched_cost_curve_is_per_row(tmp_path, monkeypatch):
     assert dec.row_cost_curve(log=lambda _: None).ms == curve.ms  # read back
     raw = json.loads(next(tmp_path.glob("*.json")).read_text())["ms"]
     assert curve(1) == pytest.approx(float(raw["1"]) / 4)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:])
+@pytest.mark.parametrize("mode", ["ar", "random", "oracle", "lookup"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fixed_shape_batched_equals_batch1_ar(arch, mode, shape):
+    """The fixed-shape path (power-of-two trees, whole-cache attention, device-side mask and write positions)
+    and, on CUDA, its graph replays: the same outputs as batch-1 AR, with refills and rows finishing apart."""
+    dec = _check_equal(tiny_target(arch, _device(shape)), 3, mode, shape)
+    assert dec._inputs and all(b & (b - 1) == 0 for b in dec._inputs)  # only power-of-two budgets
+    if shape == "graph":  # captured (a failed capture is an error in tests), one graph per budget
+        assert dec._graphs and all(g is not None for g in dec._graphs.values())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", [*FAMILIES, "redrafter+lookup", "eagle3+lookup"])
+def test_every_family_batched_equals_batch1_ar(family, shape):
+    """Every family's real proposer (random drafters, so acceptance is partial), alone and with prompt lookup
+    merged in, one proposer per row, on every path: each request's output is its batch-1 AR output."""
+    from specdraft.eval.hybrid import LookupBranch
+
+    model = tiny_target("llama", _device(shape))
+    prompts = random_prompts(LENGTHS, seed=4)
+    stops, refs = _references(model, prompts, BUDGETS)
+    name, lookup = family.removesuffix("+lookup"), family.endswith("+lookup")
+    factory = lambda: LookupBranch(tiny_proposer(name, model), 4) if lookup else tiny_proposer(name, model)  # noqa: E731
+    res = _decoder(model, 3, shape).generate(prompts, BUDGETS, stops, factory)
+    assert [out for out, _ in res] == refs
+    assert max(n for _, s in res for n in s.tree_sizes) > 1  # trees were verified, not just roots
+
+
+def test_fixed_shape_steps_never_change_shape():
+    """Every batched verify of the fixed path reads the whole cache (span = max_len, no host lengths) over a
+    power-of-two tree width, so a budget's step always has the same shapes (what a CUDA graph needs)."""
+    model = tiny_target("llama", CPU)
+    prompts = random_prompts(LENGTHS)
+    stops, refs = _references(model, prompts, BUDGETS)
+    dec = _decoder(model, 3, "fixed")
+    seen: list[tuple[int, int, int]] = []
+    forward = dec._forward
+
+    def spy(rows, tokens, ancestors, depth, layers, keep_last, span=None):
+        if rows == slice(0, 3):  # the batched verify (prefills run one row, eagerly)
+            seen.append((*tokens.shape, span))
+        return forward(rows, tokens, ancestors, depth, layers, keep_last, span)
+
+    dec._forward = spy  # type: ignore[method-assign]
+    res = dec.generate(prompts, BUDGETS, stops, _factory("random", prompts, refs))
+    assert [out for out, _ in res] == refs
+    assert {(rows, span) for rows, _, span in seen} == {(3, dec.cache.max_len)}
+    widths = {b for _, b, _ in seen}
+    assert all(b & (b - 1) == 0 for b in widths) and len(widths) <= 5 and max(widths) > 1
+
+
+def test_make_batch_decoder_follows_cuda_graphs():
+    """auto: the eager path on a CPU target; on: an error naming the fix; anything else: an error."""
+    model = tiny_target("llama", CPU)
+    dec = make_batch_decoder(model, 2, "auto")
+    assert not dec.static and not dec.graphs and dec.path_name() == "eager"
+    assert not make_batch_decoder(model, 2, "off").graphs
+    with pytest.raises(ValueError, match="base_model.device=cuda"):
+        make_batch_decoder(model, 2, "on")
+    with pytest.raises(ValueError, match="auto | on | off"):
+        make_batch_decoder(model, 2, "sometimes")
+    with pytest.raises(ValueError, match="graphs=True needs"):
+        BatchDecoder(model, 2, static=False, graphs=True)

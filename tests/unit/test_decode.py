@@ -203,10 +203,11 @@ def _broken_rule(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
     return path, int(torch.multinomial((logits[path[-1]] / temperature).softmax(-1), 1, generator=generator))
 
 
-def _batched_first2_counts(model, prompt, calls, temperature, monkeypatch=None):
-    """First two tokens of 6 identical requests per `BatchDecoder` call (3 rows, so rows are refilled)."""
+def _batched_first2_counts(model, prompt, calls, temperature, static=False):
+    """First two tokens of 6 identical requests per `BatchDecoder` call (3 rows, so rows are refilled), on the
+    eager or the fixed-shape path."""
     g = torch.Generator().manual_seed(11)
-    dec = BatchDecoder(model, 3)
+    dec = BatchDecoder(model, 3, static=static)
     counts = Counter()
     for _ in range(calls):
         out = dec.generate(
@@ -216,11 +217,12 @@ def _batched_first2_counts(model, prompt, calls, temperature, monkeypatch=None):
     return counts
 
 
-def test_batched_sampling_matches_target_distribution(small_vocab_model):
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed"])
+def test_batched_sampling_matches_target_distribution(small_vocab_model, static):
     """Every row of the batched decoder (refills included) samples the target's distribution."""
     prompt = torch.tensor([1, 4, 2])
     expected = _exact_first2(small_vocab_model, prompt, 0.8)
-    counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8)
+    counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8, static)
     assert _chi2_p(counts, expected, 1200) > 1e-3
 
 
@@ -240,8 +242,7 @@ def test_batch1_sampling_draws_as_the_dynamic_path():
 
     model = _tiny("llama")
     prompt = torch.tensor([3, 9, 3, 9, 5, 3, 9, 12, 40, 3])
-    dec = BatchDecoder(model, 1)
-    for seed in range(4):
+    for seed, dec in zip(range(4), [BatchDecoder(model, 1), BatchDecoder(model, 1, static=True)] * 2):
         kw = dict(temperature=0.9, top_k=16, top_p=0.95)
         ref, _ = speculative_generate(
             model, None, prompt, PromptLookupProposer(3), 16, stop_ids=set(),

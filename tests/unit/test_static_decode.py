@@ -5,27 +5,26 @@ plus the KV compaction invariants and the packed one-sync verify against the ref
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.fallback import FallbackController
 from specdraft.eval.hybrid import LookupBranch
-from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer, make_proposer
+from specdraft.eval.proposers import PromptLookupProposer, make_proposer
 from specdraft.eval.static_decode import StaticDecoder, budget_for
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import greedy_verify, greedy_verify_packed
-from specdraft.models import eagle, eagle3, medusa, redrafter
+from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.testing import (
     OracleBeamProposer,
     RandomTreeProposer,
     check_static_equals_ar,
+    jitter,
     tiny_llama,
+    tiny_proposer,
     tiny_target,
     tiny_tokenizer,
 )
@@ -50,49 +49,9 @@ def _decoder(model: torch.nn.Module, shape: str) -> StaticDecoder:
     return StaticDecoder(model, 48, static=shape != "eager", graphs=shape == "graph")
 
 
-def _jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
-    """Random non-identity weights (identity-initialised heads would all draft the same token)."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return module
-
-
 def _proposer(family: str, target: torch.nn.Module):
     """A randomly initialised drafter of `family` on `target` behind its real proposer."""
-    torch.manual_seed(1)
-    fp = target_fingerprint(target, tiny_tokenizer())
-    eagle_schema = SimpleNamespace(
-        draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
-        token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=None, ttt_decay=0.8,
-    )  # fmt: skip
-    if family == "redrafter":
-        d = redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), target, fp)
-        return ReDrafterProposer(_jitter(d.double().eval()), beam_width=4, beam_length=4)
-    if family == "redrafter_context":
-        schema = ReDrafterSchema(
-            draft_len=3, beam_width=4, num_layers=1, context_heads=2, context_dim=16, copy_ngram=3
-        )
-        d = redrafter.build(schema, target, fp)
-        return ReDrafterProposer(_jitter(d.double().eval()), beam_width=4, beam_length=4)
-    if family == "medusa":
-        schema = OmegaConf.create(
-            {
-                "draft_len": 3,
-                "num_layers": 1,
-                "loss_decay": 0.8,
-                "init_from_lm_head": True,
-                "topk": 4,
-                "tree_choices": None,
-            }
-        )
-        return make_proposer(_jitter(medusa.build(schema, target, fp).double().eval()), tree_nodes=12)
-    if family in ("eagle", "eagle3"):
-        module = eagle if family == "eagle" else eagle3
-        return make_proposer(
-            _jitter(module.build(eagle_schema, target, fp).double().eval(), 0.2), tree_nodes=10
-        )
-    return PromptLookupProposer(4)
+    return tiny_proposer(family, target)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -279,7 +238,7 @@ def test_fixed_beam_search_equals_the_dynamic_one(vocab_cut):
     fp = target_fingerprint(target, tiny_tokenizer())
     schema = ReDrafterSchema(draft_len=4, beam_width=4, num_layers=1, draft_vocab_size=vocab_cut)
     counts = torch.arange(V, 0, -1).float() if vocab_cut else None  # a reduced draft vocabulary needs counts
-    d = _jitter(redrafter.build(schema, target, fp, token_counts=counts).double().eval(), 0.3)
+    d = jitter(redrafter.build(schema, target, fp, token_counts=counts).double().eval(), 0.3)
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         hidden = torch.randn(H, generator=g, dtype=torch.float64)
@@ -295,7 +254,7 @@ def test_fixed_shape_redrafter_proposer_is_lossless(shape):
     device = torch.device("cuda") if shape == "graph" else CPU
     model = _target("llama", device)
     fp = target_fingerprint(model, tiny_tokenizer())
-    d = _jitter(
+    d = jitter(
         redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1), model, fp).double().eval()
     )
     proposer = make_proposer(d, static=True, graphs=shape == "graph")

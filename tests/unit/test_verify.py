@@ -154,3 +154,36 @@ def test_warp_top_k_top_p():
     assert (warp_probs(logits, 1.0, top_k=2)[0, 2:] == 0).all()
     p = warp_probs(logits, 1.0, top_p=0.5)  # the top token alone has mass ~0.64 >= 0.5
     assert p[0, 0] == 1.0
+
+
+def test_greedy_verify_rows_is_the_reference_rule_per_row():
+    """B random trees padded to one width (padding never accepted, tiny vocabulary so many drafts match):
+    every row's [a, bonus, path, path tokens] is `greedy_verify` on its real nodes, the padded path is the
+    identity past a, and the gain curve is the accepted count of each truncated tree."""
+    from specdraft.eval.batch_decode import _pack_trees
+    from specdraft.eval.verify import greedy_verify_rows
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        B, vocab = int(torch.randint(1, 6, (1,), generator=g)), 3
+        trees = {}
+        for r in range(B):
+            n = int(torch.randint(1, 10, (1,), generator=g))
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+            trees[r] = DraftTree(torch.randint(0, vocab, (n,), generator=g), torch.tensor(parents))
+        b = max(t.num_nodes for t in trees.values()) + int(torch.randint(0, 3, (1,), generator=g))
+        roots = [int(trees[r].tokens[0]) for r in range(B)]
+        tokens, parents, anc, depth, valid = _pack_trees(trees, roots, b, torch.device("cpu"))
+        logits = torch.randn(B, b, vocab, generator=g, dtype=torch.float64)
+        packed = greedy_verify_rows(tokens, parents, anc, depth, logits, valid, prefix_accept=True)
+        assert packed.shape == (B, 3 * b + 2)
+        for r, tree in trees.items():
+            n = tree.num_nodes
+            path, bonus = greedy_verify(tree, logits[r, :n])
+            a = path.shape[0]
+            row = packed[r].tolist()
+            assert row[0] == a and row[1] == bonus
+            assert row[2 : 2 + b] == path.tolist() + list(range(a, b))  # identity past a
+            assert row[2 + b : 2 + b + a] == tree.tokens[path].tolist()
+            gains = [greedy_verify(tree.truncated(k), logits[r, :k])[0].shape[0] for k in range(1, n + 1)]
+            assert row[2 + 2 * b : 2 + 2 * b + n] == gains

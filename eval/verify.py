@@ -153,19 +153,9 @@ def greedy_verify_packed(
 ) -> Tensor:
     """`greedy_verify` with fixed shapes and no host sync: everything the decoder needs in one tensor.
 
-    One tree of `greedy_verify_rows` (the same rule: deepest fully matched node, ties to the lowest index;
-    padding nodes, `valid` False, are never accepted). The path comes back padded to b entries with the
-    identity (slot k holds k for k >= a), the form `StaticKVCache.commit` takes.
-
-    Args:
-        tokens: (b,) long node tokens, node 0 the root.
-        parents: (b,) long, `parents[0] == -1`.
-        ancestors: (b, b) bool ancestor-or-self matrix.
-        depth: (b,) long.
-        logits: (b, V) target logits at every node.
-        valid: (b,) bool real nodes (None: all).
-        prefix_accept: also return, for every k, the nodes the first k nodes alone would have accepted
-            (the gain curve of `eval.budget`).
+    `greedy_verify_rows` for one tree: the same arguments without their leading B dimension (tokens,
+    parents, depth, valid (b,); ancestors (b, b); logits (b, V)) and the same rule. The path comes back
+    padded to b entries with the identity (slot k holds k for k >= a), the form `StaticKVCache.commit` takes.
 
     Returns:
         (2 + 2b,) long: [a, bonus, path (b,), tokens[path] (b,)], `a` nodes accepted (root included),

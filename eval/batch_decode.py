@@ -43,8 +43,8 @@ from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
 from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
-from specdraft.eval.decode import DecodeStats, Proposer, _emit, default_stop_ids, sync_device
-from specdraft.eval.graphs import CudaGraph, capture_or_none, graphs_wanted
+from specdraft.eval.decode import DecodeStats, Proposer, _emit, default_stop_ids, model_device, sync_device
+from specdraft.eval.graphs import CudaGraph, graphs_wanted, replay_or_run
 from specdraft.eval.static_decode import budget_for
 from specdraft.eval.tree import DraftTree
 from specdraft.eval.verify import greedy_verify_rows, sample_token, sample_verify
@@ -216,12 +216,8 @@ class BatchDecoder:
 
         if not self.graphs:
             return run()
-        key = (b, layers, keep_last)
-        if key not in self._graphs:
-            what = f"a {self.batch_size}-row {b}-node verify"
-            self._graphs[key] = capture_or_none(run, self.device, what)
-        graph = self._graphs[key]
-        return graph() if graph is not None else run()
+        what = f"a {self.batch_size}-row {b}-node verify"
+        return replay_or_run(self._graphs, (b, layers, keep_last), run, self.device, what)
 
     @torch.inference_mode()
     def measure_costs(
@@ -525,6 +521,5 @@ def make_batch_decoder(
         cuda_graphs: "auto" | "on" | "off".
         max_len: initial cache capacity per row (default 1: sized snugly by the first call).
     """
-    emb = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
-    graphs = graphs_wanted(emb.device, cuda_graphs)
+    graphs = graphs_wanted(model_device(model), cuda_graphs)
     return BatchDecoder(model, batch_size, max_len, static=graphs, graphs=graphs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -49,6 +49,17 @@ def capture_or_none(fn: Callable[[], T], device: torch.device, what: str) -> Cud
     except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
         warnings.warn(f"CUDA graph capture failed for {what} ({e}); running it eagerly", stacklevel=2)
         return None
+
+
+def replay_or_run(
+    graphs: dict[Any, CudaGraph[T] | None], key: Any, fn: Callable[[], T], device: torch.device, what: str
+) -> T:
+    """Replay the graph of `key` in `graphs`, capturing `fn` on its first use (`capture_or_none`); where
+    capture failed, run `fn` eagerly (the same output)."""
+    if key not in graphs:
+        graphs[key] = capture_or_none(fn, device, what)
+    graph = graphs[key]
+    return graph() if graph is not None else fn()
 
 
 def graphs_wanted(device: torch.device, cuda_graphs: str) -> bool:

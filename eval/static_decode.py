@@ -33,11 +33,12 @@ from specdraft.eval.decode import (
     _emit,
     _finish,
     _setup,
+    model_device,
     sync_device,
     target_forward,
 )
 from specdraft.eval.fallback import FallbackController
-from specdraft.eval.graphs import CudaGraph, capture_or_none, graphs_wanted
+from specdraft.eval.graphs import CudaGraph, graphs_wanted, replay_or_run
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
@@ -157,13 +158,13 @@ class StaticDecoder:
         if not self.graphs:
             logits, hidden = self._static_forward(inp, layers, keep_last)
             return logits, hidden, inp.valid, inp
-        key = (b, layers, keep_last)
-        if key not in self._graphs:
-            self._graphs[key] = capture_or_none(
-                lambda: self._static_forward(inp, layers, keep_last), self.device, f"a {b}-node verify"
-            )
-        graph = self._graphs[key]
-        logits, hidden = graph() if graph is not None else self._static_forward(inp, layers, keep_last)
+        logits, hidden = replay_or_run(
+            self._graphs,
+            (b, layers, keep_last),
+            lambda: self._static_forward(inp, layers, keep_last),
+            self.device,
+            f"a {b}-node verify",
+        )
         return logits, hidden, inp.valid, inp
 
     def _prefill(self, ids: Tensor, layers: tuple[int, ...], keep_last: bool) -> tuple[Tensor, Tensor]:
@@ -403,6 +404,5 @@ def make_decoder(
     """
     if decode_path == "dynamic":
         return None
-    device = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.device
-    graphs = graphs_wanted(device, cuda_graphs)
+    graphs = graphs_wanted(model_device(model), cuda_graphs)
     return StaticDecoder(model, max_len, static=graphs, graphs=graphs)

@@ -49,6 +49,11 @@ def add_target_args(
         help="target Linear weights (eval.linear_layout; models/linear_layout.py)",
     )
     p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders / Hub ids")
+    p.add_argument(
+        "--draft-dtype",
+        default=None,
+        help="drafters' dtype: auto | fp32 | bf16 | fp16 (eval.draft_dtype; default: the target's dtype)",
+    )
     p.add_argument("--lookup", type=int, default=0, help="> 0: also prompt lookup with this many tokens")
     p.add_argument(
         "--lookup-branch",
@@ -72,8 +77,10 @@ def drafter_label(drafter: nn.Module, path: str) -> str:
 
 def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
     """Threads, the target (`--layout` applied unless `layout=False`: the script lays it out itself), its
-    tokenizer and stop ids, and every `--drafter` checked against the target's fingerprint."""
+    tokenizer and stop ids, and every `--drafter` checked against the target's fingerprint, in `--draft-dtype`
+    (default: the target's dtype, as evaluate.py)."""
     from specdraft.eval.decode import default_stop_ids
+    from specdraft.hardware import draft_dtype_for
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
     from specdraft.models.linear_layout import apply_layout, match_target_layout
@@ -87,6 +94,7 @@ def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
     drafters: list[tuple[str, nn.Module]] = []
     for path in a.drafter:
         d = load_drafter(path, model, fingerprint)
+        torch.nn.Module.to(d, draft_dtype_for(a.draft_dtype, model, "--draft-dtype"))
         if layout:
             match_target_layout(d, model)  # as evaluate.py does
         drafters.append((drafter_label(d, path), d))

@@ -89,7 +89,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     from specdraft.eval.budget import CostCurve, machine_key
     from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.hardware import resolve_dtype
+    from specdraft.hardware import draft_dtype_for
     from specdraft.models.base_llm import target_fingerprint
     from specdraft.models.hub import load_drafter
     from specdraft.models.linear_layout import match_target_layout
@@ -110,9 +110,8 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     fingerprint = target_fingerprint(model, tokenizer)
     for path in _drafter_paths(cfg):
         drafter = load_drafter(path, model, fingerprint, field="eval.drafters")
-        if e.draft_dtype:  # bf16 where native: small matmuls of a few beams run ~2x faster than fp32 on CPU
-            dtype = resolve_dtype(e.draft_dtype, model.device, "eval.draft_dtype")
-            torch.nn.Module.to(drafter, dtype)  # (PreTrainedModel.to is typed as a wrapper)
+        # the target's dtype unless set: an fp32 export drafting next to a bf16 target costs 2-7x the draft time
+        torch.nn.Module.to(drafter, draft_dtype_for(e.draft_dtype, model))  # (PreTrainedModel.to: a wrapper)
         match_target_layout(drafter, model)  # packed Linear weights like the target's, where it has them
         base_name = f"{drafter_family(drafter)}:{Path(path).name or path}"
         variants = [(base_name, 0)]

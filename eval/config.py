@@ -19,7 +19,7 @@ class EvalConfig:
     beam_width: int | None = None  # ReDrafter beam width (None: the drafter's default)
     beam_length: int | None = None  # ReDrafter beam length incl. root (None: draft_len + 1)
     int8_draft_head: bool = True  # ReDrafter on CPU: draft with an int8 vocab head (output unchanged)
-    draft_dtype: str | None = None  # drafters cast to auto|fp32|bf16|fp16 (None: as exported); same output
+    draft_dtype: str | None = None  # None: the target's dtype, else auto|fp32|bf16|fp16; same output
     draft_min_prob: float = 0.0  # ReDrafter: prune beam positions whose drafter probability is below this
     lookup_tokens: int = 0  # > 0: also run each drafter with a prompt-lookup chain this long merged in
     tree_nodes: int | None = None  # Medusa/EAGLE node budget (None: the drafter's default)

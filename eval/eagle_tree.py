@@ -12,7 +12,8 @@ Each `propose` call:
    frontier. A node's input feature is its parent's output (EAGLE feeds predicted features back).
 3. Reranking: the `total_tokens` best candidates by cumulative log-prob (ties: shallower first, then earlier)
    are kept. A child never outscores its parent, so the kept set is closed under ancestors; it is laid out
-   depth by depth (parents[i] < i) under the committed root as a `DraftTree`.
+   best first (parents[i] < i) under the committed root as a `DraftTree`, so its first b nodes are the tree a
+   budget of b - 1 would keep.
 
 `depth` counts draft tokens below the root, so `depth` = 1 gives a one-level tree of `min(k, total_tokens)`
 nodes. Verification (greedy or sampling) is the shared core's, so decoding stays lossless.
@@ -46,7 +47,11 @@ Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 def select_nodes(tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    """EAGLE-2 reranking with fixed shapes: the `total` best candidates, laid out depth by depth.
+    """EAGLE-2 reranking with fixed shapes: the `total` best candidates, best first.
+
+    Best first (score descending, ties shallower first) puts every parent before its children (a child never
+    outscores its parent) and makes the first b nodes the tree EAGLE-2 keeps for a budget of b - 1
+    (`DraftTree.truncated`: the decoder's node budget on the static path).
 
     Args:
         tok, par, score, depth: (P,) the candidate pool (`grow`); par = pool index, -1 = root.
@@ -59,8 +64,7 @@ def select_nodes(tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: 
     p = tok.shape[0]
     order = torch.sort(depth, stable=True).indices  # ties in score: shallower first, then pool order
     order = order[torch.sort(score[order], descending=True, stable=True).indices]
-    keep = order[: min(total, p)]  # (N,)
-    keep = keep[torch.sort(depth[keep] * p + keep).indices]  # depth-major, parents before children
+    keep = order[: min(total, p)]  # (N,) best first: parents before children
     numbers = torch.arange(1, keep.shape[0] + 1, device=tok.device)  # (N,)
     node = torch.full((p,), -1, dtype=torch.long, device=tok.device).scatter(0, keep, numbers)  # (P,)
     kp = par[keep]

@@ -48,7 +48,9 @@ DEFAULT_TREE: list[tuple[int, ...]] = [
 def check_tree(
     choices: Sequence[Sequence[int]], num_heads: int, what: str = "Medusa tree"
 ) -> list[tuple[int, ...]]:
-    """Validate rank paths and return them in breadth-first order (so parents come before children).
+    """Validate rank paths and return them in their given (importance) order, each after its parent (a
+    parent listed later moves up to just before its first child), so cutting the first nodes of the tree
+    (`DraftTree.truncated`: the decoder's node budget) keeps the most valuable ones.
 
     Raises:
         ValueError: naming the offending path (empty, negative rank, deeper than the heads, duplicate,
@@ -67,7 +69,13 @@ def check_tree(
             raise ValueError(f"{what}: path {list(p)} has no parent path {list(p[:-1])}")
     if len(seen) != len(paths):
         raise ValueError(f"{what}: duplicate paths")
-    return sorted(paths, key=lambda p: (len(p), p))
+    ordered: list[tuple[int, ...]] = []
+    placed: set[tuple[int, ...]] = {()}
+    for p in paths:
+        missing = [p[:i] for i in range(1, len(p) + 1) if p[:i] not in placed]  # ancestors first, then p
+        ordered.extend(missing)
+        placed.update(missing)
+    return ordered
 
 
 def prune_tree(
@@ -77,7 +85,7 @@ def prune_tree(
     `num_heads` and ranks < `topk` whose parent was kept, until `max_nodes` nodes (root included).
 
     Returns:
-        breadth-first rank paths (a valid tree for `check_tree`).
+        rank paths in list (importance) order, parents first (a valid tree for `check_tree`).
     """
     kept: list[tuple[int, ...]] = []
     have: set[tuple[int, ...]] = {()}
@@ -87,11 +95,11 @@ def prune_tree(
         if 0 < len(p) <= num_heads and max(p) < topk and p[:-1] in have and p not in have:
             kept.append(p)
             have.add(p)
-    return sorted(kept, key=lambda p: (len(p), p))
+    return kept
 
 
 def tree_layout(paths: Sequence[tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor]:
-    """Node arrays of a breadth-first tree (node 0 = root, node i = paths[i-1]).
+    """Node arrays of a tree whose paths list parents first (node 0 = root, node i = paths[i-1]).
 
     Returns:
         parents (N,) long (parents[0] = -1), head (N,) long (depth - 1; -1 at the root),
@@ -145,7 +153,7 @@ def build_tree(acc: Tensor, num_nodes: int) -> tuple[list[tuple[int, ...]], floa
 
     Returns:
         paths: the N-1 rank paths in the order they were added (every prefix is itself a tree for a
-            smaller budget; `check_tree` sorts them breadth-first);
+            smaller budget, and `check_tree` keeps that order);
         expected: E[tokens/step] of the tree (1 + the sum of the node values).
     """
     if num_nodes < 1:

@@ -159,6 +159,26 @@ def resolve_dtype(
     return DTYPES[name]
 
 
+def draft_dtype_for(
+    setting: str | None, target: torch.nn.Module, field: str = "eval.draft_dtype"
+) -> torch.dtype:
+    """The dtype a drafter decodes in next to `target` (`eval.draft_dtype`).
+
+    Args:
+        setting: None: the target's own dtype, so a bf16 target drafts in bf16 and an fp32 one
+            in fp32; `auto` | `fp32` | `bf16` | `fp16`: that dtype (`auto`: bf16 where native).
+        target: the loaded target (its first parameter's dtype and device).
+        field: the config key named in the error.
+
+    Raises:
+        ValueError: an unknown name, naming `field` and the choices.
+    """
+    param = next(target.parameters())
+    if setting is None:
+        return param.dtype
+    return resolve_dtype(setting, param.device, field)
+
+
 def mixed_precision_for(setting: str, device: torch.device) -> str:
     """accelerate's `mixed_precision` for `train.mixed_precision` (`auto` follows the dtype rule).
 

@@ -135,6 +135,14 @@ def test_draft_dtype_casts_the_drafter_and_stays_lossless(assets, tmp_path, monk
     assert spec["identical"] == spec["total"] == 2  # both turns token for token
     with pytest.raises(ValueError, match="eval.draft_dtype=fp8: expected null or one of auto, fp32"):
         evaluate(bad)
+    # unset: the drafter follows the target's dtype (a bf16 target drafts in bf16, not in the export's fp32)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        follow = compose(
+            config_name="config", overrides=_overrides(assets, tmp_path, *extra[:4], "eval.dtype=bf16")
+        )
+    seen.clear()
+    evaluate(follow)
+    assert seen == [torch.bfloat16]
 
 
 def _previous_results(out: Path) -> dict[str, bytes]:

@@ -110,6 +110,10 @@ def test_dynamic_tree_matches_brute_force(family, total, depth, k):
     assert bool((mask[0, 0, :, :5] == 0).all()) and torch.equal(mask[0, 0, :, 5:] == 0, tree.ancestors)
     if total >= n_cand:  # everything kept: depth 1 has k nodes, deeper levels k*k each
         assert torch.bincount(tree.depth).tolist() == [1, k] + [k * k] * (depth - 1)
+    # best first: the first b nodes (the decoder's node budget on the static path) are EAGLE-2's tree for a
+    # budget of b - 1, not the shallowest nodes
+    for b in range(1, tree.num_nodes + 1):
+        assert _paths(tree.truncated(b)) == _brute_force(head, feats, tokens, b - 1, depth, k)
 
 
 def test_head_cache_holds_exactly_the_committed_positions():

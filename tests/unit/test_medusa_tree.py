@@ -98,7 +98,9 @@ def test_default_tree_check_and_prune():
     assert len(paths) == 63 and max(map(len, paths)) == 4 and max(max(p) for p in paths) == 9
     small = prune_tree(DEFAULT_TREE, num_heads=2, topk=3, max_nodes=8)
     assert len(small) == 7 and check_tree(small, 2) and all(max(p) < 3 for p in small)
-    assert small == sorted(small, key=lambda p: (len(p), p))  # breadth-first
+    # the given (importance) order is kept: the first nodes are the tree a smaller budget keeps
+    assert small == [(0,), (0, 0), (1,), (0, 1), (2,), (1, 0), (0, 2)]
+    assert check_tree([(0, 1), (1,), (0,)], 2) == [(0,), (0, 1), (1,)]  # a parent listed later moves up
     for bad, msg in [([[0, 0]], "no parent"), ([[0], [0, 0], [0, 0, 0]], "depth 3"), ([[0], [-1]], ">= 0")]:
         with pytest.raises(ValueError, match=msg):
             check_tree(bad, 2)
@@ -139,7 +141,7 @@ def test_proposer_fills_tree_from_head_ranks(medusa64):
     hidden, tokens = torch.randn(3, H, dtype=torch.float64), torch.tensor([5, 6, 42])
     tree = proposer.propose(hidden, tokens)
     top = medusa64.head_logits(hidden[-1]).topk(4, dim=-1).indices  # (K, 4)
-    order = sorted(map(tuple, choices), key=lambda p: (len(p), p))  # documented breadth-first node order
+    order = list(map(tuple, choices))  # node order: the given (importance) order, parents first
     nodes = {(): 0}
     for i, key in enumerate(order, start=1):  # node i = head len(key)-1's rank key[-1] under node `key[:-1]`
         assert int(tree.parents[i]) == nodes[key[:-1]] and int(tree.depth[i]) == len(key)
@@ -154,7 +156,17 @@ def test_proposer_defaults_budget_and_export_tree(medusa64):
     assert make_proposer(medusa64, tree_nodes=5).num_nodes == 5
     assert MedusaProposer(medusa64, [[0], [1], [0, 0]]).depth_used == 2  # the third head is never run
     medusa64.config.tree_choices = [[0], [0, 0], [1]]
-    assert make_proposer(medusa64).paths == [(0,), (1,), (0, 0)]
+    assert make_proposer(medusa64).paths == [(0,), (0, 0), (1,)]  # the given (importance) order
+    # a tree built from accuracies, then cut by the decoder's node budget (the first b nodes), is the greedy
+    # (optimal) tree of that budget: the budget never keeps a sibling over a more valuable chain
+    acc = torch.tensor([[0.6, 0.2, 0.1, 0.05], [0.5, 0.2, 0.1, 0.0], [0.4, 0.1, 0.0, 0.0]])
+    medusa64.config.tree_choices = [list(q) for q in build_tree(acc, 12)[0]]
+    full = make_proposer(medusa64)
+    tree = full.propose(torch.randn(1, H, dtype=torch.float64), torch.tensor([7]))
+    for b in range(1, 13):
+        cut = tree.truncated(b)
+        assert full.paths[: b - 1] == build_tree(acc, b)[0] and cut.num_nodes == b
+        assert cut.parents[1:].lt(torch.arange(1, b)).all()  # still a tree
     assert make_proposer(medusa64, tree_nodes=3).paths == [(0,), (0, 0)]  # first paths in the given order
     medusa64.config.tree_choices = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
     with pytest.raises(ValueError, match="3 heads"):

@@ -184,7 +184,9 @@ class StaticHeadState:
         dev = next(drafter.parameters()).device
         self.cache = HeadKVCache(dev, capacity, max_write)
         self.graphs = graphs and dev.type == "cuda"
-        self.graph: CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
+        # one CUDA graph per expansion size (a node budget picks among a few: `EagleTreeProposer.fit_budget`)
+        self.captured: dict[tuple[int, int], CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]]] = {}
+        self.graph: CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None  # the latest call's
         self._last = torch.zeros(0, device=dev)  # (H,) graph input, sized at the first call
         self._root = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
 
@@ -200,7 +202,7 @@ class StaticHeadState:
         if n == 0:
             return hidden.new_zeros(0, d.config.base_hidden_size)
         if c.reserve(c.length + n + self.draft_slots):
-            self.graph = None  # new buffers: recapture
+            self.captured, self.graph = {}, None  # new buffers: recapture
         pos = torch.arange(c.length, c.length + n, device=dev)[None]  # (1, n)
         mask = causal_tree_mask(n, c.length + n, dev)  # (n, C + n)
         out = d.step(d.encode_target(hidden.to(dev))[None], tokens.to(dev)[None], c, pos, mask)[0]
@@ -224,27 +226,33 @@ class StaticHeadState:
         mask = draft_mask(rows, c.length_t, c.capacity)  # (1, 1, k, capacity)
         return self.drafter.step(feats[None], toks[None], c, pos, mask)[0]
 
-    def run(self, expand: Expansion, last: Tensor, root: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def run(
+        self, expand: Expansion, last: Tensor, root: Tensor, size: tuple[int, int] = (0, 0)
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`expand(last, root)` on persistent inputs: replayed as a CUDA graph when `graphs`, else eager.
 
         Args:
             expand: the fixed-shape expansion + reranking, (H,), (1,) -> tree tensors.
             last: (H,) the newest committed output; root: (1,) long.
+            size: the expansion's (total_tokens, depth): each size is captured once and replayed.
 
         Returns:
             expand's outputs (graph-owned when replayed: overwritten by the next call).
         """
         if self._last.shape != last.shape or self._last.dtype != last.dtype:
-            self._last, self.graph = last.new_zeros(last.shape), None
+            self._last, self.captured = last.new_zeros(last.shape), {}
         self._last.copy_(last)
         self._root.copy_(root)
         self.cache.fixed = True
         try:
+            self.graph = self.captured.get(size)
             if self.graphs and self.graph is None:
                 self.graph = capture_or_none(
                     lambda: expand(self._last, self._root), self._root.device, "the EAGLE-2 tree expansion"
                 )
                 self.graphs = self.graph is not None
+                if self.graph is not None:
+                    self.captured[size] = self.graph
             return self.graph() if self.graph is not None else expand(self._last, self._root)
         finally:
             self.cache.fixed = False

@@ -21,7 +21,7 @@ nodes. Verification (greedy or sampling) is the shared core's, so decoding stays
 `static=True` runs the same expansion and reranking with fixed shapes and no host sync (`eval/eagle_static.py`:
 a preallocated head cache with a length counter, device-side masks and positions), so every tree has
 1 + min(total_tokens, k + (depth-1)*k*k) nodes and, with `graphs=True` on CUDA, the expansion is one CUDA
-graph replay. Only the commit of the n newly accepted positions stays eager (n varies per call).
+graph replay (one graph per size: `fit_budget` picks among the node budget's few sizes). Only the commit of the n newly accepted positions stays eager (n varies per call).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class EagleTreeProposer:
         top_k: children per expanded node and nodes expanded per depth.
         int8_head: on CPU, draft with a dynamic-int8 copy of the vocabulary head (`proposers.Int8Linear`).
         static: fixed-shape, host-sync-free expansion and reranking over a preallocated head cache (see the
-            module docstring); trees of a constant 1 + min(total_tokens, pool) nodes.
+            module docstring); trees of 1 + min(total_tokens, pool) nodes, fixed per budget size.
         graphs: with `static` and the head on CUDA, capture the expansion once as a CUDA graph.
 
     Attributes:
@@ -137,11 +137,11 @@ class EagleTreeProposer:
 
     def fit_budget(self, nodes: int) -> None:
         """Keep at most `nodes - 1` draft nodes and a depth of `nodes - 1` (fewer head passes); a larger cap
-        (a refit: `budget.FULL`) restores the full sizes. The static mode keeps its captured shapes; the
-        decoder cuts its trees."""
-        if not self.static:
-            self.total_tokens = min(self._full[0], max(nodes - 1, 1))
-            self.depth = min(self._full[1], max(nodes - 1, 1))
+        (a refit: `budget.FULL`) restores the full sizes. In the static mode each size is its own fixed
+        shape (and CUDA graph, captured once per size): a budget cut to 2 nodes runs no head pass past the
+        commit instead of expanding the full tree and dropping most of it."""
+        self.total_tokens = min(self._full[0], max(nodes - 1, 1))
+        self.depth = min(self._full[1], max(nodes - 1, 1))
 
     @torch.inference_mode()
     def commit(self, hidden: Tensor, tokens: Tensor) -> Tensor:
@@ -183,7 +183,8 @@ class EagleTreeProposer:
         """
         out = self.commit(hidden, tokens)  # (n, H)
         if self.fixed is not None:
-            res = self.fixed.run(self._expand_fixed, out[-1], tokens[-1:].to(out.device))
+            size = (self.total_tokens, self.depth)
+            res = self.fixed.run(self._expand_fixed, out[-1], tokens[-1:].to(out.device), size)
             self.graphs = self.fixed.graph is not None
             tree_tok, parents, depth, anc = (t.clone() for t in res)  # graph outputs are overwritten
             return DraftTree(tree_tok, parents, depth, anc).to(tokens.device)

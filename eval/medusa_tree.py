@@ -262,17 +262,23 @@ class MedusaProposer:
         self.depth_used = int(self.depth.max())  # heads the tree reaches (deeper heads are never run)
         self.last_compression: float | None = None
         self.spec = ProposerSpec(max_depth=self.depth_used, node_budget=int(self.parents.shape[0]))
+        self._cap = int(self.parents.shape[0])  # nodes proposed (`fit_budget`); the whole tree by default
+        self._run = (self.topk, self.depth_used)  # ranks and heads those nodes need
 
     def reset(self) -> None:
         """No state across prompts."""
 
     def fit_budget(self, nodes: int) -> None:
-        """Nothing to shrink: the heads run once per step whatever the tree size (the decoder cuts the tree)."""
+        """Propose only the first `nodes` nodes (paths are in importance order, so they are the tree a smaller
+        budget keeps) and run only the heads and ranks they reach; a larger cap (a refit: `budget.FULL`)
+        restores the whole tree."""
+        self._cap = max(1, min(int(nodes), int(self.parents.shape[0])))
+        self._run = (int(self.rank[: self._cap].max()) + 1, int(self.depth[: self._cap].max()))
 
     @property
     def num_nodes(self) -> int:
-        """N, nodes of every proposed tree (root included)."""
-        return int(self.parents.shape[0])
+        """N, nodes of every proposed tree (root included; `fit_budget` may lower it)."""
+        return self._cap
 
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
@@ -289,11 +295,12 @@ class MedusaProposer:
         if self.parents.device != dev:  # the static layout moves to the decoding device once, not every step
             self.parents, self.head, self.rank = self.parents.to(dev), self.head.to(dev), self.rank.to(dev)
             self.ancestors, self.depth = self.ancestors.to(dev), self.depth.to(dev)
-        out = tokens[-1:].repeat(self.num_nodes)  # (N,)
-        if self.num_nodes > 1:
-            top = self.drafter.topk_tokens(hidden[-1], self.topk, self.depth_used).to(dev)  # (depth, k)
-            out[1:] = top[self.head[1:], self.rank[1:]]
-        return DraftTree(out, self.parents, self.depth, self.ancestors)
+        n = self._cap
+        out = tokens[-1:].repeat(n)  # (N,)
+        if n > 1:
+            top = self.drafter.topk_tokens(hidden[-1], *self._run).to(dev)  # (depth, k)
+            out[1:] = top[self.head[1:n], self.rank[1:n]]
+        return DraftTree(out, self.parents[:n], self.depth[:n], self.ancestors[:n, :n])
 
 
 def typical_verify(

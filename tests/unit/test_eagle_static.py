@@ -116,6 +116,30 @@ def test_static_tree_equals_the_dynamic_tree(family, total, depth, k, int8):
     assert st.committed == dyn.committed == 16 and st.fixed.cache.capacity >= 16 + (depth - 1) * k
 
 
+@pytest.mark.parametrize("family", [eagle, eagle3])
+def test_static_budget_sizes_equal_the_dynamic_trees(family):
+    """A node budget shrinks the static expansion as it does the dynamic one (`fit_budget`: fewer levels, not the
+    full tree cut afterwards): at every size, both modes give the same tree, of 1 + min(total, pool) nodes and
+    depth <= nodes - 1; a refit (`budget.FULL`) restores the full size."""
+    from specdraft.eval.budget import FULL
+
+    target = tiny_llama(num_layers=8, dtype=torch.float64)
+    head = _head(family, target, seed=4)
+    ids = torch.randint(5, V, (1, 20), generator=torch.Generator().manual_seed(1))
+    feats, nxt = _features(head, target, ids), torch.cat([ids[0, 1:], torch.tensor([42])])
+    dyn, st = EagleTreeProposer(head, 10, 4, 3), EagleTreeProposer(head, 10, 4, 3, static=True)
+    cuts = ((0, 6, FULL), (6, 8, 2), (8, 11, 4), (11, 12, 8), (12, 15, FULL), (15, 20, 3))
+    for lo, hi, nodes in cuts:
+        dyn.fit_budget(nodes)
+        st.fit_budget(nodes)
+        total, depth = min(10, max(nodes - 1, 1)), min(4, max(nodes - 1, 1))
+        a, b = dyn.propose(feats[lo:hi], nxt[lo:hi]), st.propose(feats[lo:hi], nxt[lo:hi])
+        assert torch.equal(b.tokens, a.tokens) and torch.equal(b.parents, a.parents)
+        assert b.num_nodes == 1 + min(total, 3 + (depth - 1) * 9) and int(b.depth.max()) <= depth
+        assert (st.total_tokens, st.depth) == (total, depth)
+    assert st.committed == dyn.committed == 20
+
+
 def test_head_cache_holds_the_committed_positions_in_place():
     """After commits and expansions the static head cache's first C positions are exactly a fresh causal pass
     over the C committed pairs; the buffers are reused (no reallocation) while they have room."""
@@ -192,6 +216,13 @@ def test_captured_expansion_equals_the_eager_one(family):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         assert torch.equal(a.ancestors, b.ancestors) and b.num_nodes == 11
     captured = graph.fixed.graph
+    graph.fit_budget(4)  # a node budget's smaller size: captured once, beside the full one
+    small = graph.propose(feats[13:14], nxt[13:14])
+    assert small.num_nodes == 4 and graph.fixed.graph is not captured
+    graph.fit_budget(1 << 30)  # the full size again: the first graph replays
+    graph.propose(feats[13:14], nxt[13:14])
+    assert graph.fixed.graph is captured and len(graph.fixed.captured) == 2
+    graph.reset()
     dec = StaticDecoder(target, 48, static=True, graphs=True)
     prompt = ids[0, :9].cpu()
     ref, _ = ar_generate(target, None, prompt, 24, stop_ids=set())

@@ -162,11 +162,25 @@ def test_proposer_defaults_budget_and_export_tree(medusa64):
     acc = torch.tensor([[0.6, 0.2, 0.1, 0.05], [0.5, 0.2, 0.1, 0.0], [0.4, 0.1, 0.0, 0.0]])
     medusa64.config.tree_choices = [list(q) for q in build_tree(acc, 12)[0]]
     full = make_proposer(medusa64)
-    tree = full.propose(torch.randn(1, H, dtype=torch.float64), torch.tensor([7]))
+    hidden = torch.randn(1, H, dtype=torch.float64)
+    tree = full.propose(hidden, torch.tensor([7]))
+    calls: list[tuple[int, int]] = []
+    topk_tokens = medusa64.topk_tokens
+    medusa64.topk_tokens = lambda h, k, heads: calls.append((k, heads)) or topk_tokens(h, k, heads)
     for b in range(1, 13):
         cut = tree.truncated(b)
         assert full.paths[: b - 1] == build_tree(acc, b)[0] and cut.num_nodes == b
         assert cut.parents[1:].lt(torch.arange(1, b)).all()  # still a tree
+        # `fit_budget(b)` proposes that cut directly, running only the heads (and ranks) it reaches
+        full.fit_budget(b)
+        small = full.propose(hidden, torch.tensor([7]))
+        assert torch.equal(small.tokens, cut.tokens) and torch.equal(small.parents, cut.parents)
+        assert torch.equal(small.ancestors, cut.ancestors) and full.num_nodes == b
+        if b > 1:
+            assert calls[-1] == (int(full.rank[:b].max()) + 1, int(cut.depth.max()))
+    full.fit_budget(1 << 30)  # a refit: the whole tree again
+    assert full.num_nodes == 12 and torch.equal(full.propose(hidden, torch.tensor([7])).tokens, tree.tokens)
+    del medusa64.topk_tokens
     assert make_proposer(medusa64, tree_nodes=3).paths == [(0,), (0, 0)]  # first paths in the given order
     medusa64.config.tree_choices = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
     with pytest.raises(ValueError, match="3 heads"):

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdraft.eval.graphs import CudaGraph, capture_or_none
+from specdraft.eval.graphs import CudaGraph, replay_or_run
 from specdraft.models.eagle_common import causal_tree_mask
 
 Expansion = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
@@ -185,7 +185,7 @@ class StaticHeadState:
         self.cache = HeadKVCache(dev, capacity, max_write)
         self.graphs = graphs and dev.type == "cuda"
         # one CUDA graph per expansion size (a node budget picks among a few: `EagleTreeProposer.fit_budget`)
-        self.captured: dict[tuple[int, int], CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]]] = {}
+        self.captured: dict[tuple[int, int], CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]] | None] = {}
         self.graph: CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None  # the latest call's
         self._last = torch.zeros(0, device=dev)  # (H,) graph input, sized at the first call
         self._root = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
@@ -245,14 +245,18 @@ class StaticHeadState:
         self._root.copy_(root)
         self.cache.fixed = True
         try:
-            self.graph = self.captured.get(size)
-            if self.graphs and self.graph is None:
-                self.graph = capture_or_none(
-                    lambda: expand(self._last, self._root), self._root.device, "the EAGLE-2 tree expansion"
-                )
-                self.graphs = self.graph is not None
-                if self.graph is not None:
-                    self.captured[size] = self.graph
-            return self.graph() if self.graph is not None else expand(self._last, self._root)
+            if not self.graphs:
+                self.graph = None
+                return expand(self._last, self._root)
+            out = replay_or_run(
+                self.captured,
+                size,
+                lambda: expand(self._last, self._root),
+                self._root.device,
+                "the EAGLE-2 tree expansion",
+            )
+            self.graph = self.captured[size]
+            self.graphs = self.graph is not None  # a failed capture: eager from now on
+            return out
         finally:
             self.cache.fixed = False

@@ -21,7 +21,8 @@ nodes. Verification (greedy or sampling) is the shared core's, so decoding stays
 `static=True` runs the same expansion and reranking with fixed shapes and no host sync (`eval/eagle_static.py`:
 a preallocated head cache with a length counter, device-side masks and positions), so every tree has
 1 + min(total_tokens, k + (depth-1)*k*k) nodes and, with `graphs=True` on CUDA, the expansion is one CUDA
-graph replay (one graph per size: `fit_budget` picks among the node budget's few sizes). Only the commit of the n newly accepted positions stays eager (n varies per call).
+graph replay (one graph per size: `fit_budget` picks among the node budget's few sizes). Only the commit
+of the n newly accepted positions stays eager (n varies per call).
 """
 
 from __future__ import annotations

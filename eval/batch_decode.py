@@ -43,7 +43,15 @@ from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
 from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
-from specdraft.eval.decode import DecodeStats, Proposer, _emit, default_stop_ids, model_device, sync_device
+from specdraft.eval.decode import (
+    DecodeStats,
+    Proposer,
+    RowBatchedProposer,
+    _emit,
+    default_stop_ids,
+    model_device,
+    sync_device,
+)
 from specdraft.eval.graphs import CudaGraph, graphs_wanted, replay_or_run
 from specdraft.eval.static_decode import budget_for
 from specdraft.eval.tree import DraftTree
@@ -398,12 +406,10 @@ class BatchDecoder:
             off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
             trees: dict[int, DraftTree] = {}  # drafted rows; the others verify their root alone (AR)
             draft_s: dict[int, float] = {}  # per row: the proposer's time this step
-            for r in active if proposers and not off else ():
-                st = cast(_Row, rows[r])
-                t_draft = time.perf_counter()
-                tree = proposers[r].propose(cast(Tensor, st.new_hidden), cast(Tensor, st.new_tokens)).to(dev)
-                draft_s[r] = time.perf_counter() - t_draft
-                trees[r] = tree.truncated(budget.cap) if budget is not None and budget.cap else tree
+            if proposers and not off:
+                drafted, draft_s = _draft_rows(proposers, active, cast(list[_Row], rows), dev)
+                cap = budget.cap if budget is not None else None
+                trees = {r: t.truncated(cap) if cap else t for r, t in drafted.items()}
             room = self.cache.max_len - max(self.cache.lengths[r] for r in active)  # in the fullest row
             if self.static:  # the padded size must fit: the largest power of two that does
                 room = 1 << (room.bit_length() - 1)
@@ -475,6 +481,70 @@ class BatchDecoder:
         batch.time_s = time.perf_counter() - t_call
         batch.new_tokens = sum(len(res[0]) for res in results if res is not None)
         return [cast(tuple[list[int], RequestStats], res) for res in results]
+
+
+class OneRowAtATime:
+    """`inner` drafted row by row even where its family drafts rows together: the A/B of batched drafting
+    (`scripts/bench_batch.py --draft-rows each`); trees and output are the same, only the drafting time differs.
+
+    Args:
+        inner: any proposer (its spec and budget pass through).
+    """
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner, self.spec = inner, inner.spec
+        self.last_compression: float | None = None
+
+    def reset(self) -> None:
+        """Forget the previous prompt."""
+        self.inner.reset()
+
+    def fit_budget(self, nodes: int) -> None:
+        """As `inner`."""
+        self.inner.fit_budget(nodes)
+
+    def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
+        """`inner.propose`: hidden (n, F), tokens (n,)."""
+        tree = self.inner.propose(hidden, tokens)
+        self.last_compression = self.inner.last_compression
+        return tree
+
+
+def _draft_rows(
+    proposers: list[Proposer], active: list[int], rows: list[_Row], device: torch.device
+) -> tuple[dict[int, DraftTree], dict[int, float]]:
+    """Every active row's tree: one call for all of them when the proposers draft rows together
+    (`RowBatchedProposer`: ReDrafter's beams of every row in one search, Medusa's heads run once), else
+    `propose` row by row.
+
+    Args:
+        proposers: one per batch row.
+        active: the rows with a request (R of them).
+        rows: per row its request state (`new_hidden` (n, F), `new_tokens` (n,)); active rows are set.
+        device: the target's device (trees are moved there).
+
+    Returns:
+        trees per active row, and per active row its share of the drafting time in s (a batched call's time
+        split evenly over its rows, so a `NodeBudget` fed one observation per row sees the batch's cost).
+    """
+    hidden = [cast(Tensor, rows[r].new_hidden) for r in active]  # R of (n_r, F)
+    tokens = [cast(Tensor, rows[r].new_tokens) for r in active]  # R of (n_r,)
+    lead = proposers[active[0]]
+    t0 = time.perf_counter()
+    if isinstance(lead, RowBatchedProposer):
+        together = lead.propose_rows([proposers[r] for r in active], hidden, tokens)
+        if together is not None:
+            share = (time.perf_counter() - t0) / len(active)
+            return {r: t.to(device) for r, t in zip(active, together, strict=True)}, dict.fromkeys(
+                active, share
+            )
+    trees: dict[int, DraftTree] = {}
+    times: dict[int, float] = {}
+    for r, h, t in zip(active, hidden, tokens, strict=True):
+        t0 = time.perf_counter()
+        trees[r] = proposers[r].propose(h, t).to(device)
+        times[r] = time.perf_counter() - t0
+    return trees, times
 
 
 def _pack_trees(

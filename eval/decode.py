@@ -18,9 +18,9 @@ Emitted tokens stop right after the first stop token (kept) or at `max_new_token
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,27 @@ class Proposer(Protocol):
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
         """hidden (n, H): target last-layer states of the n newly committed positions;
         tokens (n,): the token each of those positions predicts (tokens[-1] is the new root)."""
+        ...
+
+
+@runtime_checkable
+class RowBatchedProposer(Protocol):
+    """A proposer family that drafts several rows' trees in one drafter call (declared by ReDrafter, Medusa
+    and the lookup branch around them); the batched decoder (`batch_decode`) asks the first active row's
+    proposer for all rows' trees at once instead of calling `propose` row by row."""
+
+    def propose_rows(
+        self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
+    ) -> list[DraftTree] | None:
+        """`rows[i].propose(hidden[i], tokens[i])` for every i, in one drafter call (this proposer is one of
+        `rows`; each row's own state is read and advanced as `propose` would). None: these rows cannot be
+        drafted together (e.g. another class or search size): nothing was changed, call `propose` per row.
+
+        Args:
+            rows: R proposers (one per batch row) of this proposer's kind.
+            hidden: R tensors (n_i, F), the rows' newly committed positions' features.
+            tokens: R tensors (n_i,), the token each predicts; tokens[i][-1] is row i's root.
+        """
         ...
 
 

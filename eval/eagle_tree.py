@@ -121,10 +121,10 @@ class EagleTreeProposer:
         # int8 copy of the draft vocabulary head (CPU): only the drafts change, never the output
         self.int8: tuple[torch.nn.Module, torch.nn.Module] | None = None
         if int8_head and next(drafter.parameters()).device.type == "cpu":
-            from specdraft.eval.proposers import Int8Linear, int8_supported
+            from specdraft.eval.proposers import int8_copy, int8_supported
 
             pre, head = drafter.draft_head()
-            self.int8 = (pre, Int8Linear(head)) if int8_supported() else None
+            self.int8 = (pre, int8_copy(head)) if int8_supported() else None
         slots = (self.depth - 1) * self.top_k  # draft entries one expansion writes to the head cache
         self.fixed = StaticHeadState(drafter, slots, self.top_k, graphs) if static else None
         self.static, self.graphs = static, self.fixed is not None and self.fixed.graphs

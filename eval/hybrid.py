@@ -29,11 +29,14 @@ needs to know about the other. Which nodes are verified never changes the output
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import Tensor
 
 from specdraft.eval.adaptive import accepted_length, effective_scores
-from specdraft.eval.decode import Proposer
+from specdraft.eval.decode import Proposer, RowBatchedProposer
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.tree import DraftTree, ProposerSpec, reorder_tree
 
@@ -190,6 +193,46 @@ class LookupBranch:
             hidden: (n, F) target features of the newly committed positions (for the inner proposer).
             tokens: (n,) the token each predicts; tokens[-1] is the root.
         """
+        step = self._begin(hidden, tokens)
+        if isinstance(step, DraftTree):
+            return step
+        chain, hidden, tokens = step
+        return self._end(self.inner.propose(hidden, tokens), chain)
+
+    def propose_rows(
+        self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
+    ) -> list[DraftTree] | None:
+        """Every row's `propose`, the inner drafter run once for the rows that draft this step when it drafts
+        rows together (`RowBatchedProposer`), else row by row. None when a row is not a `LookupBranch`.
+
+        Args:
+            rows: R `LookupBranch`es (this one among them); hidden: R (n_i, F); tokens: R (n_i,).
+        """
+        if not all(isinstance(p, LookupBranch) for p in rows):
+            return None
+        ps = cast("list[LookupBranch]", list(rows))
+        steps = [p._begin(h, t) for p, h, t in zip(ps, hidden, tokens, strict=True)]
+        drafting = [i for i, st in enumerate(steps) if not isinstance(st, DraftTree)]
+        inner: list[DraftTree] | None = None
+        lead = ps[drafting[0]].inner if drafting else None
+        if isinstance(lead, RowBatchedProposer):
+            ins = [cast(tuple[DraftTree, Tensor, Tensor], steps[i]) for i in drafting]
+            inner = lead.propose_rows(
+                [ps[i].inner for i in drafting], [x[1] for x in ins], [x[2] for x in ins]
+            )
+        out: list[DraftTree] = []
+        for i, (p, st) in enumerate(zip(ps, steps, strict=True)):
+            if isinstance(st, DraftTree):
+                out.append(st)
+                continue
+            chain, h, t = st
+            tree = inner[drafting.index(i)] if inner is not None else p.inner.propose(h, t)
+            out.append(p._end(tree, chain))
+        return out
+
+    def _begin(self, hidden: Tensor, tokens: Tensor) -> DraftTree | tuple[DraftTree, Tensor, Tensor]:
+        """A step up to the drafter: score the previous step, look the chain up; returns the chain alone (the
+        step's tree: the drafter idles and keeps the positions) or (chain, hidden, tokens) for the drafter."""
         committed = tokens.tolist()
         if self._chain:  # how far the previous chain was right: the committed tokens begin with its answer
             self.calibration.observe(self._chain, committed)
@@ -212,6 +255,10 @@ class LookupBranch:
             self.alone_steps += 1
             self.last_compression = 1.0
             return chain
-        self._inner_tree = tree = self.inner.propose(hidden, tokens)
+        return chain, hidden, tokens
+
+    def _end(self, tree: DraftTree, chain: DraftTree) -> DraftTree:
+        """The drafter's tree of this step merged with the lookup chain (when lookup found one)."""
+        self._inner_tree = tree
         self.last_compression = self.inner.last_compression  # the inner beams' packing
         return merge_trees(tree, chain) if self._chain else tree

@@ -30,6 +30,7 @@ from specdraft.eval.tree import DraftTree, ProposerSpec, ancestor_matrix
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from specdraft.eval.decode import Proposer
     from specdraft.models.medusa import Medusa
 
 # Medusa's default tree for 4 heads x top-10 (`mc_sim_7b_63` in FasterDecoding/Medusa medusa_choices.py, tuned for
@@ -280,6 +281,12 @@ class MedusaProposer:
         """N, nodes of every proposed tree (root included; `fit_budget` may lower it)."""
         return self._cap
 
+    def _layout_on(self, dev: torch.device) -> None:
+        """Move the static layout to the decoding device (once, not every step)."""
+        if self.parents.device != dev:
+            self.parents, self.head, self.rank = self.parents.to(dev), self.head.to(dev), self.rank.to(dev)
+            self.ancestors, self.depth = self.ancestors.to(dev), self.depth.to(dev)
+
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
         """The static tree filled from the heads at the newest position.
@@ -292,15 +299,42 @@ class MedusaProposer:
             DraftTree with N = `num_nodes` nodes; node i's token is head[i]'s rank[i] candidate.
         """
         dev = tokens.device
-        if self.parents.device != dev:  # the static layout moves to the decoding device once, not every step
-            self.parents, self.head, self.rank = self.parents.to(dev), self.head.to(dev), self.rank.to(dev)
-            self.ancestors, self.depth = self.ancestors.to(dev), self.depth.to(dev)
+        self._layout_on(dev)
         n = self._cap
         out = tokens[-1:].repeat(n)  # (N,)
         if n > 1:
             top = self.drafter.topk_tokens(hidden[-1], *self._run).to(dev)  # (depth, k)
             out[1:] = top[self.head[1:n], self.rank[1:n]]
         return DraftTree(out, self.parents[:n], self.depth[:n], self.ancestors[:n, :n])
+
+    @torch.inference_mode()
+    def propose_rows(
+        self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
+    ) -> list[DraftTree] | None:
+        """Every row's `propose` from one run of the heads over the R rows' newest states. None when the
+        rows' proposers differ (drafter, tree or cap).
+
+        Args:
+            rows: R `MedusaProposer`s (this one among them); hidden: R (n_i, H); tokens: R (n_i,).
+
+        Returns:
+            R trees of `num_nodes` nodes, each equal to `rows[i].propose(hidden[i], tokens[i])`.
+        """
+        if not all(isinstance(p, MedusaProposer) for p in rows):
+            return None
+        ps = cast("list[MedusaProposer]", list(rows))
+        if any(p.drafter is not self.drafter or p.paths != self.paths or p._cap != self._cap for p in ps):
+            return None
+        n, dev = self._cap, tokens[0].device
+        self._layout_on(dev)
+        roots = torch.stack([t[-1] for t in tokens])  # (R,)
+        out = roots[:, None].repeat(1, n)  # (R, N)
+        if n > 1:
+            top = self.drafter.topk_tokens(torch.stack([h[-1] for h in hidden]), *self._run).to(
+                dev
+            )  # (R, d, k)
+            out[:, 1:] = top[:, self.head[1:n], self.rank[1:n]]
+        return [DraftTree(o, self.parents[:n], self.depth[:n], self.ancestors[:n, :n]) for o in out]
 
 
 def typical_verify(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -17,11 +19,12 @@ from torch import Tensor
 from specdraft.eval.graphs import CudaGraph, capture_or_none
 from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams
 from specdraft.models.copy_lookup import NgramIndex
-from specdraft.models.redrafter_beam import beam_search_fixed
+from specdraft.models.redrafter_beam import beam_search_fixed, beam_search_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from specdraft.eval.decode import Proposer
     from specdraft.models.family import FamilySpec
     from specdraft.models.redrafter import ReDrafter
 
@@ -46,6 +49,23 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., X) -> (..., V) float32."""
         return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
+
+
+_INT8_COPIES: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int, torch.dtype], Int8Linear]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def int8_copy(linear: torch.nn.Linear) -> Int8Linear:
+    """The `Int8Linear` of `linear`, quantised once and shared by every proposer of the same drafter (a batch
+    of B rows makes B proposers); quantised again when the weights were changed (trained, moved or cast)."""
+    w = linear.weight
+    key = (w.data_ptr(), w._version, w.dtype)
+    hit = _INT8_COPIES.get(linear)
+    if hit is None or hit[0] != key:
+        hit = (key, Int8Linear(linear))
+        _INT8_COPIES[linear] = hit
+    return hit[1]
 
 
 def int8_supported() -> bool:
@@ -200,7 +220,7 @@ class ReDrafterProposer:
         self._full = (beam_width, self.draft_len)  # the search `fit_budget` caps (and restores)
         self.last_compression: float | None = None
         on_cpu = drafter.head.weight.device.type == "cpu" if hasattr(drafter, "head") else False
-        self.head = Int8Linear(drafter.head) if int8_head and on_cpu and int8_supported() else None
+        self.head = int8_copy(drafter.head) if int8_head and on_cpu and int8_supported() else None
         self.max_depth = self.draft_len  # deepest possible draft (acceptance-rate unit)
         self.min_logp = math.log(min_prob) if min_prob > 0 else None
         # extra target layers the drafter reads after h (`ReDrafterConfig.target_layers`): the decoder returns
@@ -331,12 +351,48 @@ class ReDrafterProposer:
         beams, cum = self.drafter.beam_search(
             hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy
         )  # (W, 1+D) each
+        return self._pack(beams, cum, tokens.device)
+
+    def _pack(self, beams: Tensor, cum: Tensor, device: torch.device) -> DraftTree:
+        """beams, cum (W, 1 + D) of one search -> the tree (pruned with `min_prob`, prefixes shared), with
+        per-node scores, on `device`; records `last_compression`."""
         if self.min_logp is not None:
             beams = beams.masked_fill(cum < self.min_logp, PAD)  # (W, 1+D), pruned tails
-        beams = beams.to(tokens.device)
-        tree, self.last_compression = pack_beams(beams)
-        tree.scores = beam_scores(tree, cum.to(tokens.device))  # (N,)
+        tree, self.last_compression = pack_beams(beams.to(device))
+        tree.scores = beam_scores(tree, cum.to(device))  # (N,)
         return tree
+
+    @torch.inference_mode()
+    def propose_rows(
+        self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
+    ) -> list[DraftTree] | None:
+        """Every row's `propose` in one beam search over all rows (`beam_search_rows`: R roots, then R * W beams
+        per slot), each row's copy-gate index advanced as `propose` does. None on the fixed-shape step, with
+        prefix attention (a memory per row), or when the rows' proposers differ (drafter or search size).
+
+        Args:
+            rows: R `ReDrafterProposer`s (this one among them); hidden: R (n_i, F); tokens: R (n_i,).
+
+        Returns:
+            R trees, each equal to what `rows[i].propose(hidden[i], tokens[i])` gives.
+        """
+        search = (self.drafter, self.beam_width, self.draft_len, self.min_logp)
+        if self.static or self.uses_context or self.draft_len == 0:
+            return None
+        if not all(isinstance(p, ReDrafterProposer) for p in rows):
+            return None
+        ps = cast("list[ReDrafterProposer]", list(rows))
+        if any((p.drafter, p.beam_width, p.draft_len, p.min_logp) != search for p in ps):
+            return None
+        copies = (
+            [p._update_copy_index(t) for p, t in zip(ps, tokens, strict=True)] if self.copy_ngram else None
+        )
+        roots = torch.stack([t[-1] for t in tokens])  # (R,)
+        feats = torch.stack([h[-1] for h in hidden])  # (R, F)
+        beams, cum = beam_search_rows(
+            self.drafter, feats, roots, self.beam_width, self.draft_len, self.head, copies
+        )  # (R, W, 1 + D) each
+        return [p._pack(b, c, t.device) for p, b, c, t in zip(ps, beams, cum, tokens, strict=True)]
 
     def _propose_fixed(self, hidden: Tensor, root: Tensor) -> DraftTree:
         """The fixed-shape draft step (optionally a CUDA graph): W beams -> a (1 + W*D)-node tree whose

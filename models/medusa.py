@@ -151,15 +151,15 @@ class Medusa(PreTrainedModel):
         """The k most likely tokens of each of the first `num_heads` heads at one position (decode time).
 
         Args:
-            hidden: (H,) the target's last-layer state at the newest committed position.
+            hidden: (..., H) the target's last-layer state at the newest committed position (of each row).
             k: candidates per head.
             num_heads: heads run (None: all K); a shallow tree needs only its depth.
 
         Returns:
-            (num_heads, k) long target ids, row j sorted by head j's logit (rank 0 first).
+            (..., num_heads, k) long target ids, row j sorted by head j's logit (rank 0 first).
         """
-        top = self.head_logits(hidden, num_heads).topk(k, dim=-1).indices  # (num_heads, k) draft ids
-        return self.to_target_ids(top)  # (num_heads, k) target ids
+        top = self.head_logits(hidden, num_heads).topk(k, dim=-1).indices  # (..., num_heads, k) draft ids
+        return self.to_target_ids(top)  # (..., num_heads, k) target ids
 
 
 # ---- family protocol: `FAMILY` (models/family.py) at the end of the module; MODEL, CONFIG for older callers ---

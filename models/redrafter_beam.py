@@ -6,7 +6,7 @@ swap in an int8 vocabulary head and prunes with the cumulative log-probs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,9 +28,7 @@ def beam_search(
     head: Callable[[Tensor], Tensor] | None = None,
     copy: NgramIndex | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Beam search over the drafter's slots from the newest committed position.
-
-    Step 1 expands only the root beam, so its top-W tokens become the W beams (no filler rows).
+    """Beam search over the drafter's slots from the newest committed position (`beam_search_rows`, one row).
 
     Args:
         drafter: the ReDrafter (`features`, `init_state`, `next_state`, `state_logits`, `to_target_ids`).
@@ -49,26 +47,81 @@ def beam_search(
         the beam's score).
     """
     dev = drafter.head.weight.device
-    h = drafter.features(hidden.reshape(1, -1))  # (1, F), prepared once for every step
-    root_t = torch.tensor([root], dtype=torch.long, device=dev)
-    state = drafter.init_state(root_t)  # (1, E)
-    beams = root_t[:, None]  # (1, 1)
-    scores = torch.zeros(1, dtype=torch.float32, device=dev)  # (W,)
-    cum = scores[:, None]  # (1, 1)
+    roots = torch.tensor([root], dtype=torch.long, device=dev)  # (1,)
+    copies = None if copy is None else [copy]
+    beams, cum = beam_search_rows(
+        drafter, hidden.reshape(1, -1), roots, beam_width, draft_len, head, copies, context
+    )
+    return beams[0], cum[0]
+
+
+@torch.no_grad()
+def beam_search_rows(
+    drafter: ReDrafter,
+    hidden: Tensor,
+    roots: Tensor,
+    beam_width: int,
+    draft_len: int,
+    head: Callable[[Tensor], Tensor] | None = None,
+    copies: Sequence[NgramIndex] | None = None,
+    context: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`beam_search` for R rows at once: one drafter forward per slot over all R * W beams (the batched
+    decoder drafts every row in one call instead of R). Step 1 expands only each row's root, so its top-W
+    tokens become that row's W beams (no filler rows); each row keeps its own top W afterwards.
+
+    Args:
+        drafter: the ReDrafter.
+        hidden: (R, F) target features at each row's newest committed position.
+        roots: (R,) long, the token each row's target just committed (beams[r, :, 0]).
+        beam_width: W beams kept per row.
+        draft_len: D tokens drafted after the root.
+        head: (..., X) -> (..., Vd) draft-vocabulary logits (None: the drafter's head).
+        copies: copy gate only: each row's index of its committed tokens before the root (R of them).
+        context: prefix attention only, R = 1: keys, values (1 + M, A), the sink first.
+
+    Returns:
+        beams (R, W', 1 + D) long target ids, each row's sorted by score (W' = min(W, Vd)); cum (R, W', 1 + D)
+        float32 cumulative drafter log-probs (cum[..., 0] = 0).
+    """
+    dev = drafter.head.weight.device
+    r = hidden.shape[0]
+    if context is not None and r != 1:
+        raise ValueError(f"beam_search_rows: prefix attention searches one row at a time, got {r}")
+    h = drafter.features(hidden)[:, None]  # (R, 1, F), prepared once for every step
+    beams = roots.to(dev)[:, None, None]  # (R, 1, 1)
+    state = drafter.init_state(beams[..., 0])  # (R, 1, E)
+    scores = torch.zeros(r, 1, dtype=torch.float32, device=dev)  # (R, W)
+    cum = scores[..., None]  # (R, 1, 1)
     ctx = None if context is None else (*context, None)  # every beam sees the whole memory
     for k in range(draft_len):
         if k > 0:
-            state = drafter.next_state(state, beams[:, -1])  # (W, E)
-        cands = None if copy is None else copy.lookup_beams(beams)  # (W,), (W,): candidate, match length
-        logits = drafter.state_logits(state, h.expand(state.shape[0], -1), head, ctx, cands)  # (W, Vd)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (W, Vd)
+            state = drafter.next_state(state, beams[..., -1])  # (R, W, E)
+        w = state.shape[1]
+        cands = None
+        if copies is not None:  # (R, W) candidates and match lengths, each row's beams on its own text
+            looked = [c.lookup_beams(b) for c, b in zip(copies, beams, strict=True)]
+            cands = (torch.stack([c for c, _ in looked]), torch.stack([m for _, m in looked]))
+        if ctx is not None:  # the prefix attention reads (n, X) states: one row
+            one = None if cands is None else (cands[0][0], cands[1][0])  # (W,) each
+            logits = drafter.state_logits(state[0], h[0].expand(w, -1), head, ctx, one)[None]  # (1, W, Vd)
+        else:
+            logits = drafter.state_logits(state, h.expand(-1, w, -1), head, None, cands)  # (R, W, Vd)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (R, W, Vd)
         vocab = logp.shape[-1]
-        scores, idx = (scores[:, None] + logp).reshape(-1).topk(min(beam_width, logp.numel()))  # (W,)
-        parent, token = idx // vocab, drafter.to_target_ids(idx % vocab)  # (W,), (W,) target ids
-        beams = torch.cat([beams[parent], token[:, None]], dim=1)  # (W, k + 2)
-        cum = torch.cat([cum[parent], scores[:, None]], dim=1)  # (W, k + 2)
-        state = state[parent]  # (W, E)
+        scores, idx = (scores[..., None] + logp).flatten(1).topk(min(beam_width, w * vocab), dim=-1)  # (R, W)
+        parent, token = idx // vocab, drafter.to_target_ids(idx % vocab)  # (R, W), (R, W) target ids
+        beams = torch.cat([_rows(beams, parent), token[..., None]], dim=-1)  # (R, W, k + 2)
+        cum = torch.cat([_rows(cum, parent), scores[..., None]], dim=-1)  # (R, W, k + 2)
+        state = _rows(state, parent)  # (R, W, E)
     return beams, cum
+
+
+def _rows(x: Tensor, parent: Tensor) -> Tensor:
+    """x (R, W, ...) -> (R, W', ...): each row's entries at `parent` (R, W') (its beams' parents)."""
+    return x.gather(
+        1, parent.reshape(*parent.shape, *[1] * (x.dim() - 2)).expand(*parent.shape, *x.shape[2:])
+    )
 
 
 @torch.no_grad()

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -50,6 +52,11 @@ def report_predictions(predicted: list[float], actual: list[int], edges: tuple[i
         f"{float((pred == true).float().mean()):.3f} vs constant {float((true == const).float().mean()):.3f}; "
         f"rank correlation {rho:.2f}; measured lengths {actual}"
     )
+
+
+def _row_by_row(factory: Callable[[], Any], wrap: Callable[[Any], Any]) -> Callable[[], Any]:
+    """A factory of `wrap(factory())`: the same proposer, drafted one row at a time."""
+    return lambda: wrap(factory())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,6 +86,13 @@ def main(argv: list[str] | None = None) -> None:
         help="fit a node budget per (batch size, drafter) (eval.node_budget=auto)",
     )
     p.add_argument(
+        "--draft-rows",
+        default="together",
+        choices=["together", "each", "both"],
+        help="drafters: every row in one call where the family can (together), one call per row (each: the "
+        "old way), or both side by side (an A/B in one run)",
+    )
+    p.add_argument(
         "--graphs", default="auto", help="auto | on | off: fixed-shape batched verify as CUDA graphs"
     )
     a = p.parse_args(argv)
@@ -93,12 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     model, stop = bench.model, bench.stop_ids
     requests = first_turns(bench.tokenizer, a.bench, a.requests)
     methods: list[tuple[str, Factory]] = [("ar", None)]
-    methods += [(name, partial(make_proposer, d)) for name, d in bench.drafters]
+    # one drafter module shared by every row's proposer (rows are drafted in one call where the family can:
+    # eval.decode.RowBatchedProposer); the int8 vocabulary head on CPU, as evaluate.py's eval.int8_draft_head
+    methods += [(name, partial(make_proposer, d, int8_head=True)) for name, d in bench.drafters]
     if a.lookup_branch:  # each drafter again, prompt lookup's chain merged into its trees (eval/hybrid.py)
         n = a.lookup_branch
         methods += [
-            (f"{name}+lookup", partial(make_proposer, d, lookup_tokens=n)) for name, d in bench.drafters
+            (f"{name}+lookup", partial(make_proposer, d, int8_head=True, lookup_tokens=n))
+            for name, d in bench.drafters
         ]
+    if a.draft_rows != "together":  # the same proposers drafted one row at a time
+        from specdraft.eval.batch_decode import OneRowAtATime
+
+        each = [(f"{n} (rows each)", _row_by_row(cast(Callable, f), OneRowAtATime)) for n, f in methods[1:]]
+        methods = [methods[0], *each] if a.draft_rows == "each" else [*methods, *each]
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     predicted, reserve, predict_s = None, None, 0.0

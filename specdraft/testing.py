@@ -9,7 +9,7 @@ import random
 import string
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -217,7 +217,8 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 
 
 def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
-    """A randomly initialised drafter of `family` (one of `FAMILIES`; "lookup": prompt lookup of 4 tokens) on a
+    """A randomly initialised drafter of `family` (one of `FAMILIES`, or "redrafter_copy": the copy gate without
+    prefix attention; "lookup": prompt lookup of 4 tokens) on a
     `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
     call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds."""
     from types import SimpleNamespace
@@ -240,10 +241,12 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
     def ready(drafter: torch.nn.Module, scale: float) -> torch.nn.Module:
         return jitter(drafter.to(dtype).eval(), scale)  # the target's dtype, random non-identity weights
 
-    if family in ("redrafter", "redrafter_context"):
-        extra: dict[str, Any] = (
-            dict(context_heads=2, context_dim=16, copy_ngram=3) if family == "redrafter_context" else {}
-        )
+    if family in ("redrafter", "redrafter_context", "redrafter_copy"):  # copy: the copy gate alone
+        extra: dict[str, Any] = {
+            "redrafter": {},
+            "redrafter_context": dict(context_heads=2, context_dim=16, copy_ngram=3),
+            "redrafter_copy": dict(copy_ngram=3),
+        }[family]
         d = redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, **extra), model, fp)
         return ReDrafterProposer(ready(d, 0.05), beam_width=4, beam_length=4)
     if family == "medusa":
@@ -260,6 +263,26 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
         module = eagle if family == "eagle" else eagle3
         return make_proposer(ready(module.build(eagle_schema, model, fp), 0.2), tree_nodes=10)
     raise ValueError(f"tiny_proposer: family={family!r}, expected one of {', '.join(FAMILIES)}")
+
+
+def tiny_proposer_factory(family: str, target: torch.nn.Module) -> Callable[[], Any]:
+    """Fresh proposers around ONE tiny drafter of `family` (as `tiny_proposer`), one per call, as evaluate.py
+    makes one per batch row (`partial(make_proposer, drafter, ...)`), so rows can be drafted together
+    (`eval.decode.RowBatchedProposer`); "+lookup" suffix: each behind a 4-token `LookupBranch`."""
+    from specdraft.eval.hybrid import LookupBranch
+    from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer, make_proposer
+
+    name, lookup = family.removesuffix("+lookup"), family.endswith("+lookup")
+    inner: Callable[[], Any]
+    if name == "lookup":
+        inner = lambda: PromptLookupProposer(4)  # noqa: E731
+    else:
+        drafter = tiny_proposer(name, target).drafter
+        if name.startswith("redrafter"):
+            inner = lambda: ReDrafterProposer(drafter, beam_width=4, beam_length=4)  # noqa: E731
+        else:
+            inner = lambda: make_proposer(drafter, tree_nodes=12 if name == "medusa" else 10)  # noqa: E731
+    return (lambda: LookupBranch(inner(), 4)) if lookup else inner
 
 
 class RandomTreeProposer:

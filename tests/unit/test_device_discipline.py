@@ -20,7 +20,7 @@ from specdraft.eval.budget import CostCurve, NodeBudget
 from specdraft.eval.decode import speculative_generate
 from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.static_decode import StaticDecoder
-from specdraft.testing import FAMILIES, random_prompts, tiny_proposer, tiny_target
+from specdraft.testing import FAMILIES, random_prompts, tiny_proposer, tiny_proposer_factory, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 FLAT = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4}  # a cost curve on which drafting pays: trees stay
@@ -77,6 +77,21 @@ def test_batched_paths_make_no_tensor_on_the_default_device(family, kind):
             kw = dict(temperature=0.8, generator=torch.Generator().manual_seed(0)) if sampling else {}
             _strict(lambda: dec.generate(prompts, [10, 14, 6, 12], set(), pool.pop, budget=budget, **kw))  # noqa: B023
         _strict(lambda: dec.generate(prompts, 6, set()))  # noqa: B023
+
+
+@pytest.mark.parametrize("family", ["redrafter", "redrafter_copy", "medusa", "redrafter_copy+lookup"])
+def test_rows_drafted_together_make_no_tensor_on_the_default_device(family):
+    """The batched decoder with proposers sharing one drafter, so each step drafts every row in one call
+    (`RowBatchedProposer`), greedy with a budget and sampling."""
+    model = tiny_target("llama")
+    prompts = random_prompts([3, 9, 5, 12], seed=1)
+    make = tiny_proposer_factory(family, model)
+    for static in (False, True):
+        dec = BatchDecoder(model, 3, max_len=32, static=static)
+        pool = [make() for _ in range(6)]  # made outside: a proposer sets its static layout up on the CPU
+        _strict(lambda: dec.generate(prompts, [10, 14, 6, 12], set(), pool.pop, budget=_budget()))  # noqa: B023
+        g = torch.Generator().manual_seed(0)
+        _strict(lambda: dec.generate(prompts, 8, set(), pool.pop, temperature=0.8, generator=g))  # noqa: B023
 
 
 def test_cost_probes_make_no_tensor_on_the_default_device():

@@ -1,0 +1,155 @@
+"""Drafting several batch rows in one drafter call (`eval.decode.RowBatchedProposer`): ReDrafter's beam search
+over R rows (`beam_search_rows`), Medusa's heads run once, and the prompt-lookup branch around them give every
+row exactly the tree its own `propose` gives, step after step (per-row state such as the copy-gate index
+advances alike); the batched decoder drafts each step in one call and its outputs equal batch-1 AR."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.decode import RowBatchedProposer, ar_generate
+from specdraft.eval.hybrid import LookupBranch
+from specdraft.eval.proposers import ReDrafterProposer
+from specdraft.models import redrafter_beam
+from specdraft.models.copy_lookup import NgramIndex
+from specdraft.testing import random_prompts, tiny_proposer, tiny_proposer_factory, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+CPU = torch.device("cpu")
+BATCHED = ["redrafter", "redrafter_copy", "medusa", "redrafter_copy+lookup", "medusa+lookup"]
+
+
+def _same(a, b) -> bool:
+    """Two trees with the same tokens and topology."""
+    return torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_beam_search_rows_equals_one_search_per_row(copy):
+    """Each row of one R-row search equals `beam_search` from that row's features and root alone, beams and
+    cumulative log-probs, with and without the copy gate (each row's candidates from its own text)."""
+    model = tiny_target("llama", CPU)
+    drafter = tiny_proposer("redrafter_copy" if copy else "redrafter", model).drafter
+    torch.manual_seed(3)
+    hidden = torch.randn(5, model.config.hidden_size, dtype=torch.float64)  # (R, F)
+    roots = torch.randint(0, 128, (5,))  # (R,)
+    texts = random_prompts([7, 12, 3, 20, 9], seed=2)
+    copies = [NgramIndex(3) for _ in texts] if copy else None
+    for c, t in zip(copies or [], texts, strict=False):
+        c.extend(t)
+    beams, cum = redrafter_beam.beam_search_rows(drafter, hidden, roots, 4, 3, copies=copies)  # (R, W, 1 + D)
+    assert beams.shape == (5, 4, 4) and cum.shape == (5, 4, 4)
+    for r in range(5):
+        one_b, one_c = drafter.beam_search(hidden[r], int(roots[r]), 4, 3, copy=copies[r] if copies else None)
+        assert torch.equal(beams[r], one_b)
+        torch.testing.assert_close(cum[r], one_c, rtol=1e-12, atol=1e-12)
+    assert (beams[:, :, 0] == roots[:, None]).all()
+
+
+@pytest.mark.parametrize("family", BATCHED)
+def test_propose_rows_equals_propose_row_by_row(family):
+    """Two sets of R proposers around the same drafter fed the same rows for several steps: `propose_rows` on
+    one set gives every row the tree `propose` gives the other, every step (the rows' own state advances)."""
+    model = tiny_target("llama", CPU)
+    make = tiny_proposer_factory(family, model)
+    together, alone = [make() for _ in range(3)], [make() for _ in range(3)]
+    assert isinstance(together[0], RowBatchedProposer)
+    g = torch.Generator().manual_seed(5)
+    prompts = random_prompts([6, 14, 9], seed=7)
+    hidden = [torch.randn(len(p), 32, dtype=torch.float64, generator=g) for p in prompts]  # R of (n, H)
+    tokens = [torch.tensor(p[1:] + [p[0]]) for p in prompts]  # R of (n,)
+    for step in range(4):
+        trees = together[0].propose_rows(together, hidden, tokens)
+        assert trees is not None and len(trees) == 3
+        for r in range(3):
+            ref = alone[r].propose(hidden[r], tokens[r])
+            assert _same(trees[r], ref), (family, step, r)
+            assert together[r].last_compression == alone[r].last_compression
+        # every row commits its tree's first node (the root) and one more token (a new root)
+        hidden = [torch.randn(2, 32, dtype=torch.float64, generator=g) for _ in range(3)]
+        tokens = [
+            torch.tensor([int(t.tokens[min(1, t.num_nodes - 1)]), 7 + step + r]) for r, t in enumerate(trees)
+        ]
+
+
+def test_propose_rows_declines_rows_it_cannot_draft_together():
+    """Rows with another search size or drafter, or a fixed-shape step, are declined (None) with nothing
+    changed, so the decoder drafts them row by row."""
+    model = tiny_target("llama", CPU)
+    p = tiny_proposer("redrafter_copy", model)
+    other = ReDrafterProposer(p.drafter, beam_width=2, beam_length=4)
+    h, t = [torch.randn(3, 32, dtype=torch.float64)] * 2, [torch.tensor([4, 5, 6])] * 2
+    assert p.propose_rows([p, other], h, t) is None
+    assert p._copy is None and other._copy is None  # no row's state was advanced
+    assert p.propose_rows([p, tiny_proposer("redrafter_copy", model)], h, t) is None  # another drafter module
+    assert LookupBranch(p, 4).propose_rows([LookupBranch(p, 4), p], h, t) is None
+
+
+@pytest.mark.parametrize("family", ["redrafter_copy", "medusa", "redrafter_copy+lookup"])
+def test_batched_decoder_drafts_each_step_in_one_call(family, monkeypatch):
+    """With one shared drafter the batched decoder never calls a row's `propose` for the drafter (one
+    `propose_rows` per step instead), and every request's output equals its batch-1 AR output."""
+    model = tiny_target("llama", CPU)
+    prompts = random_prompts([1, 4, 25, 9, 17, 6, 13], seed=4)
+    budgets = [14, 20, 1, 9, 20, 16, 11]
+    refs = [ar_generate(model, None, p, m, stop_ids=set())[0] for p, m in zip(prompts, budgets, strict=True)]
+    make = tiny_proposer_factory(family, model)
+    inner = type(make().inner if family.endswith("+lookup") else make())
+    calls = {"rows": 0}
+
+    def no_single(self, hidden, tokens):
+        raise AssertionError("a row was drafted alone")
+
+    real = inner.propose_rows
+
+    def counted(self, rows, hidden, tokens):
+        calls["rows"] += 1
+        return real(self, rows, hidden, tokens)
+
+    monkeypatch.setattr(inner, "propose", no_single)
+    monkeypatch.setattr(inner, "propose_rows", counted)
+    for static in (False, True):
+        res = BatchDecoder(model, 3, static=static).generate(prompts, budgets, set(), make)
+        assert [out for out, _ in res] == refs
+        assert max(n for _, s in res for n in s.tree_sizes) > 1
+    assert calls["rows"] > 0
+
+
+def test_int8_heads_are_shared_by_the_proposers_of_one_drafter():
+    """B proposers of one drafter share one quantised head (quantising it per row cost ~70 ms each on a
+    SmolLM2-sized head); a changed weight is quantised again."""
+    from specdraft.eval.proposers import int8_copy, int8_supported
+
+    if not int8_supported():
+        pytest.skip("no fbgemm int8 ops in this torch build")
+    model = tiny_target("llama", CPU)
+    drafter = tiny_proposer("redrafter", model).drafter
+    a = ReDrafterProposer(drafter, 4, 4, int8_head=True)
+    b = ReDrafterProposer(drafter, 4, 4, int8_head=True)
+    assert a.head is not None and a.head is b.head
+    with torch.no_grad():
+        drafter.head.weight.mul_(1.5)
+    assert int8_copy(drafter.head) is not a.head
+
+
+def test_one_row_at_a_time_gives_the_same_output():
+    """`OneRowAtATime` (the A/B of `scripts/bench_batch.py --draft-rows each`) drafts row by row: the rows'
+    `propose_rows` is never called and the outputs are batch-1 AR's."""
+    from specdraft.eval.batch_decode import OneRowAtATime
+
+    model = tiny_target("llama", CPU)
+    prompts = random_prompts([5, 11, 3, 8], seed=9)
+    refs = [ar_generate(model, None, p, 12, stop_ids=set())[0] for p in prompts]
+    make = tiny_proposer_factory("redrafter_copy", model)
+    made = []
+
+    def factory():
+        made.append(make())
+        return OneRowAtATime(made[-1])
+
+    res = BatchDecoder(model, 2).generate(prompts, 12, set(), factory)
+    assert [out for out, _ in res] == refs
+    assert not isinstance(factory(), RowBatchedProposer)
+    assert all(p._copy is not None for p in made[:2])  # each row's own proposer drafted (its index grew)

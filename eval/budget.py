@@ -205,6 +205,23 @@ class NodeBudget:
         skipped positions for the proposer."""
         return self.settled and self.cap == 1 and self.refit_gap <= 0
 
+    def warm_start(self, other: NodeBudget) -> None:
+        """Skip phase 1 with `other`'s gain curve: the same proposer on the same kind of text (e.g. fitted at
+        another batch size: the tokens the first b nodes of a row's tree give do not depend on how many rows
+        are verified together, only the cost does). The provisional cap comes from this budget's cost curve
+        with `other`'s gains and draft time, and phase 2 checks it with the draft time it really has here, so
+        a batch of 16 rows does not pay full-size trees for 16 rows to relearn what batch 4 measured. Refits
+        still draft full-size trees. No-op when `other` has not finished a phase 1, or this one has started."""
+        if other.cap is None or not other.gains or self.gains or self.cap is not None:
+            return
+        self.gains = [list(g) for g in other.gains[-self.fit_steps :]]
+        self.draft_ms = list(other.draft_ms[-self.fit_steps :])
+        rates = self.rates(self.draft_ms)
+        self.cap = max((b for b in sorted(rates) if b > 1), key=lambda b: (rates[b], -b))
+        self._left = 0
+        if self.check_steps <= 0:
+            self._settle({})
+
     def tick(self) -> bool:
         """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
         after settling on no drafting has passed): phase 1 again, so the caller lifts the proposer's cap

@@ -62,7 +62,8 @@ def throughput_rows(
         predict_s: wall time spent predicting them, added to every `length` / `groups` call's time.
         reserve: (N,) predicted response bounds (`LengthPredictor.reserve_length`), needed by `groups`.
         node_budget: fit a `NodeBudget` per (B, drafter) on B's measured per-row cost curve
-            (`BatchDecoder.row_cost_curve`), shared by that drafter's scheduler runs at B (`eval.node_budget`).
+            (`BatchDecoder.row_cost_curve`), shared by that drafter's scheduler runs at B (`eval.node_budget`);
+            from the second batch size on it starts from the previous one's gain curve (`NodeBudget.warm_start`).
         budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
             refits at all; `eval.node_budget_refit`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
@@ -83,6 +84,7 @@ def throughput_rows(
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] | None = None
     batch1_ar: float | None = None
+    fitted: dict[str, NodeBudget] = {}  # per method: its budget at the previous batch size (gains carry over)
     for b in batch_sizes:
         dec = make_batch_decoder(model, b, cuda_graphs)  # sized by the first call (a snug cache)
         dec.generate(prompts[:b], 4, stop_ids)  # warm-up (allocator, kernels)
@@ -95,6 +97,10 @@ def throughput_rows(
                 if curve and factory
                 else None
             )
+            if budget is not None and name in fitted:  # its gain curve from the previous batch size
+                budget.warm_start(fitted[name])
+            if budget is not None:
+                fitted[name] = budget
             for sched in schedulers:
                 kw = _sample_kw(sample, model)
                 extra = predict_s if sched in ("length", "groups") else 0.0

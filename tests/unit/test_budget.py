@@ -101,6 +101,27 @@ def test_phase_two_walks_down_while_a_smaller_cap_could_pay():
     assert budget.measured == pytest.approx({8: 4 / 26, 4: 3 / 14})
 
 
+def test_warm_start_skips_phase_one_with_another_budgets_gains():
+    """A budget at another batch size (another cost curve) starts from a fitted budget's gain curve: no
+    full-size steps, a provisional cap from its own costs, then phase 2 as usual; a started budget or an
+    unfitted source changes nothing."""
+    gains = [1, 2, 2, 3, 3, 3, 3, 4]
+    small = _budget({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, check_steps=2)  # batch 1: flat, big trees pay
+    for _ in range(10):
+        small.observe(0.001, 4, 8, gains)
+    big = _budget({1: 10.0, 2: 11.0, 4: 20.0, 8: 30.0}, check_steps=2)  # batch 16: steep
+    big.warm_start(small)
+    assert big.cap == 2 and not big.settled and big.gains == small.gains  # no phase-1 step was taken
+    big.observe(0.0005, 2, 2)
+    big.observe(0.0005, 2, 2)
+    assert big.settled and big.cap == 2
+    fresh = _budget({1: 10.0, 2: 11.0, 4: 20.0, 8: 30.0})
+    fresh.warm_start(_budget({1: 10.0}))  # nothing fitted there: phase 1 as usual
+    assert fresh.cap is None and not fresh.gains
+    big.warm_start(small)  # already started: unchanged
+    assert big.settled and big.cap == 2 and big.history == [2]
+
+
 def test_machine_key_changes_with_path_dtype_and_attention():
     from specdraft.models.attention import use_gqa_sdpa
 

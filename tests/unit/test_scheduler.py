@@ -116,6 +116,30 @@ def test_throughput_rows_fifo_length_oracle(tmp_path) -> None:
         throughput_rows(model, "toy", prompts, [("ar", None)], [1], 4, set(), schedulers=("length",))
 
 
+def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(tmp_path, monkeypatch) -> None:
+    """With node budgets, a method's budget at the second batch size starts from the first one's gains
+    (`NodeBudget.warm_start`: no full-size phase 1 again) and outputs stay batch-1 AR's."""
+    from specdraft.eval.budget import NodeBudget
+
+    monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path))
+    starts: list[tuple[int, int]] = []
+    real = NodeBudget.warm_start
+
+    def spy(self: NodeBudget, other: NodeBudget) -> None:
+        real(self, other)
+        starts.append((len(other.gains), len(self.gains)))
+
+    monkeypatch.setattr(NodeBudget, "warm_start", spy)
+    model = tiny_target()
+    prompts = random_prompts([4, 9, 6, 3, 5, 7])
+    rows = throughput_rows(
+        model, "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [1, 2], 24, set(),
+        log=lambda _: None, node_budget=True,
+    )  # fmt: skip
+    assert all(r["identical"] == len(prompts) for r in rows)
+    assert starts == [(48, 48)]  # the batch-2 budget began with batch 1's 48-step gain curve
+
+
 @pytest.mark.parametrize("spec", [False, True], ids=["ar", "lookup"])
 def test_grouped_serving_stays_in_budget_and_equals_batch1_ar_with_overflows(spec: bool) -> None:
     """Reserves [2, 2, 12, 2, 12, 3] against true lengths up to 12 (no stop tokens): the too-short reserves

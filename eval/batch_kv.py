@@ -52,11 +52,11 @@ class BatchKVLayer(CacheLayerMixin):
             keys, values: (R, kv_heads, span, head_dim) views of the written rows.
         """
         rows, span = self.owner.rows, self.owner.span
-        idx = self.owner.write_pos[:, None, :, None].expand_as(key_states)  # (R, kv, L, hd)
-        keys, values = self.keys[rows, :, :span], self.values[rows, :, :span]  # views
-        keys.scatter_(2, idx, key_states.to(keys.dtype))
-        values.scatter_(2, idx, value_states.to(values.dtype))
-        return keys, values
+        idx = self.owner.flat_index(rows, self.owner.write_pos)  # (R * kv * L,) rows of the flat buffers
+        d = self.keys.shape[-1]
+        self.keys.view(-1, d).index_copy_(0, idx, key_states.to(self.keys.dtype).reshape(-1, d))
+        self.values.view(-1, d).index_copy_(0, idx, value_states.to(self.values.dtype).reshape(-1, d))
+        return self.keys[rows, :, :span], self.values[rows, :, :span]  # views
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset): attention reads the first `span` positions."""
@@ -108,6 +108,17 @@ class BatchKVCache(Cache):
         self.rows, self.write_pos = rows, write_pos
         self.span = self.max_len if span is None else min(span, self.max_len)
 
+    def flat_index(self, rows: slice, pos: Tensor) -> Tensor:
+        """Row indices into a layer buffer viewed as (B * kv_heads * max_len, head_dim) of positions `pos`
+        (R, L) of rows `rows` (R of them), for every key/value head: (R * kv_heads * L,), laid out as
+        (R, kv_heads, L) (`index_copy_` / `index_select` move whole head_dim rows: on a CPU ~100x cheaper
+        than `scatter_` / `gather` with an expanded index, which visit every element)."""
+        kv = self.kv_layers[0].keys.shape[1]
+        start = rows.start or 0
+        r = torch.arange(start, start + pos.shape[0], device=pos.device)  # (R,)
+        heads = torch.arange(kv, device=pos.device)
+        return ((r[:, None, None] * kv + heads[None, :, None]) * self.max_len + pos[:, None, :]).reshape(-1)
+
     def set_length(self, row: int, length: int) -> None:
         """Declare `length` positions of `row` committed (host and device counters)."""
         self.lengths[row] = length
@@ -131,11 +142,12 @@ class BatchKVCache(Cache):
         if in_place is None:
             in_place = bool((src == slot + self.lengths_t[:, None]).all())
         if not in_place:  # some row's path is not in place
-            dst = self.lengths_t[:, None] + slot  # (B, k)
+            rows = slice(0, self.num_rows)
+            src_i = self.flat_index(rows, src)  # (B * kv * k,)
+            dst_i = self.flat_index(rows, self.lengths_t[:, None] + slot)
             for layer in self.kv_layers:
                 for buf in (layer.keys, layer.values):
-                    b, h, _, d = buf.shape
-                    kept = buf.gather(2, src[:, None, :, None].expand(b, h, k, d))  # (B, kv, k, hd), a copy
-                    buf.scatter_(2, dst[:, None, :, None].expand(b, h, k, d), kept)
+                    flat = buf.view(-1, buf.shape[-1])
+                    flat.index_copy_(0, dst_i, flat.index_select(0, src_i))  # index_select copies first
         self.lengths_t += acc
         self.lengths = [n + a for n, a in zip(self.lengths, accepted, strict=True)]

@@ -211,8 +211,10 @@ class NodeBudget:
         are verified together, only the cost does). The provisional cap comes from this budget's cost curve
         with `other`'s gains and draft time, and phase 2 checks it with the draft time it really has here, so
         a batch of 16 rows does not pay full-size trees for 16 rows to relearn what batch 4 measured. Refits
-        still draft full-size trees. No-op when `other` has not finished a phase 1, or this one has started."""
-        if other.cap is None or not other.gains or self.gains or self.cap is not None:
+        still draft full-size trees. No-op when `other` never finished a phase 1 (a refit under way still has
+        its previous curve), or this one has started."""
+        fitted = other.cap is not None or bool(other.history)
+        if not fitted or len(other.gains) < self.fit_steps or self.gains or self.cap is not None:
             return
         self.gains = [list(g) for g in other.gains[-self.fit_steps :]]
         self.draft_ms = list(other.draft_ms[-self.fit_steps :])

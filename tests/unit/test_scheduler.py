@@ -137,7 +137,8 @@ def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(tmp_pa
         log=lambda _: None, node_budget=True,
     )  # fmt: skip
     assert all(r["identical"] == len(prompts) for r in rows)
-    assert starts == [(48, 48)]  # the batch-2 budget began with batch 1's 48-step gain curve
+    assert len(starts) == 1 and starts[0][0] >= 48  # batch 1 fitted (a refit may be under way)
+    assert starts[0][1] == 48  # the batch-2 budget began with batch 1's newest 48-step gain curve
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["ar", "lookup"])

@@ -54,6 +54,43 @@ def report_predictions(predicted: list[float], actual: list[int], edges: tuple[i
     )
 
 
+def median_speedups(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (batch, method, scheduler) over the passes: median tok/s, median and range of the speedup over the
+    same pass's AR at that batch size, and the node caps settled on."""
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for rows in passes:
+        for r in rows:
+            groups.setdefault((r["batch"], r["method"], r["scheduler"]), []).append(r)
+    out = []
+    for (b, m, sched), rs in groups.items():
+        sp = sorted(float(r["speedup_vs_ar_same_batch"] or 0.0) for r in rs)
+        rates = sorted(float(r["tokens_per_s"]) for r in rs)
+        out.append(
+            {
+                "batch": b, "method": m, "scheduler": sched, "passes": len(rs),
+                "tokens_per_s_median": rates[len(rates) // 2], "speedup_median": sp[len(sp) // 2],
+                "speedup_min": sp[0], "speedup_max": sp[-1], "node_caps": [r["node_cap"] for r in rs],
+            }
+        )  # fmt: skip
+    return out
+
+
+def print_medians(medians: list[dict[str, Any]], console: Any) -> None:
+    """The table of `median_speedups`."""
+    from rich.table import Table
+
+    t = Table(title="medians over the passes (speedup over the same pass's batched AR)")
+    for c in ("batch", "method", "scheduler", "passes", "tok/s", "speedup", "range", "node caps"):
+        t.add_column(c)
+    for r in medians:
+        t.add_row(
+            str(r["batch"]), r["method"], r["scheduler"], str(r["passes"]), f"{r['tokens_per_s_median']:.1f}",
+            f"{r['speedup_median']:.2f}x", f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
+            ", ".join(str(c) for c in r["node_caps"]),
+        )  # fmt: skip
+    console.print(t)
+
+
 def _row_by_row(factory: Callable[[], Any], wrap: Callable[[Any], Any]) -> Callable[[], Any]:
     """A factory of `wrap(factory())`: the same proposer, drafted one row at a time."""
     return lambda: wrap(factory())
@@ -91,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=["together", "each", "both"],
         help="drafters: every row in one call where the family can (together), one call per row (each: the "
         "old way), or both side by side (an A/B in one run)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="> 1: run every pass this many times and add a table of median tok/s and median speedup "
+        "(each pass's speedup over the AR of that pass) per batch size and method",
     )
     p.add_argument(
         "--graphs", default="auto", help="auto | on | off: fixed-shape batched verify as CUDA graphs"
@@ -137,15 +181,23 @@ def main(argv: list[str] | None = None) -> None:
         predict_s = time.perf_counter() - t0
         print(f"predicted lengths ({predictor.signal}, {predict_s:.2f} s): {[round(x) for x in predicted]}")
         print(f"reserves at quantile {a.reserve_quantile}: {reserve}")
-    rows = throughput_rows(
-        model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
-        schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
-        node_budget=a.budget, cuda_graphs=a.graphs,
-    )  # fmt: skip
-    print_throughput(rows, Console(width=160))
+    passes: list[list[dict[str, Any]]] = []
+    for rep in range(a.repeats):  # whole passes, so a machine's drift hits every method alike
+        rows = throughput_rows(
+            model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
+            schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
+            node_budget=a.budget, cuda_graphs=a.graphs,
+        )  # fmt: skip
+        for r in rows:
+            r["repeat"] = rep
+        passes.append(rows)
+    print_throughput(passes[-1], Console(width=160))
+    medians = median_speedups(passes) if a.repeats > 1 else []
+    if medians:
+        print_medians(medians, Console(width=160))
     if predicted is not None:
-        report_predictions(predicted, rows[0]["output_lengths"], predictor.edges, a.max_new_tokens)
-    write_json(a.json, model, {"rows": rows})
+        report_predictions(predicted, passes[-1][0]["output_lengths"], predictor.edges, a.max_new_tokens)
+    write_json(a.json, model, {"rows": [r for rows in passes for r in rows], "medians": medians})
 
 
 if __name__ == "__main__":

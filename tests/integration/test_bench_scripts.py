@@ -78,6 +78,22 @@ def test_bench_batch(eval_assets: Path, tmp_path: Path, capsys) -> None:
     assert "mini_mt" in capsys.readouterr().out
 
 
+def test_bench_batch_draft_rows_ab_with_repeats(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    """`--draft-rows both --repeats 2`: every drafter also drafted one row at a time, two passes, and a table
+    of medians per (batch, method) over them."""
+    out = tmp_path / "batch.json"
+    _main("bench_batch")(
+        [*_common(eval_assets, out), "--requests", "3", "--batch", "2", "--max-new-tokens", "6",
+         "--draft-rows", "both", "--repeats", "2", "--budget"]
+    )  # fmt: skip
+    res = _load(out)
+    methods = {"ar", "redrafter:drafter", "redrafter:drafter (rows each)", "lookup:3"}  # _common adds lookup
+    assert {(r["method"], r["repeat"]) for r in res["rows"]} == {(m, k) for m in methods for k in (0, 1)}
+    assert all(r["identical"] == 3 for r in res["rows"])
+    assert {m["method"] for m in res["medians"]} == methods and all(m["passes"] == 2 for m in res["medians"])
+    assert "medians over the passes" in capsys.readouterr().out
+
+
 def test_bench_adaptive(eval_assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "adaptive.json"
     argv = [*_common(eval_assets, out), "--prompts", "2", "--max-new-tokens", "8", "--thresholds", "0.2"]

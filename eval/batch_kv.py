@@ -52,7 +52,7 @@ class BatchKVLayer(CacheLayerMixin):
             keys, values: (R, kv_heads, span, head_dim) views of the written rows.
         """
         rows, span = self.owner.rows, self.owner.span
-        idx = self.owner.flat_index(rows, self.owner.write_pos)  # (R * kv * L,) rows of the flat buffers
+        idx = self.owner.write_index  # (R * kv * L,) rows of the flat buffers
         d = self.keys.shape[-1]
         self.keys.view(-1, d).index_copy_(0, idx, key_states.to(self.keys.dtype).reshape(-1, d))
         self.values.view(-1, d).index_copy_(0, idx, value_states.to(self.values.dtype).reshape(-1, d))
@@ -89,6 +89,7 @@ class BatchKVCache(Cache):
         self.lengths_t = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.rows = slice(0, batch_size)  # the rows the next forward writes
         self.write_pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # (R, L)
+        self.write_index = torch.zeros(0, dtype=torch.long, device=device)  # `flat_index` of write_pos
         self.span = max_len  # positions the next forward's attention reads per row (<= max_len)
         shape = (batch_size, kv_heads, max_len, head_dim)
         layers = [
@@ -106,6 +107,7 @@ class BatchKVCache(Cache):
         """The next forward runs rows `rows` (R of them), writes their L positions at `write_pos` (R, L) and
         attends over each row's first `span` positions (None: all `max_len`; every write must fall below it)."""
         self.rows, self.write_pos = rows, write_pos
+        self.write_index = self.flat_index(rows, write_pos)  # (R * kv * L,): once per forward, not per layer
         self.span = self.max_len if span is None else min(span, self.max_len)
 
     def flat_index(self, rows: slice, pos: Tensor) -> Tensor:

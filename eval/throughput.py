@@ -13,6 +13,7 @@ step and request, row utilisation, the speedup over batched AR at the same B and
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,7 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 160)  # logs: as the speedup table
     for bench in dict.fromkeys(r["bench"] for r in rows):
         table = Table(title=f"{bench}: throughput vs batch size (greedy, continuous batching)")
         for col in (

@@ -18,7 +18,9 @@ class EvalConfig:
     top_p: float = 1.0  # sampling: nucleus threshold (1.0: off); same for every method
     beam_width: int | None = None  # ReDrafter beam width (None: the drafter's default)
     beam_length: int | None = None  # ReDrafter beam length incl. root (None: draft_len + 1)
-    int8_draft_head: bool = True  # ReDrafter on CPU: draft with an int8 vocab head (output unchanged)
+    int8_draft_head: bool = (
+        True  # CPU: ReDrafter / Medusa / EAGLE draft with int8 vocab heads (output unchanged)
+    )
     draft_dtype: str | None = None  # None: the target's dtype, else auto|fp32|bf16|fp16; same output
     draft_min_prob: float = 0.0  # ReDrafter: prune beam positions whose drafter probability is below this
     lookup_tokens: int = 0  # > 0: also run each drafter with a prompt-lookup chain this long merged in

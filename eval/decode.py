@@ -66,7 +66,8 @@ class RowBatchedProposer(Protocol):
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
     ) -> list[DraftTree] | None:
         """`rows[i].propose(hidden[i], tokens[i])` for every i, in one drafter call (this proposer is one of
-        `rows`; each row's own state is read and advanced as `propose` would). None: these rows cannot be
+        `rows`; each row's own state is read and advanced as `propose` would; int8 products quantise the rows'
+        activations together, so their drafts may differ slightly, never the output). None: these rows cannot be
         drafted together (e.g. another class or search size): nothing was changed, call `propose` per row.
 
         Args:

@@ -237,6 +237,9 @@ class MedusaProposer:
         choices: rank paths (None: the export's `tree_choices`, else `DEFAULT_TREE` pruned to the heads and
             `config.topk`).
         max_nodes: node budget N (root included) applied to the tree (None: the whole tree).
+        int8_head: on CPU, run each head's vocabulary Linear as a shared dynamic-int8 copy
+            (`proposers.int8_copy`): the K (Vd, H) products stream most of the drafter's weights every step.
+            Only the drafts can change, never the output.
     """
 
     def __init__(
@@ -244,6 +247,7 @@ class MedusaProposer:
         drafter: torch.nn.Module,
         choices: Sequence[Sequence[int]] | None = None,
         max_nodes: int | None = None,
+        int8_head: bool = False,
     ) -> None:
         drafter = cast("Medusa", drafter)  # duck-typed: any module with Medusa's `config` and `topk_tokens`
         cfg = drafter.config
@@ -265,6 +269,12 @@ class MedusaProposer:
         self.spec = ProposerSpec(max_depth=self.depth_used, node_budget=int(self.parents.shape[0]))
         self._cap = int(self.parents.shape[0])  # nodes proposed (`fit_budget`); the whole tree by default
         self._run = (self.topk, self.depth_used)  # ranks and heads those nodes need
+        self.int8: list[torch.nn.Module] | None = None  # int8 copies of the heads' vocabulary Linears (CPU)
+        if int8_head and next(drafter.parameters()).device.type == "cpu":
+            from specdraft.eval.proposers import int8_copy, int8_supported
+
+            if int8_supported():
+                self.int8 = [int8_copy(lin) for _, lin in drafter.vocab_heads()]
 
     def reset(self) -> None:
         """No state across prompts."""
@@ -280,6 +290,13 @@ class MedusaProposer:
     def num_nodes(self) -> int:
         """N, nodes of every proposed tree (root included; `fit_budget` may lower it)."""
         return self._cap
+
+    def _topk(self, hidden: Tensor) -> Tensor:
+        """(..., H) -> (..., depth, k) target ids of the heads and ranks the proposed nodes need, through the
+        int8 copies when there are some."""
+        if self.int8 is None:
+            return self.drafter.topk_tokens(hidden, *self._run)
+        return self.drafter.topk_tokens(hidden, *self._run, linears=self.int8)
 
     def _layout_on(self, dev: torch.device) -> None:
         """Move the static layout to the decoding device (once, not every step)."""
@@ -303,7 +320,7 @@ class MedusaProposer:
         n = self._cap
         out = tokens[-1:].repeat(n)  # (N,)
         if n > 1:
-            top = self.drafter.topk_tokens(hidden[-1], *self._run).to(dev)  # (depth, k)
+            top = self._topk(hidden[-1]).to(dev)  # (depth, k)
             out[1:] = top[self.head[1:n], self.rank[1:n]]
         return DraftTree(out, self.parents[:n], self.depth[:n], self.ancestors[:n, :n])
 
@@ -318,21 +335,22 @@ class MedusaProposer:
             rows: R `MedusaProposer`s (this one among them); hidden: R (n_i, H); tokens: R (n_i,).
 
         Returns:
-            R trees of `num_nodes` nodes, each equal to `rows[i].propose(hidden[i], tokens[i])`.
+            R trees of `num_nodes` nodes, each equal to `rows[i].propose(hidden[i], tokens[i])` (with int8 heads
+            up to their shared activation scale).
         """
         if not all(isinstance(p, MedusaProposer) for p in rows):
             return None
         ps = cast("list[MedusaProposer]", list(rows))
-        if any(p.drafter is not self.drafter or p.paths != self.paths or p._cap != self._cap for p in ps):
+        same = (self.drafter, self.paths, self._cap, self.int8 is None)
+        if any((p.drafter, p.paths, p._cap, p.int8 is None) != same for p in ps):
             return None
         n, dev = self._cap, tokens[0].device
         self._layout_on(dev)
         roots = torch.stack([t[-1] for t in tokens])  # (R,)
         out = roots[:, None].repeat(1, n)  # (R, N)
         if n > 1:
-            top = self.drafter.topk_tokens(torch.stack([h[-1] for h in hidden]), *self._run).to(
-                dev
-            )  # (R, d, k)
+            last = torch.stack([h[-1] for h in hidden])  # (R, H)
+            top = self._topk(last).to(dev)  # (R, d, k)
             out[:, 1:] = top[:, self.head[1:n], self.rank[1:n]]
         return [DraftTree(o, self.parents[:n], self.depth[:n], self.ancestors[:n, :n]) for o in out]
 

@@ -374,7 +374,8 @@ class ReDrafterProposer:
             rows: R `ReDrafterProposer`s (this one among them); hidden: R (n_i, F); tokens: R (n_i,).
 
         Returns:
-            R trees, each equal to what `rows[i].propose(hidden[i], tokens[i])` gives.
+            R trees, each equal to what `rows[i].propose(hidden[i], tokens[i])` gives (with the int8 head the
+            rows share one activation scale, so a draft may differ slightly; the output never does).
         """
         search = (self.drafter, self.beam_width, self.draft_len, self.min_logp)
         if self.static or self.uses_context or self.draft_len == 0:
@@ -446,7 +447,7 @@ def make_proposer(
         beam_width: ReDrafter W (None: `config.beam_width`, else 8).
         beam_length: ReDrafter 1 + D (None: `config.draft_len + 1`).
         tree_nodes: Medusa node budget / EAGLE-2 `total_tokens` (None: the drafter's default).
-        int8_head: ReDrafter / EAGLE draft with an int8 vocabulary head on CPU (`Int8Linear`).
+        int8_head: ReDrafter / Medusa / EAGLE draft with int8 vocabulary heads on CPU (`Int8Linear`).
         lookup_tokens: > 0: merge a prompt-lookup chain of this length into every tree (`eval.hybrid.LookupBranch`,
             any family; 0: off).
         min_prob: ReDrafter prunes beam positions below this drafter probability (0: off).
@@ -489,7 +490,7 @@ def _family_proposer(
     if spec.proposer == "medusa_tree":
         from specdraft.eval.medusa_tree import MedusaProposer
 
-        return MedusaProposer(drafter, max_nodes=tree_nodes)
+        return MedusaProposer(drafter, max_nodes=tree_nodes, int8_head=int8_head)
     if spec.proposer == "eagle_tree":
         from specdraft.eval.eagle_tree import EagleTreeProposer
 

@@ -23,6 +23,7 @@ never drafted; `topk_tokens` returns target ids, so trees and verification (loss
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import field
 from typing import Any, cast
 
@@ -113,12 +114,28 @@ class Medusa(PreTrainedModel):
         return [f"heads.{k}.{self.config.num_layers}.weight" for k in range(self.config.draft_len)]
 
     # ---- logits -----------------------------------------------------------------------------------------
-    def head_logits(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
+    def vocab_heads(self) -> list[tuple[nn.Module, nn.Linear]]:
+        """Per head k, (transform, vocabulary Linear) with `heads[k](x) == linear(transform(x))` (a decoder may
+        swap in an int8 copy of each Linear: `head_logits(..., linears=...)`)."""
+        out = []
+        for head in self.heads:
+            seq = cast(nn.Sequential, head)
+            out.append((seq[:-1], cast(nn.Linear, seq[-1])))
+        return out
+
+    def head_logits(
+        self,
+        hidden: Tensor,
+        num_heads: int | None = None,
+        linears: Sequence[Callable[[Tensor], Tensor]] | None = None,
+    ) -> Tensor:
         """Logits of the first `num_heads` heads over the draft vocabulary.
 
         Args:
             hidden: (..., H) target last-layer states h_t (cast to the heads' dtype/device).
             num_heads: how many heads to run (None: all K).
+            linears: per head, a replacement of its vocabulary Linear, (..., H) -> (..., Vd) (e.g. int8 copies at
+                decode time; their outputs may be float32); None: the heads as they are.
 
         Returns:
             (..., num_heads, Vd) (Vd = V unless `draft_vocab_size` is set; `to_target_ids` maps a column index
@@ -131,7 +148,11 @@ class Medusa(PreTrainedModel):
             raise ValueError(
                 f"Medusa has {self.config.draft_len} heads, {n} requested (lower drafter.draft_len)"
             )
-        return torch.stack([self.heads[k](x) for k in range(n)], dim=-2)  # (..., n, Vd)
+        if linears is None:
+            return torch.stack([self.heads[k](x) for k in range(n)], dim=-2)  # (..., n, Vd)
+        parts, flat = self.vocab_heads(), x.reshape(-1, x.shape[-1])  # (N, H): int8 products take 2-D inputs
+        out = torch.stack([linears[k](parts[k][0](flat)) for k in range(n)], dim=-2)  # (N, n, Vd)
+        return out.reshape(*x.shape[:-1], n, out.shape[-1])  # (..., n, Vd)
 
     def forward(self, hidden: Tensor, root: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
         """Teacher-forced logits in the shared drafter signature (docs/design.md).
@@ -147,18 +168,27 @@ class Medusa(PreTrainedModel):
         return self.head_logits(hidden, None if targets is None else targets.shape[-1])
 
     @torch.no_grad()
-    def topk_tokens(self, hidden: Tensor, k: int, num_heads: int | None = None) -> Tensor:
+    def topk_tokens(
+        self,
+        hidden: Tensor,
+        k: int,
+        num_heads: int | None = None,
+        linears: Sequence[Callable[[Tensor], Tensor]] | None = None,
+    ) -> Tensor:
         """The k most likely tokens of each of the first `num_heads` heads at one position (decode time).
 
         Args:
             hidden: (..., H) the target's last-layer state at the newest committed position (of each row).
             k: candidates per head.
             num_heads: heads run (None: all K); a shallow tree needs only its depth.
+            linears: replacements of the heads' vocabulary Linears (`head_logits`).
 
         Returns:
             (..., num_heads, k) long target ids, row j sorted by head j's logit (rank 0 first).
         """
-        top = self.head_logits(hidden, num_heads).topk(k, dim=-1).indices  # (..., num_heads, k) draft ids
+        top = (
+            self.head_logits(hidden, num_heads, linears).topk(k, dim=-1).indices
+        )  # (..., num_heads, k) draft ids
         return self.to_target_ids(top)  # (..., num_heads, k) target ids
 
 

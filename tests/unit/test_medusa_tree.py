@@ -197,6 +197,37 @@ def test_greedy_medusa_equals_ar(tiny_llama64, medusa64, prompt_len):
     assert set(stats.tree_sizes) == {make_proposer(medusa64).num_nodes}
 
 
+def test_int8_heads_decode_losslessly_and_close_to_the_float_heads(tiny_llama64, medusa64):
+    """`int8_head=True` on CPU: each head's vocabulary Linear runs as a shared int8 copy (the float heads'
+    logits within int8 error), the output still equals AR's, and rows are drafted together with the same copies
+    (never mixed with float heads)."""
+    from specdraft.eval.proposers import int8_supported
+
+    if not int8_supported():
+        pytest.skip("no fbgemm int8 ops in this torch build")
+    prop = make_proposer(medusa64, int8_head=True)
+    assert prop.int8 is not None and len(prop.int8) == medusa64.config.draft_len
+    assert make_proposer(medusa64, int8_head=True).int8[0] is prop.int8[0]  # quantised once per drafter
+    h = torch.randn(5, medusa64.config.base_hidden_size)  # (R, H)
+    exact = medusa64.head_logits(h).float()  # (R, K, Vd)
+    approx = medusa64.head_logits(h, linears=prop.int8)
+    assert approx.shape == exact.shape and (approx - exact).abs().max() < 0.05 * exact.abs().max()
+    prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(3))
+    ref, _ = ar_generate(tiny_llama64, None, prompt, 24, stop_ids=set())
+    out, _ = speculative_generate(tiny_llama64, None, prompt, prop, 24, stop_ids=set())
+    assert out == ref
+    rows = [make_proposer(medusa64, int8_head=True) for _ in range(2)]
+    tokens = [torch.tensor([1, 2]), torch.tensor([4, 5])]
+    together = rows[0].propose_rows(rows, [h[:2], h[2:4]], tokens)
+    assert together is not None
+    # one activation scale for all rows in the int8 products: drafts may differ slightly from per-row calls
+    assert [t.num_nodes for t in together] == [prop.num_nodes] * 2
+    assert [int(t.tokens[0]) for t in together] == [2, 5]  # each row's own root
+    assert (
+        rows[0].propose_rows([rows[0], make_proposer(medusa64)], [h[:2], h[2:4]], tokens) is None
+    )  # float heads
+
+
 class OracleHeads(torch.nn.Module):
     """Heads whose rank-`ranks[j]` candidate is the true AR token of slot j (random tokens elsewhere)."""
 

@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> None:
         default=[128],
         help="with --budget: one row per value of eval.node_budget_refit (0: the first fit is final)",
     )
+    p.add_argument(
+        "--float-heads",
+        action="store_true",
+        help="draft with the drafters' own vocabulary heads (default on CPU: int8 copies, as evaluate.py's "
+        "eval.int8_draft_head; the output is the same either way)",
+    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     a = p.parse_args(argv)
@@ -74,12 +80,16 @@ def main(argv: list[str] | None = None) -> None:
     def factories(drafters: list) -> list:
         """(name, proposer factory) per drafter, then prompt lookup: each method gets its own proposer (a
         fitted budget may shrink the one it drives)."""
-        out = [(name, lambda d=d: make_proposer(d)) for name, d in drafters]
+        int8 = not a.float_heads  # as evaluate.py's eval.int8_draft_head (CPU only)
+        out = [(name, lambda d=d: make_proposer(d, int8_head=int8)) for name, d in drafters]
         if (
             a.lookup_branch
         ):  # each drafter again, prompt lookup's chain merged into its trees (eval/hybrid.py)
             n = a.lookup_branch
-            out += [(f"{name}+lookup", lambda d=d: make_proposer(d, lookup_tokens=n)) for name, d in drafters]
+            out += [
+                (f"{name}+lookup", lambda d=d: make_proposer(d, int8_head=int8, lookup_tokens=n))
+                for name, d in drafters
+            ]
         if a.lookup:
             out.append((f"lookup:{a.lookup}", lambda: PromptLookupProposer(a.lookup)))
         return out

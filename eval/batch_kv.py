@@ -7,7 +7,7 @@ The batched sibling of `static_kv.StaticKVCache` (its `static=True` shape): per 
 positions of those rows (the decoder passes the longest row's length + L, so attention and the GQA key
 expansion scale with what is filled rather than with `max_len`), and the decoder's 4D mask hides every stale
 position. Afterwards each row's accepted
-path is compacted in place (one gather + scatter per buffer for all rows) and each length advances by its
+path is compacted in place (one index_select + index_copy_ per buffer for all rows) and each length advances by its
 own accepted count:
 
     row 0  [ committed (len_0) | node 0 | node 1 | pad ... | stale ]  ->  [ committed | path_0 ... | stale ]
@@ -43,7 +43,8 @@ class BatchKVLayer(CacheLayerMixin):
         """Buffers are allocated up front; nothing to do."""
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Write L new positions per row at the owner's `write_pos`; return the rows' first `span` positions.
+        """Write L new positions per row where the owner's `prepare_write` said (`write_index`); return the rows'
+        first `span` positions.
 
         Args:
             key_states, value_states: (R, kv_heads, L, head_dim), R = the rows of `owner.rows`.
@@ -88,8 +89,8 @@ class BatchKVCache(Cache):
         self.lengths = [0] * batch_size  # host copy of `lengths_t`
         self.lengths_t = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.rows = slice(0, batch_size)  # the rows the next forward writes
-        self.write_pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # (R, L)
-        self.write_index = torch.zeros(0, dtype=torch.long, device=device)  # `flat_index` of write_pos
+        self.kv_heads = kv_heads
+        self.write_index = torch.zeros(0, dtype=torch.long, device=device)  # (R * kv * L,) `prepare_write`'s
         self.span = max_len  # positions the next forward's attention reads per row (<= max_len)
         shape = (batch_size, kv_heads, max_len, head_dim)
         layers = [
@@ -106,7 +107,7 @@ class BatchKVCache(Cache):
     def prepare_write(self, rows: slice, write_pos: Tensor, span: int | None = None) -> None:
         """The next forward runs rows `rows` (R of them), writes their L positions at `write_pos` (R, L) and
         attends over each row's first `span` positions (None: all `max_len`; every write must fall below it)."""
-        self.rows, self.write_pos = rows, write_pos
+        self.rows = rows
         self.write_index = self.flat_index(rows, write_pos)  # (R * kv * L,): once per forward, not per layer
         self.span = self.max_len if span is None else min(span, self.max_len)
 
@@ -115,7 +116,7 @@ class BatchKVCache(Cache):
         (R, L) of rows `rows` (R of them), for every key/value head: (R * kv_heads * L,), laid out as
         (R, kv_heads, L) (`index_copy_` / `index_select` move whole head_dim rows: on a CPU ~100x cheaper
         than `scatter_` / `gather` with an expanded index, which visit every element)."""
-        kv = self.kv_layers[0].keys.shape[1]
+        kv = self.kv_heads
         start = rows.start or 0
         r = torch.arange(start, start + pos.shape[0], device=pos.device)  # (R,)
         heads = torch.arange(kv, device=pos.device)

@@ -213,21 +213,21 @@ class LookupBranch:
         ps = cast("list[LookupBranch]", list(rows))
         steps = [p._begin(h, t) for p, h, t in zip(ps, hidden, tokens, strict=True)]
         drafting = [i for i, st in enumerate(steps) if not isinstance(st, DraftTree)]
-        inner: list[DraftTree] | None = None
+        together: dict[int, DraftTree] = {}  # row -> its drafter's tree, when drafted in one call
         lead = ps[drafting[0]].inner if drafting else None
         if isinstance(lead, RowBatchedProposer):
             ins = [cast(tuple[DraftTree, Tensor, Tensor], steps[i]) for i in drafting]
-            inner = lead.propose_rows(
+            trees = lead.propose_rows(
                 [ps[i].inner for i in drafting], [x[1] for x in ins], [x[2] for x in ins]
             )
+            together = dict(zip(drafting, trees, strict=True)) if trees is not None else {}
         out: list[DraftTree] = []
         for i, (p, st) in enumerate(zip(ps, steps, strict=True)):
             if isinstance(st, DraftTree):
                 out.append(st)
                 continue
             chain, h, t = st
-            tree = inner[drafting.index(i)] if inner is not None else p.inner.propose(h, t)
-            out.append(p._end(tree, chain))
+            out.append(p._end(together[i] if i in together else p.inner.propose(h, t), chain))
         return out
 
     def _begin(self, hidden: Tensor, tokens: Tensor) -> DraftTree | tuple[DraftTree, Tensor, Tensor]:

@@ -98,9 +98,9 @@ def throughput_rows(
                 if curve and factory
                 else None
             )
-            if budget is not None and name in fitted:  # its gain curve from the previous batch size
-                budget.warm_start(fitted[name])
             if budget is not None:
+                if name in fitted:  # its gain curve from the previous batch size
+                    budget.warm_start(fitted[name])
                 fitted[name] = budget
             for sched in schedulers:
                 kw = _sample_kw(sample, model)

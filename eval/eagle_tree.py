@@ -84,6 +84,8 @@ class EagleTreeProposer:
         static: fixed-shape, host-sync-free expansion and reranking over a preallocated head cache (see the
             module docstring); trees of 1 + min(total_tokens, pool) nodes, fixed per budget size.
         graphs: with `static` and the head on CUDA, capture the expansion once as a CUDA graph.
+        early_stop: stop expanding once no deeper node can enter the kept set (`grow`; the same tree with
+            fewer head passes, one host sync per level, so never inside a CUDA graph).
 
     Attributes:
         target_layers: target `hidden_states` indices the decoder must pass instead of the last layer
@@ -99,6 +101,7 @@ class EagleTreeProposer:
         int8_head: bool = False,
         static: bool = False,
         graphs: bool = False,
+        early_stop: bool = True,
     ) -> None:
         if min(total_tokens, depth, top_k) < 1:
             raise ValueError(
@@ -118,6 +121,8 @@ class EagleTreeProposer:
         self.cache = DynamicCache()
         self.committed = 0
         self.last_pool: dict[str, Tensor] | None = None  # candidates of the latest call (tests, analysis)
+        self.early_stop = bool(early_stop)
+        self.last_levels = 0  # head passes of the latest expansion (early stop: fewer than depth - 1)
         # int8 copy of the draft vocabulary head (CPU): only the drafts change, never the output
         self.int8: tuple[torch.nn.Module, torch.nn.Module] | None = None
         if int8_head and next(drafter.parameters()).device.type == "cpu":
@@ -220,14 +225,22 @@ class EagleTreeProposer:
             last: (H,) head output at the newest committed position.
             attend: runs one frontier through the head (None: the dynamic `DynamicCache` step).
 
+        Early stop (`early_stop`, not while a CUDA graph captures): after a level, when the best frontier
+        score is <= the `total_tokens`-th best score in the pool, no deeper node can be kept (a child never
+        outscores its parent, and ties go to the shallower node), so the expansion ends there: reranking keeps
+        exactly the nodes the full expansion would (the same tree), for fewer head passes on unsure steps.
+
         Returns:
             tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each
-            (P,) with P = k + (depth - 1) * k * k.
+            (P,) with P = k + (levels run) * k * k <= k + (depth - 1) * k * k, and P >= total_tokens
+            whenever the expansion stopped early (so static trees keep their size).
         """
         dev, attend = last.device, attend or self._attend_dynamic
+        stop = self.early_stop and (self.fixed is None or not self.fixed.graphs)  # a host sync per level
         sc, ids = self._topk(last[None])  # (1, k)
         k = sc.shape[1]
         toks, pars, scores = [ids[0]], [torch.full((k,), -1, device=dev)], [sc[0]]
+        self.last_levels = 0
         depths = [torch.ones(k, dtype=torch.long, device=dev)]
         front = torch.arange(k, device=dev)  # pool indices of the frontier
         front_score, front_tok, front_in = sc[0], ids[0], last[None].expand(k, -1)  # (k,), (k,), (k, H)
@@ -252,6 +265,11 @@ class EagleTreeProposer:
             front, front_tok = size + best, cids.reshape(-1)[best]
             front_in, front_slot = out[best // k], base + best // k
             size += k * k
+            self.last_levels = level
+            if stop and level < self.depth - 1 and size >= self.total_tokens:
+                nth = torch.cat(scores).topk(self.total_tokens).values[-1]  # the kept set's worst score so far
+                if bool(front_score.max() <= nth):
+                    break  # every deeper candidate scores <= nth and is deeper: none would be kept
         pool = [torch.cat(x) for x in (toks, pars, scores, depths)]
         self.last_pool = dict(zip(("tokens", "parents", "scores", "depths"), pool))
         return pool[0], pool[1], pool[2], pool[3]

@@ -229,3 +229,32 @@ def test_captured_expansion_equals_the_eager_one(family):
     out, stats = dec.speculative_generate(None, prompt, graph, 24, stop_ids=set())
     assert out == ref and set(stats.tree_sizes) == {11}
     assert graph.fixed.graph is captured  # replayed, never recaptured (the head cache had room)
+
+
+@pytest.mark.parametrize("family", [eagle, eagle3])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("total,depth,k", [(4, 5, 3), (3, 4, 2), (6, 6, 2)])
+def test_early_stop_keeps_the_same_tree(family, static, total, depth, k):
+    """`early_stop` ends the expansion once the best frontier score is <= the `total`-th best candidate's, so
+    the tree is node for node the one the full expansion keeps, from fewer head passes: over 12 commits of
+    random lengths (fp64 heads, both modes) every tree is identical, the expansion stopped early at least once,
+    and without early stop it always runs depth - 1 levels."""
+    target = tiny_llama(num_layers=8, dtype=torch.float64)
+    head = _head(family, target, seed=5)
+    with torch.no_grad():  # a peaked vocabulary head: confident and unsure steps both occur
+        head.draft_head()[1].weight.mul_(6.0)
+    ids = torch.randint(5, V, (1, 40), generator=torch.Generator().manual_seed(2))
+    feats, nxt = _features(head, target, ids), torch.cat([ids[0, 1:], torch.tensor([42])])
+    full = EagleTreeProposer(head, total, depth, k, static=static, early_stop=False)
+    fast = EagleTreeProposer(head, total, depth, k, static=static)
+    cuts = [0, 5, 6, 9, 10, 13, 17, 18, 22, 27, 30, 34, 40]
+    levels = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        a, b = full.propose(feats[lo:hi], nxt[lo:hi]), fast.propose(feats[lo:hi], nxt[lo:hi])
+        assert torch.equal(b.tokens, a.tokens) and torch.equal(b.parents, a.parents)
+        assert torch.equal(b.depth, a.depth) and torch.equal(b.ancestors, a.ancestors)
+        if a.scores is not None:
+            assert b.scores is not None and torch.equal(b.scores, a.scores)
+        assert full.last_levels == depth - 1 and 1 <= fast.last_levels <= depth - 1
+        levels.append(fast.last_levels)
+    assert min(levels) < depth - 1, levels  # it did stop early

@@ -514,7 +514,8 @@ def _draft_rows(
     proposers: list[Proposer], active: list[int], rows: list[_Row], device: torch.device
 ) -> tuple[dict[int, DraftTree], dict[int, float]]:
     """Every active row's tree: one call for all of them when the proposers draft rows together
-    (`RowBatchedProposer`: ReDrafter's beams of every row in one search, Medusa's heads run once), else
+    (`RowBatchedProposer`: ReDrafter's beams of every row in one search, Medusa's heads run once, EAGLE's
+    levels one head pass each), else
     `propose` row by row.
 
     Args:

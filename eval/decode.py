@@ -58,8 +58,8 @@ class Proposer(Protocol):
 
 @runtime_checkable
 class RowBatchedProposer(Protocol):
-    """A proposer family that drafts several rows' trees in one drafter call (declared by ReDrafter, Medusa
-    and the lookup branch around them); the batched decoder (`batch_decode`) asks the first active row's
+    """A proposer family that drafts several rows' trees in one drafter call (declared by ReDrafter, Medusa,
+    EAGLE and the lookup branch around them); the batched decoder (`batch_decode`) asks the first active row's
     proposer for all rows' trees at once instead of calling `propose` row by row."""
 
     def propose_rows(

@@ -27,7 +27,7 @@ of the n newly accepted positions stays eager (n varies per call).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -40,11 +40,15 @@ from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.eagle_common import causal_tree_mask
 
 if TYPE_CHECKING:
+    from specdraft.eval.decode import Proposer
+    from specdraft.eval.eagle_rows import RowGroup
     from specdraft.models.eagle import EagleDrafter
     from specdraft.models.eagle3 import Eagle3Drafter
 
 # one expansion level: (level, rows (k, s) ancestors-or-self among draft entries, feats (k, H), toks (k,)) -> (k, H)
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+# the same for G rows at once: (level, rows (G, k, s), feats (G, k, H), toks (G, k)) -> (G, k, H)
+AttendRows = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 def select_nodes(tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: int) -> tuple[Tensor, Tensor]:
@@ -84,7 +88,7 @@ class EagleTreeProposer:
         static: fixed-shape, host-sync-free expansion and reranking over a preallocated head cache (see the
             module docstring); trees of 1 + min(total_tokens, pool) nodes, fixed per budget size.
         graphs: with `static` and the head on CUDA, capture the expansion once as a CUDA graph.
-        early_stop: stop expanding once no deeper node can enter the kept set (`grow`; the same tree with
+        early_stop: stop expanding once no deeper node can enter the kept set (`grow_rows`; the same tree with
             fewer head passes, one host sync per level, so never inside a CUDA graph).
 
     Attributes:
@@ -123,6 +127,9 @@ class EagleTreeProposer:
         self.last_pool: dict[str, Tensor] | None = None  # candidates of the latest call (tests, analysis)
         self.early_stop = bool(early_stop)
         self.last_levels = 0  # head passes of the latest expansion (early stop: fewer than depth - 1)
+        # rows drafted together (`propose_rows`): the group whose buffer holds this row's positions, its slot
+        self.group: RowGroup | None = None
+        self.slot = 0
         # int8 copy of the draft vocabulary head (CPU): only the drafts change, never the output
         self.int8: tuple[torch.nn.Module, torch.nn.Module] | None = None
         if int8_head and next(drafter.parameters()).device.type == "cpu":
@@ -140,6 +147,8 @@ class EagleTreeProposer:
         self.committed = 0
         if self.fixed is not None:
             self.fixed.reset()
+        if self.group is not None:  # stays a member, with an empty slot
+            self.group.reset(self)
 
     def fit_budget(self, nodes: int) -> None:
         """Keep at most `nodes - 1` draft nodes and a depth of `nodes - 1` (fewer head passes); a larger cap
@@ -160,6 +169,8 @@ class EagleTreeProposer:
         Returns:
             (n, H) the head's outputs at those positions.
         """
+        if self.group is not None:  # drafting alone again: its positions come back from the group
+            self.group.leave(self)
         if self.fixed is not None:  # the preallocated head cache (eager: n varies per call)
             out = self.fixed.commit(hidden, tokens)
             self.committed = self.fixed.cache.length
@@ -197,6 +208,30 @@ class EagleTreeProposer:
         tok, par, score, depth = self.grow(out[-1])
         return self.rerank(int(tokens[-1]), tok, par, score, depth, tokens.device)
 
+    def propose_rows(
+        self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
+    ) -> list[DraftTree] | None:
+        """Every row's `propose`, each expansion level one head pass for all rows (`eval/eagle_rows.py`); None
+        (nothing changed) unless every row is a dynamic-mode `EagleTreeProposer` of this head and tree size.
+
+        Args:
+            rows: R proposers (this one among them); hidden: R of (n_i, F); tokens: R of (n_i,).
+        """
+        from specdraft.eval.eagle_rows import propose_rows
+
+        same = all(
+            isinstance(p, EagleTreeProposer)
+            and p.fixed is None
+            and p.drafter is self.drafter
+            and (p.total_tokens, p.depth, p.top_k) == (self.total_tokens, self.depth, self.top_k)
+            and (p.int8 is None) == (self.int8 is None)
+            and (p.int8 is None or self.int8 is None or p.int8[1] is self.int8[1])
+            for p in rows
+        )
+        if not same or self.fixed is not None:
+            return None
+        return propose_rows(self, cast("list[EagleTreeProposer]", list(rows)), list(hidden), list(tokens))
+
     def _expand_fixed(self, last: Tensor, root: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Fixed-shape expansion + reranking (what the CUDA graph captures): last (H,), root (1,) ->
         tokens (N,), parents (N,), depth (N,), ancestors (N, N) with N = 1 + min(total_tokens, P)."""
@@ -225,53 +260,84 @@ class EagleTreeProposer:
             last: (H,) head output at the newest committed position.
             attend: runs one frontier through the head (None: the dynamic `DynamicCache` step).
 
-        Early stop (`early_stop`, not while a CUDA graph captures): after a level, when the best frontier
-        score is <= the `total_tokens`-th best score in the pool, no deeper node can be kept (a child never
-        outscores its parent, and ties go to the shallower node), so the expansion ends there: reranking keeps
-        exactly the nodes the full expansion would (the same tree), for fewer head passes on unsure steps.
-
         Returns:
             tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each
-            (P,) with P = k + (levels run) * k * k <= k + (depth - 1) * k * k, and P >= total_tokens
-            whenever the expansion stopped early (so static trees keep their size).
+            (P,) with P = k + (levels run) * k * k <= k + (depth - 1) * k * k (see `grow_rows`).
         """
-        dev, attend = last.device, attend or self._attend_dynamic
+        one = attend or self._attend_dynamic
+
+        def attend_one(level: int, rows: Tensor, feats: Tensor, toks: Tensor) -> Tensor:
+            return one(level, rows[0], feats[0], toks[0])[None]  # one row: (1, k, ...) <-> (k, ...)
+
+        pool = [x[0] for x in self.grow_rows(last[None], attend_one, [0])]
+        self.last_pool = dict(zip(("tokens", "parents", "scores", "depths"), pool))
+        return pool[0], pool[1], pool[2], pool[3]
+
+    def grow_rows(
+        self, last: Tensor, attend: AttendRows, drafting: list[int]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The candidate pools of G rows at once (one head pass per level for all of them).
+
+        Early stop (`early_stop`, not while a CUDA graph captures): after a level, when in every row of
+        `drafting` the best frontier score is <= the `total_tokens`-th best score in its pool, no deeper node
+        can be kept (a child never outscores its parent, and ties go to the shallower node), so the expansion
+        ends there: reranking keeps exactly the nodes the full expansion would (the same trees), for fewer
+        head passes on unsure steps.
+
+        Args:
+            last: (G, H) head outputs at each row's newest committed position.
+            attend: one frontier level of every row, (level, rows (G, k, s), feats (G, k, H), toks (G, k))
+                -> (G, k, H).
+            drafting: the rows whose trees are wanted (the others ride along).
+
+        Returns:
+            tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each (G, P) with
+            P = k + (levels run) * k * k, and P >= total_tokens whenever the expansion stopped early (so
+            static trees keep their size).
+        """
+        dev, g = last.device, last.shape[0]
         stop = self.early_stop and (self.fixed is None or not self.fixed.graphs)  # a host sync per level
-        sc, ids = self._topk(last[None])  # (1, k)
+        sc, ids = self._topk(last)  # (G, k)
         k = sc.shape[1]
-        toks, pars, scores = [ids[0]], [torch.full((k,), -1, device=dev)], [sc[0]]
         self.last_levels = 0
-        depths = [torch.ones(k, dtype=torch.long, device=dev)]
-        front = torch.arange(k, device=dev)  # pool indices of the frontier
-        front_score, front_tok, front_in = sc[0], ids[0], last[None].expand(k, -1)  # (k,), (k,), (k, H)
-        front_slot = torch.full((k,), -1, device=dev)  # draft-entry slot of each frontier node's parent
+        toks, pars, scores = [ids], [torch.full((g, k), -1, device=dev)], [sc]
+        depths = [torch.ones(g, k, dtype=torch.long, device=dev)]
+        front = torch.arange(k, device=dev).expand(g, k)  # pool indices of the frontier
+        front_score, front_tok, front_in = (
+            sc,
+            ids,
+            last[:, None].expand(g, k, -1),
+        )  # (G, k), (G, k), (G, k, H)
+        front_slot = torch.full((g, k), -1, device=dev)  # draft-entry slot of each frontier node's parent
         s = (self.depth - 1) * k  # draft entries: level l's frontier at slots (l-1)*k .. l*k - 1
-        anc = torch.zeros(s, s, dtype=torch.bool, device=dev)  # ancestor-or-self among draft entries
+        anc = torch.zeros(g, s, s, dtype=torch.bool, device=dev)  # ancestor-or-self among draft entries
         eye = torch.eye(k, dtype=torch.bool, device=dev)
+        at = torch.arange(g, device=dev)[:, None]  # (G, 1)
         size = k
         for level in range(1, self.depth):
             base = (level - 1) * k
-            rows = anc[front_slot.clamp_min(0)] & (front_slot >= 0)[:, None]  # (k, s) the parents' rows
-            rows[:, base : base + k] |= eye  # each node sees itself
-            anc[base : base + k] = rows
-            out = attend(level, rows[:, : base + k], front_in, front_tok)  # (k, H)
-            csc, cids = self._topk(out)  # (k, k)
-            cum = (front_score[:, None] + csc).reshape(-1)  # (k*k,)
-            toks.append(cids.reshape(-1))
-            pars.append(front[:, None].expand(k, k).reshape(-1))
+            rows = anc[at, front_slot.clamp_min(0)] & (front_slot >= 0)[..., None]  # (G, k, s) parents' rows
+            rows[:, :, base : base + k] |= eye  # each node sees itself
+            anc[:, base : base + k] = rows
+            out = attend(level, rows[:, :, : base + k], front_in, front_tok)  # (G, k, H)
+            csc, cids = self._topk(out.reshape(g * k, -1))
+            csc, cids = csc.reshape(g, k * k), cids.reshape(g, k * k)  # (G, k*k) children, parent-major
+            cum = front_score.repeat_interleave(k, dim=1) + csc  # (G, k*k)
+            toks.append(cids)
+            pars.append(front.repeat_interleave(k, dim=1))
             scores.append(cum)
-            depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=dev))
-            front_score, best = cum.topk(k)
-            front, front_tok = size + best, cids.reshape(-1)[best]
-            front_in, front_slot = out[best // k], base + best // k
+            depths.append(torch.full((g, k * k), level + 1, dtype=torch.long, device=dev))
+            front_score, best = cum.topk(k, dim=-1)  # (G, k)
+            front, front_tok = size + best, cids.gather(1, best)
+            front_in = out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))  # (G, k, H)
+            front_slot = base + best // k
             size += k * k
             self.last_levels = level
             if stop and level < self.depth - 1 and size >= self.total_tokens:
-                nth = torch.cat(scores).topk(self.total_tokens).values[-1]  # the kept set's worst score so far
-                if bool(front_score.max() <= nth):
+                nth = torch.cat(scores, dim=1).topk(self.total_tokens, dim=-1).values[:, -1]  # (G,)
+                if bool((front_score.amax(-1) <= nth)[drafting].all()):
                     break  # every deeper candidate scores <= nth and is deeper: none would be kept
-        pool = [torch.cat(x) for x in (toks, pars, scores, depths)]
-        self.last_pool = dict(zip(("tokens", "parents", "scores", "depths"), pool))
+        pool = [torch.cat(x, dim=1) for x in (toks, pars, scores, depths)]
         return pool[0], pool[1], pool[2], pool[3]
 
     def _attend_dynamic(self, level: int, rows: Tensor, feats: Tensor, toks: Tensor) -> Tensor:

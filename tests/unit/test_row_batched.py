@@ -18,7 +18,10 @@ from specdraft.testing import random_prompts, tiny_proposer, tiny_proposer_facto
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CPU = torch.device("cpu")
-BATCHED = ["redrafter", "redrafter_copy", "medusa", "redrafter_copy+lookup", "medusa+lookup"]
+BATCHED = [
+    "redrafter", "redrafter_copy", "medusa", "eagle", "eagle3", "redrafter_copy+lookup", "medusa+lookup",
+    "eagle3+lookup",
+]  # fmt: skip
 
 
 def _same(a, b) -> bool:
@@ -57,8 +60,10 @@ def test_propose_rows_equals_propose_row_by_row(family):
     together, alone = [make() for _ in range(3)], [make() for _ in range(3)]
     assert isinstance(together[0], RowBatchedProposer)
     g = torch.Generator().manual_seed(5)
-    prompts = random_prompts([6, 14, 9], seed=7)
-    hidden = [torch.randn(len(p), 32, dtype=torch.float64, generator=g) for p in prompts]  # R of (n, H)
+    prompts = random_prompts([6, 20, 9], seed=7)  # 20: longer than EAGLE's padded commit (`eagle_rows.SOLO`)
+    layers = (together[0].inner if family.endswith("+lookup") else together[0]).spec.feature_layers
+    f = 32 * max(len(layers), 1)  # EAGLE-3 reads several target layers
+    hidden = [torch.randn(len(p), f, dtype=torch.float64, generator=g) for p in prompts]  # R of (n, F)
     tokens = [torch.tensor(p[1:] + [p[0]]) for p in prompts]  # R of (n,)
     for step in range(4):
         trees = together[0].propose_rows(together, hidden, tokens)
@@ -68,7 +73,7 @@ def test_propose_rows_equals_propose_row_by_row(family):
             assert _same(trees[r], ref), (family, step, r)
             assert together[r].last_compression == alone[r].last_compression
         # every row commits its tree's first node (the root) and one more token (a new root)
-        hidden = [torch.randn(2, 32, dtype=torch.float64, generator=g) for _ in range(3)]
+        hidden = [torch.randn(2, f, dtype=torch.float64, generator=g) for _ in range(3)]
         tokens = [
             torch.tensor([int(t.tokens[min(1, t.num_nodes - 1)]), 7 + step + r]) for r, t in enumerate(trees)
         ]
@@ -87,7 +92,9 @@ def test_propose_rows_declines_rows_it_cannot_draft_together():
     assert LookupBranch(p, 4).propose_rows([LookupBranch(p, 4), p], h, t) is None
 
 
-@pytest.mark.parametrize("family", ["redrafter_copy", "medusa", "redrafter_copy+lookup"])
+@pytest.mark.parametrize(
+    "family", ["redrafter_copy", "medusa", "eagle3", "redrafter_copy+lookup", "eagle+lookup"]
+)
 def test_batched_decoder_drafts_each_step_in_one_call(family, monkeypatch):
     """With one shared drafter the batched decoder never calls a row's `propose` for the drafter (one
     `propose_rows` per step instead), and every request's output equals its batch-1 AR output."""

@@ -199,6 +199,16 @@ class NodeBudget:
     _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
     _due: bool = False  # the drift test asks for a refit
 
+    @classmethod
+    def fixed(cls, cap: int, label: str = "") -> NodeBudget:
+        """A budget settled at `cap` nodes from the start that never refits: every tree cut to `cap` nodes
+        (the proposer told so), no fitting steps (benchmarks at a fixed tree size, `bench_batch.py --cap`)."""
+        if cap < 1:
+            raise ValueError(f"NodeBudget.fixed: cap={cap} must be >= 1")
+        b = cls(CostCurve({1: 1.0}), label=label, refit_gap=0)
+        b.cap, b.settled, b.history = int(cap), True, [int(cap)]
+        return b
+
     @property
     def off_for_good(self) -> bool:
         """Drafting is off and no refit will turn it on again (`refit_gap` 0): the decoder need not keep the

@@ -46,6 +46,7 @@ def throughput_rows(
     sample: dict[str, Any] | None = None,
     budget_refit: int = 128,
     cuda_graphs: str = "auto",
+    node_cap: int | None = None,
 ) -> list[dict[str, Any]]:
     """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
 
@@ -67,6 +68,8 @@ def throughput_rows(
             from the second batch size on it starts from the previous one's gain curve (`NodeBudget.warm_start`).
         budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
             refits at all; `eval.node_budget_refit`).
+        node_cap: every drafter's trees cut to this many nodes at every batch size, no fitting
+            (`NodeBudget.fixed`; instead of `node_budget`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
             a generator seeded with `seed`, and `identical` is then None (outputs are samples, not AR's).
         cuda_graphs: `eval.cuda_graphs` (auto | on | off): the batch decoders' fixed-shape, graph-captured
@@ -98,7 +101,9 @@ def throughput_rows(
                 if curve and factory
                 else None
             )
-            if budget is not None:
+            if node_cap is not None and factory:
+                budget = NodeBudget.fixed(node_cap)
+            elif budget is not None:
                 if name in fitted:  # its gain curve from the previous batch size
                     budget.warm_start(fitted[name])
                 fitted[name] = budget

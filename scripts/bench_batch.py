@@ -6,6 +6,8 @@
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --lookup-branch 10
     # ... with each drafter's node budget fitted per batch size on that batch size's measured cost curve
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --budget
+    # trees cut to 2 nodes at every batch size (no fitting steps), drafting rows together against one by one
+    python scripts/bench_batch.py --drafter <exports> --batch 4 16 --requests 48 --cap 2 --draft-rows both --repeats 2
     # on a GPU: every batched verify has a fixed shape and is replayed as a CUDA graph (--graphs auto: on
     # exactly when the target is on CUDA; off: the eager batched path, for an A/B in another run)
     python scripts/bench_batch.py --device cuda --dtype bf16 --batch 1 4 16 64 --lookup 10 \
@@ -28,6 +30,7 @@ measured response first (`oracle`, the FIFO run's lengths: an upper bound for an
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -56,7 +59,8 @@ def report_predictions(predicted: list[float], actual: list[int], edges: tuple[i
 
 def median_speedups(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per (batch, method, scheduler) over the passes: median tok/s, median and range of the speedup over the
-    same pass's AR at that batch size, and the node caps settled on."""
+    same pass's AR at that batch size, and the node caps settled on (an even number of passes: the mean of the
+    middle two, not the upper one)."""
     groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for rows in passes:
         for r in rows:
@@ -68,7 +72,7 @@ def median_speedups(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         out.append(
             {
                 "batch": b, "method": m, "scheduler": sched, "passes": len(rs),
-                "tokens_per_s_median": rates[len(rates) // 2], "speedup_median": sp[len(sp) // 2],
+                "tokens_per_s_median": statistics.median(rates), "speedup_median": statistics.median(sp),
                 "speedup_min": sp[0], "speedup_max": sp[-1], "node_caps": [r["node_cap"] for r in rs],
             }
         )  # fmt: skip
@@ -123,6 +127,12 @@ def main(argv: list[str] | None = None) -> None:
         help="fit a node budget per (batch size, drafter) (eval.node_budget=auto)",
     )
     p.add_argument(
+        "--cap",
+        type=int,
+        default=None,
+        help="every drafter's trees cut to this many nodes at every batch size, no fitting (instead of --budget)",
+    )
+    p.add_argument(
         "--draft-rows",
         default="together",
         choices=["together", "each", "both"],
@@ -140,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         "--graphs", default="auto", help="auto | on | off: fixed-shape batched verify as CUDA graphs"
     )
     a = p.parse_args(argv)
+    if a.cap is not None and (a.budget or a.cap < 1):
+        p.error("--cap takes a node count >= 1 and replaces --budget")
 
     from rich.console import Console
 
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = throughput_rows(
             model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
             schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
-            node_budget=a.budget, cuda_graphs=a.graphs,
+            node_budget=a.budget, cuda_graphs=a.graphs, node_cap=a.cap,
         )  # fmt: skip
         for r in rows:
             r["repeat"] = rep

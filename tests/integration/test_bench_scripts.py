@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from specdraft.testing import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -94,6 +96,19 @@ def test_bench_batch_draft_rows_ab_with_repeats(eval_assets: Path, tmp_path: Pat
     assert "medians over the passes" in capsys.readouterr().out
 
 
+def test_bench_batch_fixed_cap(eval_assets: Path, tmp_path: Path) -> None:
+    """`--cap 2`: every drafter's trees cut to 2 nodes at every batch size from the first step (no fitting);
+    outputs still equal batch-1 AR, and `--cap` with `--budget` is refused."""
+    out = tmp_path / "cap.json"
+    argv = [*_common(eval_assets, out), "--requests", "3", "--batch", "2", "--max-new-tokens", "6"]
+    _main("bench_batch")([*argv, "--cap", "2"])
+    rows = _load(out)["rows"]
+    spec = [r for r in rows if r["method"] != "ar"]
+    assert spec and all(r["node_cap"] == 2 and r["identical"] == 3 for r in spec)
+    with pytest.raises(SystemExit):
+        _main("bench_batch")([*argv, "--cap", "2", "--budget"])
+
+
 def test_bench_adaptive(eval_assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "adaptive.json"
     argv = [*_common(eval_assets, out), "--prompts", "2", "--max-new-tokens", "8", "--thresholds", "0.2"]
@@ -167,3 +182,13 @@ def test_bench_draft_layout(eval_assets: Path, tmp_path: Path, capsys) -> None:
     assert row["packed_layers"] > 0 and row["same"] == "4/4"  # both copies, both prompts: AR's output
     assert len(row["draft_ms"]["as_loaded"]) == len(row["draft_ms"]["packed"]) == 1
     assert "draft ms per step" in capsys.readouterr().out
+
+
+def test_median_of_an_even_number_of_passes_is_the_mean_of_the_middle_two() -> None:
+    """Two passes at 0.8x and 1.0x: median 0.9x (the upper value, 1.0x, overstated every two-pass A/B)."""
+    mod = load_script(SCRIPTS / "bench_batch.py")
+    row = dict(batch=4, method="m", scheduler="fifo", node_cap=2)
+    passes = [[{**row, "speedup_vs_ar_same_batch": s, "tokens_per_s": 100 * s}] for s in (1.0, 0.8)]
+    (m,) = mod.median_speedups(passes)
+    assert m["speedup_median"] == pytest.approx(0.9) and m["tokens_per_s_median"] == pytest.approx(90.0)
+    assert (m["speedup_min"], m["speedup_max"], m["passes"]) == (0.8, 1.0, 2)

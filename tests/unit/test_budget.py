@@ -122,6 +122,19 @@ def test_warm_start_skips_phase_one_with_another_budgets_gains():
     assert big.settled and big.cap == 2 and big.history == [2]
 
 
+def test_fixed_budget_cuts_trees_from_the_first_step_and_never_refits():
+    """`NodeBudget.fixed(cap)`: settled at `cap` before any step, observations change nothing, no refit."""
+    b = NodeBudget.fixed(4)
+    assert (b.cap, b.settled, b.history) == (4, True, [4]) and not b.off_for_good
+    for _ in range(300):
+        assert not b.tick()
+        b.observe(0.001, 1, 4)
+    assert (b.cap, b.settled, b.refits) == (4, True, 0)
+    assert NodeBudget.fixed(1).off_for_good
+    with pytest.raises(ValueError, match="cap=0"):
+        NodeBudget.fixed(0)
+
+
 def test_machine_key_changes_with_path_dtype_and_attention():
     from specdraft.models.attention import use_gqa_sdpa
 

@@ -79,7 +79,9 @@ def test_batched_paths_make_no_tensor_on_the_default_device(family, kind):
         _strict(lambda: dec.generate(prompts, 6, set()))  # noqa: B023
 
 
-@pytest.mark.parametrize("family", ["redrafter", "redrafter_copy", "medusa", "eagle3", "redrafter_copy+lookup"])
+@pytest.mark.parametrize(
+    "family", ["redrafter", "redrafter_copy", "medusa", "eagle3", "redrafter_copy+lookup"]
+)
 def test_rows_drafted_together_make_no_tensor_on_the_default_device(family):
     """The batched decoder with proposers sharing one drafter, so each step drafts every row in one call
     (`RowBatchedProposer`), greedy with a budget and sampling."""

@@ -88,7 +88,7 @@ class RowsKVLayer(CacheLayerMixin):
 
 
 class RowsKVCache(Cache):
-    """One-layer head KV cache of G slots with per-slot committed lengths (host list and device tensor)."""
+    """One-layer head KV cache of G slots with per-slot committed lengths (`lengths`, on the host)."""
 
     def __init__(self, slots: int, capacity: int, device: torch.device) -> None:
         self.layer = RowsKVLayer(self)
@@ -121,9 +121,11 @@ class RowGroup:
     def __init__(self, members: list[EagleTreeProposer]) -> None:
         lead = members[0]
         self.members: list[EagleTreeProposer | None] = list(members)
+        self.drafter: Any = lead.drafter  # the head every member shares
         self.device = next(lead.drafter.parameters()).device
         need = max(p.committed for p in members) + (lead.depth - 1) * lead.top_k + SOLO
         self.cache = RowsKVCache(len(members), max(need, 64), self.device)
+        self.lengths_t = torch.zeros(len(members), dtype=torch.long, device=self.device)  # set by `commit`
         for slot, p in enumerate(members):
             if p.group is not None:
                 p.group.leave(p)  # back to its own cache first
@@ -161,64 +163,62 @@ class RowGroup:
     ) -> Tensor:
         """One head pass over slots `rows`: feats (R, n, F'), toks (R, n), positions (R, n), writes at (R, n),
         mask (R, 1, n, capacity) bool -> (R, n, H)."""
-        d = self.members_drafter
         self.cache.rows, self.cache.write_pos = rows, write
-        return d.step(feats, toks, cast(DynamicCache, self.cache), pos, mask)
+        return self.drafter.step(feats, toks, cast(DynamicCache, self.cache), pos, mask)
 
-    @property
-    def members_drafter(self) -> Any:
-        """The shared head."""
-        return next(p for p in self.members if p is not None).drafter
+    def _append(self, rows: slice, hidden: Tensor, toks: Tensor, lengths: Tensor) -> Tensor:
+        """Commit n positions in each slot of `rows` after its `lengths` committed ones (causal among them).
 
-    def commit(self, slots: list[int], hidden: list[Tensor], tokens: list[Tensor]) -> Tensor:
+        Args:
+            rows: R slots; hidden: (R, n, F) target features; toks: (R, n); lengths: (R,) committed so far.
+
+        Returns:
+            (R, n, H) head outputs.
+        """
+        pos = lengths[:, None] + torch.arange(hidden.shape[1], device=self.device)  # (R, n)
+        cap = torch.arange(self.cache.capacity, device=self.device)
+        mask = cap[None, None, None] <= pos[:, None, :, None]  # (R, 1, n, capacity): query j sees <= len + j
+        return self._forward(rows, self.drafter.encode_target(hidden), toks, pos, pos, mask)
+
+    def commit(
+        self, slots: list[int], hidden: list[Tensor], tokens: list[Tensor], draft_slots: int
+    ) -> Tensor:
         """Append each drafting slot's new positions; returns (G, H) the newest output per slot (zeros elsewhere).
 
         Args:
             slots: R drafting slots; hidden: R of (n_i, F) target features; tokens: R of (n_i,).
+            draft_slots: entries the expansion that follows writes per slot ((depth - 1) * top_k).
         """
-        d, c, dev = self.members_drafter, self.cache, self.device
+        c, dev = self.cache, self.device
         g = c.slots
-        last = torch.zeros(g, d.config.base_hidden_size, device=dev, dtype=d.fc.weight.dtype)  # (G, H)
-        small = [i for i, h in enumerate(hidden) if h.shape[0] <= SOLO]
-        c.reserve(
-            max(c.lengths) + max(max((h.shape[0] for h in hidden), default=1), SOLO) + self.slots_needed()
+        longest = max((h.shape[0] for h in hidden), default=1)
+        c.reserve(max(c.lengths) + max(longest, SOLO) + draft_slots)
+        last = torch.zeros(
+            g, self.drafter.config.base_hidden_size, device=dev, dtype=self.drafter.fc.weight.dtype
         )
-        for i in (i for i in range(len(slots)) if i not in small):  # long: alone, unpadded
-            s, n = slots[i], hidden[i].shape[0]
-            pos = torch.arange(c.lengths[s], c.lengths[s] + n, device=dev)[None]  # (1, n)
-            mask = (
-                torch.arange(c.capacity, device=dev)[None, None, None] <= pos[:, None, :, None]
-            )  # (1,1,n,cap)
-            feats = d.encode_target(hidden[i].to(dev))[None]
-            out = self._forward(slice(s, s + 1), feats, tokens[i].to(dev)[None], pos, pos, mask)
-            last[s] = out[0, -1]
-            c.lengths[s] += n
+        small = [i for i, h in enumerate(hidden) if h.shape[0] <= SOLO]
+        for i in (i for i, h in enumerate(hidden) if h.shape[0] > SOLO):  # long (a prompt): alone, unpadded
+            s = slots[i]
+            start = torch.tensor([c.lengths[s]], device=dev)  # (1,)
+            last[s] = self._append(slice(s, s + 1), hidden[i].to(dev)[None], tokens[i].to(dev)[None], start)[
+                0, -1
+            ]
+            c.lengths[s] += hidden[i].shape[0]
         if small:
             n = max(hidden[i].shape[0] for i in small)
-            f = hidden[small[0]].shape[-1]
-            feats = torch.zeros(
-                g, n, f, device=dev, dtype=hidden[small[0]].dtype
-            )  # (G, n, F) dummies elsewhere
+            first = hidden[small[0]]
+            feats = first.new_zeros(g, n, first.shape[-1], device=dev)  # (G, n, F) dummies elsewhere
             toks = torch.zeros(g, n, dtype=torch.long, device=dev)  # (G, n)
             for i in small:
                 m = hidden[i].shape[0]
                 feats[slots[i], :m], toks[slots[i], :m] = hidden[i].to(dev), tokens[i].to(dev)
-            lengths = torch.tensor(c.lengths, device=dev)  # (G,)
-            pos = lengths[:, None] + torch.arange(n, device=dev)  # (G, n)
-            mask = (
-                torch.arange(c.capacity, device=dev)[None, None, None] <= pos[:, None, :, None]
-            )  # (G,1,n,cap)
-            out = self._forward(slice(0, g), d.encode_target(feats), toks, pos, pos, mask)  # (G, n, H)
+            out = self._append(slice(0, g), feats, toks, torch.tensor(c.lengths, device=dev))  # (G, n, H)
             for i in small:
                 s, m = slots[i], hidden[i].shape[0]
                 last[s] = out[s, m - 1]
                 c.lengths[s] += m
+        self.lengths_t = torch.tensor(c.lengths, device=dev)  # (G,) what the expansion's levels read
         return last
-
-    def slots_needed(self) -> int:
-        """Draft entries one expansion writes per slot."""
-        lead = next(p for p in self.members if p is not None)
-        return (lead.depth - 1) * lead.top_k
 
     def attend(self, level: int, rows: Tensor, feats: Tensor, toks: Tensor) -> Tensor:
         """One expansion level for all G slots (`EagleTreeProposer.grow_rows`).
@@ -230,9 +230,8 @@ class RowGroup:
         Returns:
             (G, k, H) head outputs.
         """
-        c, dev = self.cache, self.device
+        c, dev, lengths = self.cache, self.device, self.lengths_t
         g, k, s = rows.shape
-        lengths = torch.tensor(c.lengths, device=dev)  # (G,)
         write = lengths[:, None] + (s - k) + torch.arange(k, device=dev)  # (G, k)
         pos = (lengths - 1 + level)[:, None].expand(g, k)  # (G, k)
         rel = torch.arange(c.capacity, device=dev)[None] - lengths[:, None]  # (G, cap)
@@ -261,11 +260,12 @@ def propose_rows(
     """
     group = lead.group
     if group is None or not group.covers(rows):  # first call, or a row drafted alone since: regroup
-        others = [m for p in rows if p.group is not None for m in p.group.members if m is not None]
-        keep = [m for i, m in enumerate(others) if all(m is not x for x in [*rows, *others[:i]])]
+        mine = {id(p) for p in rows}
+        others = {id(m): m for p in rows if p.group is not None for m in p.group.members if m is not None}
+        keep = [m for key, m in others.items() if key not in mine]
         group = RowGroup([*rows, *keep])  # their positions copied into one buffer, other members kept
     slots = [p.slot for p in rows]
-    last = group.commit(slots, hidden, tokens)  # (G, H)
+    last = group.commit(slots, hidden, tokens, (lead.depth - 1) * lead.top_k)  # (G, H)
     tok, par, score, depth = lead.grow_rows(last, group.attend, slots)  # (G, P) each
     out = []
     for i, p in enumerate(rows):

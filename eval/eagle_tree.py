@@ -224,8 +224,7 @@ class EagleTreeProposer:
             and p.fixed is None
             and p.drafter is self.drafter
             and (p.total_tokens, p.depth, p.top_k) == (self.total_tokens, self.depth, self.top_k)
-            and (p.int8 is None) == (self.int8 is None)
-            and (p.int8 is None or self.int8 is None or p.int8[1] is self.int8[1])
+            and (p.int8[1] if p.int8 else None) is (self.int8[1] if self.int8 else None)  # one int8 head
             for p in rows
         )
         if not same or self.fixed is not None:

@@ -96,14 +96,11 @@ def throughput_rows(
         curve = dec.row_cost_curve(log=log) if node_budget and any(f for _, f in methods) else None
         for name, factory in methods:
             fifo_rate, measured = 0.0, None
-            budget = (
-                NodeBudget(curve, label=f"{name} at batch {b}", refit_gap=budget_refit)
-                if curve and factory
-                else None
-            )
+            budget: NodeBudget | None = None
             if node_cap is not None and factory:
                 budget = NodeBudget.fixed(node_cap)
-            elif budget is not None:
+            elif curve and factory:
+                budget = NodeBudget(curve, label=f"{name} at batch {b}", refit_gap=budget_refit)
                 if name in fitted:  # its gain curve from the previous batch size
                     budget.warm_start(fitted[name])
                 fitted[name] = budget

@@ -12,7 +12,8 @@ while it is grouped, so each level of every row's expansion is one head pass ove
     written at len_g + j in one pass (query j of slot g sees positions <= len_g + j); a row with more (its
     prompt, after a refill) commits alone first. Padding writes land past len_g: stale, never attended.
   * expansion: `EagleTreeProposer.grow` run for all slots at once (the same candidate pool per row), each
-    level's k frontier nodes of slot g written at len_g + (level - 1) * k under a (G, 1, k, capacity) mask;
+    level's k frontier nodes of slot g written at len_g + (level - 1) * k under a (G, 1, k, S) mask, S = the
+    longest slot's committed positions + the draft entries (attention never reads the buffer's empty tail);
   * reranking: each row's own `rerank` on its own pool, so every row gets the tree its `propose` would give
     (same pool; int8 heads quantise the rows' activations together, which may move a near tie).
 
@@ -39,7 +40,8 @@ SOLO = 16  # a row committing more new positions than this commits alone (a prom
 
 
 class RowsKVLayer(CacheLayerMixin):
-    """The head's one attention layer for G slots: writes at the owner's per-slot positions, reads whole buffers."""
+    """The head's one attention layer for G slots: writes at the owner's per-slot positions, reads the first
+    `owner.span` positions of every slot."""
 
     is_sliding = False
     is_croppable = False
@@ -63,7 +65,7 @@ class RowsKVLayer(CacheLayerMixin):
             key_states, value_states: (R, kv_heads, n, head_dim), R = the slots of `owner.rows`.
 
         Returns:
-            keys, values: (R, kv_heads, capacity, head_dim) views.
+            keys, values: (R, kv_heads, span, head_dim) views.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -72,11 +74,12 @@ class RowsKVLayer(CacheLayerMixin):
         at = torch.arange(r, device=keys.device)[:, None].expand(r, n)  # (R, n)
         keys[at, :, self.owner.write_pos] = key_states.transpose(1, 2).to(keys.dtype)  # (R, n, kv, d)
         values[at, :, self.owner.write_pos] = value_states.transpose(1, 2).to(values.dtype)
-        return keys, values
+        span = self.owner.span
+        return keys[:, :, :span], values[:, :, :span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset): the whole buffer (the head always passes explicit masks)."""
-        return self.owner.capacity, 0
+        """(kv_length, kv_offset): the attended span (the head always passes explicit masks)."""
+        return self.owner.span, 0
 
     def get_seq_length(self) -> int:
         """Longest committed slot."""
@@ -97,6 +100,7 @@ class RowsKVCache(Cache):
         self.lengths = [0] * self.slots
         self.rows = slice(0, self.slots)  # the slots the next forward covers
         self.write_pos = torch.zeros(self.slots, 1, dtype=torch.long, device=device)  # (R, n)
+        self.span = self.capacity  # positions the next forward attends per slot (the mask's width)
 
     def reserve(self, needed: int) -> None:
         """Room for `needed` positions in every slot (reallocated, committed positions kept)."""
@@ -162,22 +166,23 @@ class RowGroup:
         self, rows: slice, feats: Tensor, toks: Tensor, pos: Tensor, write: Tensor, mask: Tensor
     ) -> Tensor:
         """One head pass over slots `rows`: feats (R, n, F'), toks (R, n), positions (R, n), writes at (R, n),
-        mask (R, 1, n, capacity) bool -> (R, n, H)."""
-        self.cache.rows, self.cache.write_pos = rows, write
+        mask (R, 1, n, S) bool over each slot's first S positions (S <= capacity, past every write) -> (R, n, H)."""
+        self.cache.rows, self.cache.write_pos, self.cache.span = rows, write, mask.shape[-1]
         return self.drafter.step(feats, toks, cast(DynamicCache, self.cache), pos, mask)
 
-    def _append(self, rows: slice, hidden: Tensor, toks: Tensor, lengths: Tensor) -> Tensor:
+    def _append(self, rows: slice, hidden: Tensor, toks: Tensor, lengths: Tensor, longest: int) -> Tensor:
         """Commit n positions in each slot of `rows` after its `lengths` committed ones (causal among them).
 
         Args:
-            rows: R slots; hidden: (R, n, F) target features; toks: (R, n); lengths: (R,) committed so far.
+            rows: R slots; hidden: (R, n, F) target features; toks: (R, n); lengths: (R,) committed so far,
+                `longest` the largest of them (host value: attention reads longest + n positions per slot).
 
         Returns:
             (R, n, H) head outputs.
         """
         pos = lengths[:, None] + torch.arange(hidden.shape[1], device=self.device)  # (R, n)
-        cap = torch.arange(self.cache.capacity, device=self.device)
-        mask = cap[None, None, None] <= pos[:, None, :, None]  # (R, 1, n, capacity): query j sees <= len + j
+        cap = torch.arange(longest + hidden.shape[1], device=self.device)  # (S,)
+        mask = cap[None, None, None] <= pos[:, None, :, None]  # (R, 1, n, S): query j sees <= len + j
         return self._forward(rows, self.drafter.encode_target(hidden), toks, pos, pos, mask)
 
     def commit(
@@ -200,9 +205,9 @@ class RowGroup:
         for i in (i for i, h in enumerate(hidden) if h.shape[0] > SOLO):  # long (a prompt): alone, unpadded
             s = slots[i]
             start = torch.tensor([c.lengths[s]], device=dev)  # (1,)
-            last[s] = self._append(slice(s, s + 1), hidden[i].to(dev)[None], tokens[i].to(dev)[None], start)[
-                0, -1
-            ]
+            last[s] = self._append(
+                slice(s, s + 1), hidden[i].to(dev)[None], tokens[i].to(dev)[None], start, c.lengths[s]
+            )[0, -1]
             c.lengths[s] += hidden[i].shape[0]
         if small:
             n = max(hidden[i].shape[0] for i in small)
@@ -212,7 +217,8 @@ class RowGroup:
             for i in small:
                 m = hidden[i].shape[0]
                 feats[slots[i], :m], toks[slots[i], :m] = hidden[i].to(dev), tokens[i].to(dev)
-            out = self._append(slice(0, g), feats, toks, torch.tensor(c.lengths, device=dev))  # (G, n, H)
+            lengths = torch.tensor(c.lengths, device=dev)  # (G,)
+            out = self._append(slice(0, g), feats, toks, lengths, max(c.lengths))  # (G, n, H)
             for i in small:
                 s, m = slots[i], hidden[i].shape[0]
                 last[s] = out[s, m - 1]
@@ -232,12 +238,13 @@ class RowGroup:
         """
         c, dev, lengths = self.cache, self.device, self.lengths_t
         g, k, s = rows.shape
+        span = max(c.lengths) + s  # every slot's committed positions and its s draft entries
         write = lengths[:, None] + (s - k) + torch.arange(k, device=dev)  # (G, k)
         pos = (lengths - 1 + level)[:, None].expand(g, k)  # (G, k)
-        rel = torch.arange(c.capacity, device=dev)[None] - lengths[:, None]  # (G, cap)
+        rel = torch.arange(span, device=dev)[None] - lengths[:, None]  # (G, S)
         drafted = (rel >= 0) & (rel < s)
-        sees = rows.gather(2, rel.clamp(0, s - 1)[:, None, :].expand(g, k, c.capacity))  # (G, k, cap)
-        mask = ((sees & drafted[:, None]) | (rel < 0)[:, None])[:, None]  # (G, 1, k, cap)
+        sees = rows.gather(2, rel.clamp(0, s - 1)[:, None, :].expand(g, k, span))  # (G, k, S)
+        mask = ((sees & drafted[:, None]) | (rel < 0)[:, None])[:, None]  # (G, 1, k, S)
         return self._forward(slice(0, g), feats, toks, pos, write, mask)
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, DynamicCache, PreTrainedModel
 
+from specdraft.models.attention import use_gqa_sdpa
 from specdraft.models.teacher_forced import follows_own_text
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ def target_block(block_config: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
     """One decoder layer of the target's own type (GQA, biases, norms as the target) and its rotary embedding.
 
     Built through `AutoModel.from_config` on a 1-layer, 1-token copy of the config, so any HF decoder family
-    with `layers[0]` and `rotary_emb` works. Attention is SDPA, which takes our boolean tree masks.
+    with `layers[0]` and `rotary_emb` works. Attention is SDPA (`models/attention.py`'s grouped-query variant),
+    which takes our boolean tree masks.
     """
     kwargs = dict(block_config)
     kwargs.update(
@@ -57,6 +59,7 @@ def target_block(block_config: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
     )
     cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     base = AutoModel.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    use_gqa_sdpa(base)  # grouped heads without repeat_kv for masked multi-token queries (models/attention.py)
     return base.layers[0], base.rotary_emb
 
 

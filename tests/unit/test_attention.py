@@ -69,3 +69,32 @@ def test_other_attention_implementations_are_left_alone():
     model = tiny_target("llama", CPU)
     model.set_attn_implementation("eager")
     assert not use_gqa_sdpa(model) and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("batch, length, mask_batch", [(3, 2, 3), (4, 8, 4), (2, 3, 1), (1, 4, 1), (3, 9, 3)])
+def test_batched_short_queries_packed_per_kv_head(batch, length, mask_batch, monkeypatch):
+    """Rows of a few query tokens are packed per key/value head (groups x L query rows, the mask tiled):
+    the same attention as repeating K/V (fp64 reference); batch 1 and long queries keep `enable_gqa`."""
+    heads, kv_heads, keys, d = 6, 2, 11, 8
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(batch, heads, length, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, keys, d, generator=g, dtype=torch.float64) for _ in range(2))
+    allow = torch.rand(mask_batch, 1, length, keys, generator=g) < 0.7
+    allow[..., 0] = True  # every query sees something
+    mask = torch.zeros(allow.shape, dtype=torch.float64).masked_fill(~allow, torch.finfo(torch.float64).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads  # type: ignore[assignment]
+    seen: list[int] = []  # query heads of every SDPA call
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *a, **kw):
+        seen.append(query.shape[1])
+        return sdpa(query, *a, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    out, _ = attention.gqa_sdpa_forward(module, q, k, v, mask, scaling=d**-0.5)  # (B, L, heads, d)
+    reps = heads // kv_heads
+    ref = sdpa(q, k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1), attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    packs = batch > 1 and length * reps <= attention.PACK_MAX_ROWS
+    assert seen == [kv_heads if packs else heads]

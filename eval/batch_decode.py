@@ -19,7 +19,9 @@ distribution. Inactive rows ride along with a dummy one-node-wide tree and commi
 
 Two shapes of the same step, as for the single-prompt `static_decode.StaticDecoder`:
   * eager (`static=False`, the CPU default): trees padded to the largest tree of the step, attention over
-    the longest active row's filled prefix (`span`), so the cost follows what is filled;
+    the longest active row's filled prefix (`span`), so the cost follows what is filled; only the rows
+    from the first to the last active one run (once the queue is empty, finished rows at either end drop
+    out of the forward);
   * fixed (`static=True`): trees padded to the next power of two, copied into persistent (B, b) buffers,
     attention over the whole cache with the mask and write positions computed on the device from the
     per-row lengths, so every step of a budget has the same shapes and addresses; with `graphs=True`
@@ -197,19 +199,26 @@ class BatchDecoder:
         return logits, hidden
 
     def _verify(
-        self, tokens: Tensor, ancestors: Tensor, depth: Tensor, layers: tuple[int, ...], keep_last: bool
+        self,
+        tokens: Tensor,
+        ancestors: Tensor,
+        depth: Tensor,
+        layers: tuple[int, ...],
+        keep_last: bool,
+        rows: slice | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One verify forward of every row's padded tree, on this decoder's path.
 
         Args:
-            tokens: (B, b) long; ancestors: (B, b, b) bool; depth: (B, b) long (`_pack_trees`).
+            tokens: (R, b) long; ancestors: (R, b, b) bool; depth: (R, b) long (`_pack_trees`), for the R
+                cache rows `rows` (None: all B; the fixed-shape path always runs all B).
             layers, keep_last: the proposer's features.
 
         Returns:
-            logits (B, b, V); hidden (B, b, H'). On the graph path both are the graph's own output buffers,
+            logits (R, b, V); hidden (R, b, H'). On the graph path both are the graph's own output buffers,
             overwritten by the next replay (callers index them, which copies).
         """
-        rows = slice(0, self.batch_size)
+        rows = slice(0, self.batch_size) if rows is None else rows
         if not self.static:
             return self._forward(rows, tokens, ancestors, depth, layers, keep_last)
         b = tokens.shape[1]
@@ -420,16 +429,26 @@ class BatchDecoder:
             tokens, parents, anc, depth, valid = _pack_trees(
                 trees, roots, b, dev
             )  # (B, b) each, anc (B, b, b)
-            logits, hidden = self._verify(tokens, anc, depth, layers, keep_last)  # (B, b, V), (B, b, H')
+            # the eager path verifies only the rows from the first to the last active one (the queue's tail)
+            lo, hi = (active[0], active[-1] + 1) if not self.static else (0, B)
+            live = slice(lo, hi)
+            logits, hidden = self._verify(
+                tokens[live], anc[live], depth[live], layers, keep_last, live
+            )  # (R, b, V), (R, b, H'), R = hi - lo
             gains = fitting and not off and cast(NodeBudget, budget).cap is None  # phase 1: the gain curves
-            if sampling is None:  # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gains (b,)]]
-                packed = greedy_verify_rows(tokens, parents, anc, depth, logits, valid, gains)
-            else:  # the same layout from the sampling rule, row by row; idle rows accept nothing
-                packed = torch.zeros(B, 2 + 2 * b, dtype=torch.long, device=dev)
-                packed[:, 2 : 2 + b] = torch.arange(b, device=dev)
+            # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gains (b,)]]; rows outside
+            # `live` (idle) accept nothing, with the identity path
+            packed = torch.zeros(B, 2 + 2 * b + (b if gains else 0), dtype=torch.long, device=dev)
+            packed[:, 2 : 2 + b] = torch.arange(b, device=dev)
+            if sampling is None:
+                packed[live] = greedy_verify_rows(
+                    tokens[live], parents[live], anc[live], depth[live], logits, valid[live], gains
+                )
+            else:  # the same layout from the sampling rule, row by row
                 for r in active:
                     tree = trees[r] if r in trees else DraftTree(tokens[r, :1], parents[r, :1])
-                    path, bonus = sample_verify(tree, logits[r, : tree.num_nodes], *sampling)  # (a,), int
+                    lg = logits[r - lo, : tree.num_nodes]  # (n, V)
+                    path, bonus = sample_verify(tree, lg, *sampling)  # (a,), int
                     a = path.shape[0]
                     packed[r, 0], packed[r, 1] = a, bonus
                     packed[r, 2 : 2 + a], packed[r, 2 + b : 2 + b + a] = path, tokens[r, path]
@@ -465,7 +484,7 @@ class BatchDecoder:
                 if proposers and proposers[r].last_compression is not None:
                     st.stats.compression.append(float(cast(float, proposers[r].last_compression)))
                 if proposers:  # the proposer's next inputs: the newly committed positions
-                    new_h = hidden[r, path_t[r, :a]]  # (a, H'), a copy (graph outputs are overwritten)
+                    new_h = hidden[r - lo, path_t[r, :a]]  # (a, H'), a copy (graph outputs are overwritten)
                     new_t = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
                     if off and not cast(NodeBudget, budget).off_for_good:  # kept for its next call
                         new_h = torch.cat([cast(Tensor, st.new_hidden), new_h])

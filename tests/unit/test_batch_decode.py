@@ -136,6 +136,32 @@ def test_batched_equals_batch1_ar_batch_sizes(batch_size, mode):
     _check_equal(tiny_target("llama", CPU), batch_size, mode)
 
 
+@pytest.mark.parametrize("mode", ["ar", "oracle"])
+def test_eager_verify_runs_only_the_live_rows(mode):
+    """Once the queue is empty, the eager verify covers only the rows from the first to the last one still
+    decoding (finished rows at either end drop out of the forward); outputs still equal batch-1 AR."""
+    model = tiny_target("llama", CPU)
+    prompts = random_prompts(LENGTHS)
+    stops, refs = _references(model, prompts, BUDGETS)
+    dec = _decoder(model, 4, "eager")
+    seen: list[slice] = []
+    verify = dec._verify
+
+    def spy(tokens, ancestors, depth, layers, keep_last, rows=None):
+        rows = slice(0, 4) if rows is None else rows
+        lengths = dec.cache.lengths
+        assert tokens.shape[0] == rows.stop - rows.start
+        assert lengths[rows.start] > 0 and lengths[rows.stop - 1] > 0  # live rows at both ends
+        assert all(n == 0 for i, n in enumerate(lengths) if not rows.start <= i < rows.stop)  # idle outside
+        seen.append(rows)
+        return verify(tokens, ancestors, depth, layers, keep_last, rows)
+
+    dec._verify = spy  # type: ignore[method-assign]
+    res = dec.generate(prompts, BUDGETS, stop_ids=stops, proposer_factory=_factory(mode, prompts, refs))
+    assert [out for out, _ in res] == refs
+    assert any(r.stop - r.start < 4 for r in seen) and any(r.start > 0 for r in seen)
+
+
 def _reference_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (kv_heads, L, head_dim) keys and values of a batch-1 forward over `tokens`."""
     cache = StaticKVCache(model, len(tokens))

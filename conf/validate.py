@@ -191,6 +191,7 @@ EAGLE: Table = {
     "family": ANY,
     "draft_len": POSITIVE,
     "fc_bias": ANY,
+    "draft_vocab_size": optional(POSITIVE),
     "feature_weight": at_least(0),
     "token_weight": at_least(0),
     "noise": at_least(0),

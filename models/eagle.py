@@ -18,6 +18,12 @@ steps 1..i at the same position only, exactly what a depth-i draft node sees at 
 Loss (EAGLE-1): smooth-L1(f̂_{t+1}, f_{t+1}) * feature_weight + soft CE(head(f̂), softmax(head(f_{t+1}))) *
 token_weight, optional uniform noise on the input features. Embeddings and LM head are borrowed from the target
 (`attach`), kept out of `state_dict()`, never trained and never exported.
+
+Draft vocabulary (`draft_vocab_size` Vd < V, a decoding option): drafts are scored over only the Vd most
+frequent training labels, the LM head's rows `draft_ids()` (buffer `d2t` (Vd,): target id = draft id +
+d2t[draft id], as EAGLE-3's). The head's weights do not depend on it (training still regresses features and
+matches the full-vocabulary distribution); each expansion level's vocabulary projection, softmax and top-k
+shrink by V / Vd. Held-out metrics score the drafts the decoder makes (tokens outside never drafted).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     unroll,
 )
 from specdraft.models.family import FamilySpec
+from specdraft.models.layers import draft_vocab_ids, scatter_to_vocab
 
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------------------
@@ -61,6 +68,7 @@ class EagleConfig(PretrainedConfig):
     tokenizer_hash: str = ""  # `base_llm.tokenizer_hash` of the target's tokenizer
     block_config: dict = field(default_factory=dict)  # the target's text config; the head is one such block
     fc_bias: bool = True  # bias of fc([e; f]) (True in the public EAGLE-1 checkpoints)
+    draft_vocab_size: int | None = None  # Vd: drafts over the Vd most frequent labels (None: all V)
     draft_len: int = 4  # unrolled slots scored by held-out evaluation
     feature_weight: float = 1.0  # smooth-L1 feature loss weight
     token_weight: float = 0.1  # soft CE token loss weight
@@ -86,6 +94,12 @@ class EagleDrafter(PreTrainedModel):
         self.layers = nn.ModuleList([layer])
         self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
         self.borrowed = Borrowed()
+        vd = int(config.draft_vocab_size or config.vocab_size)
+        if not 0 < vd <= config.vocab_size:
+            raise ValueError(f"draft_vocab_size={vd} must be in [1, vocab_size={config.vocab_size}]")
+        self.reduced = vd < config.vocab_size
+        if self.reduced:  # saved with the head; absent (the full vocabulary) in older exports
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id - draft id
         self.post_init()
 
     def embed(self, ids: Tensor) -> Tensor:
@@ -123,17 +137,42 @@ class EagleDrafter(PreTrainedModel):
         )
         return out[0] if isinstance(out, tuple) else out
 
-    def draft_logits(self, out: Tensor) -> Tensor:
-        """(..., H) head outputs -> (..., V) logits through the borrowed target LM head."""
+    def draft_ids(self) -> Tensor:
+        """(Vd,) ascending target ids of the draft vocabulary (arange(V) without one)."""
+        if not self.reduced:
+            return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
+        d2t = cast(Tensor, self.d2t)
+        return d2t + torch.arange(d2t.shape[0], device=d2t.device)
+
+    def full_logits(self, out: Tensor) -> Tensor:
+        """(..., H) head outputs -> (..., V) logits through the borrowed target LM head (the training loss)."""
         return F.linear(out, self.borrowed.weight("lm_head", out))
+
+    def draft_logits(self, out: Tensor) -> Tensor:
+        """(..., H) head outputs -> (..., Vd) logits over the draft vocabulary (V without one)."""
+        if not self.reduced:
+            return self.full_logits(out)
+        return F.linear(out, self.borrowed.rows("lm_head", out, self.draft_ids()))
 
     def draft_head(self) -> tuple[nn.Module, nn.Linear]:
         """(transform, vocabulary Linear) with `draft_logits(out) == linear(transform(out))` (for int8 copies)."""
-        return nn.Identity(), cast(nn.Linear, self.borrowed.modules["lm_head"])
+        head = cast(nn.Linear, self.borrowed.modules["lm_head"])
+        if not self.reduced:
+            return nn.Identity(), head
+        d2t = cast(Tensor, self.d2t)
+        key = (head.weight.data_ptr(), head.weight._version, head.weight.dtype, d2t._version)
+        hit = self.__dict__.get(
+            "_rows_head"
+        )  # one Linear per LM head state: int8 copies are shared by identity
+        if hit is None or hit[0] != key:
+            rows = nn.Linear(head.in_features, int(d2t.shape[0]), bias=False)
+            rows.weight = nn.Parameter(head.weight.detach()[self.draft_ids().to(head.weight.device)], False)
+            hit = self.__dict__["_rows_head"] = (key, rows)  # not a submodule: never saved
+        return nn.Identity(), hit[1]
 
     def to_target_ids(self, ids: Tensor) -> Tensor:
-        """Draft-vocabulary ids -> target ids (identity: EAGLE-1 drafts over the full vocabulary)."""
-        return ids
+        """Draft-vocabulary ids (...) -> target ids (identity without a draft vocabulary)."""
+        return ids + cast(Tensor, self.d2t)[ids] if self.reduced else ids
 
     def forward(
         self,
@@ -167,16 +206,34 @@ def attach(model: EagleDrafter, target: PreTrainedModel) -> EagleDrafter:
     return model
 
 
-def build(schema: Any, target: PreTrainedModel, fingerprint: dict[str, Any], **_: Any) -> EagleDrafter:
-    """A fresh EAGLE-1 head for `target` from the `drafter` config group (`train.config.EagleSchema`)."""
+def build(
+    schema: Any,
+    target: PreTrainedModel,
+    fingerprint: dict[str, Any],
+    token_counts: Tensor | None = None,
+    **_: Any,
+) -> EagleDrafter:
+    """A fresh EAGLE-1 head for `target` from the `drafter` config group (`train.config.EagleSchema`).
+
+    Args:
+        token_counts: (V,) training-label frequencies; required when `draft_vocab_size` < V.
+    """
+    v = int(fingerprint["vocab_size"])
+    ids = draft_vocab_ids(getattr(schema, "draft_vocab_size", None), v, token_counts)  # (Vd,) ascending
+    vd = int(ids.numel())
     config = EagleConfig(
         **common_config(schema, target, fingerprint),
         fc_bias=bool(schema.fc_bias),
+        draft_vocab_size=vd if vd < v else None,
         feature_weight=float(schema.feature_weight),
         token_weight=float(schema.token_weight),
         noise=float(schema.noise),
     )
-    return attach(EagleDrafter(config), target)
+    model = attach(EagleDrafter(config), target)
+    if model.reduced:
+        with torch.no_grad():
+            cast(Tensor, model.d2t).copy_(ids - torch.arange(vd))
+    return model
 
 
 def compute_loss(
@@ -215,22 +272,31 @@ def compute_loss(
     )  # (N, S, H)
     pred = outs[:, 0]  # (N, H) predicts f_{t+1}
     true = f[b, t + 1].to(pred.dtype)  # (N, H)
-    logits0 = inner.draft_logits(pred)  # (N, V)
+    logits0 = inner.full_logits(pred)  # (N, V)
     with torch.no_grad():
-        teacher = torch.softmax(inner.draft_logits(true).float(), dim=-1)  # (N, V) target's p(x_{t+2})
+        teacher = torch.softmax(inner.full_logits(true).float(), dim=-1)  # (N, V) target's p(x_{t+2})
     loss = cfg.feature_weight * smooth_l1_feature_loss(pred, true) + cfg.token_weight * soft_cross_entropy(
         logits0, teacher
     )
     if lk:  # the D-slot chain with autograd: + lk_weight * -E[accepted length]
-        chain = torch.stack([logits0] + [inner.draft_logits(outs[:, i]) for i in range(1, steps)], dim=1)
+        chain = torch.stack([logits0] + [inner.full_logits(outs[:, i]) for i in range(1, steps)], dim=1)
         loss = loss + float(opts.get("lk_weight", 1.0)) * expected_accept_loss(
             chain, chain_labels(batch, b, t, steps)
         )  # chain: (N, D, V)
-        steps = 1 if inner.training else d
-        return loss, {"logits": chain[:, :steps].detach(), "targets": batch["targets"][b, t, :steps]}
-    with torch.no_grad():
-        logits = torch.stack([logits0] + [inner.draft_logits(outs[:, i]) for i in range(1, steps)], dim=1)
-    return loss, {"logits": logits.detach(), "targets": batch["targets"][b, t, :steps]}
+    steps = 1 if inner.training else d
+    with torch.no_grad():  # the drafts the decoder makes: draft-vocabulary logits, in target ids
+        first = logits0.detach() if not inner.reduced else _drafted(inner, pred)  # (N, V)
+        logits = torch.stack(
+            [first] + [_drafted(inner, outs[:, i]) for i in range(1, steps)], dim=1
+        )  # (N, S, V)
+    return loss, {"logits": logits, "targets": batch["targets"][b, t, :steps]}
+
+
+def _drafted(head: EagleDrafter, out: Tensor) -> Tensor:
+    """(N, H) head outputs -> (N, V) the decoder's draft scores in target ids (outside the draft vocabulary:
+    below every drafted token, `scatter_to_vocab`)."""
+    logits = head.draft_logits(out.detach())
+    return scatter_to_vocab(logits, head.draft_ids(), head.config.vocab_size) if head.reduced else logits
 
 
 FAMILY = FamilySpec(
@@ -245,4 +311,5 @@ FAMILY = FamilySpec(
     decode_last_hidden=True,
     # its own loss (feature smooth-L1 + soft CE) is "ce"; "+lk" adds the acceptance term; no kl variant
     losses=("ce", "ce+lk"),
+    uses_token_counts=True,  # an optional draft vocabulary: the Vd most frequent training labels
 )

@@ -177,6 +177,8 @@ def export_engine_layout(
         k: (v if v.dtype in (torch.long, torch.bool) else v.to(DTYPES[dtype])).detach().cpu().contiguous()
         for k, v in model.state_dict().items()
     }
+    if cfg["architectures"] == [EAGLE1_ARCH]:  # engines draft EAGLE-1 over the full vocabulary
+        tensors.pop("d2t", None)
     if target is not None:
         tensors["embed_tokens.weight"] = (
             cast(Tensor, target.get_input_embeddings().weight).detach().to(DTYPES[dtype]).cpu()

@@ -205,7 +205,7 @@ def run_tiny_train(
 
 
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
-FAMILIES = ("redrafter", "redrafter_context", "medusa", "eagle", "eagle3", "lookup")
+FAMILIES = ("redrafter", "redrafter_context", "medusa", "eagle", "eagle_vocab", "eagle3", "lookup")
 
 
 def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
@@ -218,7 +218,8 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 
 def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
     """A randomly initialised drafter of `family` (one of `FAMILIES`, or "redrafter_copy": the copy gate without
-    prefix attention; "lookup": prompt lookup of 4 tokens) on a
+    prefix attention; "eagle_vocab": EAGLE-1 drafting over 64 of the 128 tokens; "lookup": prompt lookup of 4
+    tokens) on a
     `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
     call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds."""
     from types import SimpleNamespace
@@ -255,13 +256,16 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
              "tree_choices": None}
         )  # fmt: skip
         return make_proposer(ready(medusa.build(schema, model, fp), 0.05), tree_nodes=12)
-    if family in ("eagle", "eagle3"):
+    if family in ("eagle", "eagle_vocab", "eagle3"):
+        vocab = 64 if family == "eagle_vocab" else None  # the most frequent half of random counts
         eagle_schema = SimpleNamespace(
             draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
-            token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=None, ttt_decay=0.8,
+            token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=vocab, ttt_decay=0.8,
         )  # fmt: skip
-        module = eagle if family == "eagle" else eagle3
-        return make_proposer(ready(module.build(eagle_schema, model, fp), 0.2), tree_nodes=10)
+        module = eagle3 if family == "eagle3" else eagle
+        counts = torch.rand(int(fp["vocab_size"]), generator=torch.Generator().manual_seed(2))  # (V,)
+        built = module.build(eagle_schema, model, fp, token_counts=counts)
+        return make_proposer(ready(built, 0.2), tree_nodes=10)
     raise ValueError(f"tiny_proposer: family={family!r}, expected one of {', '.join(FAMILIES)}")
 
 

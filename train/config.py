@@ -118,6 +118,9 @@ class EagleSchema:
     family: str = "eagle"  # drafter family: redrafter | medusa | eagle | eagle3
     draft_len: int = 4  # draft slots scored at evaluation (the head is unrolled on its own features)
     fc_bias: bool = True  # bias of fc([e; f]) (as the public EAGLE-1 checkpoints)
+    draft_vocab_size: int | None = (
+        None  # decode: draft over the most frequent training labels only (None: full)
+    )
     feature_weight: float = 1.0  # smooth-L1 feature-regression weight
     token_weight: float = 0.1  # soft cross-entropy token weight
     noise: float = 0.0  # half-width of uniform noise added to input features in training (0: off)

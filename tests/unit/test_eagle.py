@@ -146,6 +146,45 @@ def test_export_roundtrip_keeps_target_out(tmp_path):
     torch.testing.assert_close(loaded(f, ids, steps=3), head(f, ids, steps=3))
 
 
+def test_draft_vocabulary_scores_the_kept_rows_of_the_lm_head(tmp_path):
+    """draft_vocab_size: the drafts are the full logits restricted to the most frequent labels (same head
+    weights), mapped back to target ids; the int8 source Linear is those rows; the held-out logits score the
+    same drafts; the export keeps the vocabulary, the engine layout (full-vocabulary engines) drops it."""
+    from specdraft.models.eagle_export import export_engine_layout, read_engine_layout
+    from specdraft.models.hub import export_drafter, load_drafter
+
+    target = tiny_llama()
+    counts = torch.rand(128, generator=torch.Generator().manual_seed(0))  # (V,)
+    full = build_eagle(target, torch.float32)
+    torch.manual_seed(1)
+    head = eagle.build(SimpleNamespace(**SCHEMA, draft_vocab_size=40), target, FP, token_counts=counts).eval()
+    ids = counts.topk(40).indices.sort().values  # (40,) the kept target ids, ascending
+    assert head.reduced and not full.reduced and "d2t" not in full.state_dict()
+    assert torch.equal(head.draft_ids(), ids) and torch.equal(head.to_target_ids(torch.arange(40)), ids)
+    out = torch.randn(5, 32)  # (N, H)
+    torch.testing.assert_close(head.draft_logits(out), full.draft_logits(out)[:, ids])  # same head weights
+    pre, rows = head.draft_head()
+    torch.testing.assert_close(rows(pre(out)), head.draft_logits(out))
+    assert head.draft_head()[1] is rows  # one Linear (int8 copies are shared by identity)
+    with pytest.raises(ValueError, match="needs training token counts"):
+        eagle.build(SimpleNamespace(**SCHEMA, draft_vocab_size=40), target, FP)
+    # held-out logits: the drafts in target ids, every token outside below every kept one
+    batch, tout = _batch(target)
+    with torch.no_grad():
+        _, aux = eagle.compute_loss(head, batch, tout, {"draft_len": 3})
+    lg = aux["logits"]  # (N, 3, V)
+    outside = torch.ones(128, dtype=torch.bool)
+    outside[ids] = False
+    assert (lg[..., outside].amax(-1) < lg[..., ids].amin(-1)).all()
+    # export round trip; engine layout without d2t
+    export_drafter(head, tmp_path / "export", {"steps": 1})
+    loaded = load_drafter(str(tmp_path / "export"), target=target)
+    assert loaded.reduced and torch.equal(loaded.draft_ids(), ids)
+    torch.testing.assert_close(loaded.draft_logits(out), head.draft_logits(out))
+    cfg, tensors = read_engine_layout(export_engine_layout(head, tmp_path / "engine", "float32"))
+    assert "d2t" not in tensors and "draft_vocab_size" not in cfg
+
+
 @pytest.mark.parametrize("preset", ["eagle_smollm2", "eagle3_smollm2", "eagle_vicuna7b", "eagle3_llama3_8b"])
 def test_presets_compose(preset):
     from pathlib import Path

@@ -60,7 +60,7 @@ def _heads():
     torch.manual_seed(0)
     return (
         target,
-        eagle.build(SCHEMA, target, FP),
+        eagle.build(SimpleNamespace(**{**vars(SCHEMA), "draft_vocab_size": None}), target, FP),
         eagle3.build(SCHEMA, target, FP, token_counts=torch.rand(128)),
     )
 

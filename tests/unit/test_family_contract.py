@@ -48,7 +48,7 @@ def test_declared_capabilities_of_the_four_families() -> None:
     assert spec["eagle"].losses == spec["eagle3"].losses == ("ce", "ce+lk")  # no kl variant
     assert spec["redrafter"].losses == spec["medusa"].losses == ALL_LOSSES
     assert spec["redrafter"].low_precision_outputs and not spec["eagle"].low_precision_outputs
-    assert [n for n, s in spec.items() if s.uses_token_counts] == ["redrafter", "medusa", "eagle3"]
+    assert [n for n, s in spec.items() if s.uses_token_counts] == ["redrafter", "medusa", "eagle", "eagle3"]
 
 
 def test_an_incomplete_spec_is_refused() -> None:

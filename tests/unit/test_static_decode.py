@@ -76,7 +76,9 @@ def test_test_trees_equal_ar(arch, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("family", ["redrafter", "redrafter_context", "medusa", "eagle", "eagle3", "lookup"])
+@pytest.mark.parametrize(
+    "family", ["redrafter", "redrafter_context", "medusa", "eagle", "eagle_vocab", "eagle3", "lookup"]
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_every_family_equals_ar(arch, family, shape):
     """Mixed prompt lengths, stop tokens hit mid-way, budgets hit; the dynamic path gives the same trees."""

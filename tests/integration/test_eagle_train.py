@@ -28,6 +28,7 @@ def assets(tmp_path_factory) -> Path:
     "drafter,extra",
     [
         ("eagle", []),
+        ("eagle", ["drafter.draft_vocab_size=48"]),  # drafts over the 48 most frequent training labels
         ("eagle3", ["drafter.draft_vocab_size=48"]),
         (
             "eagle3",
@@ -51,6 +52,7 @@ def test_train_export_decode(assets, drafter, extra, tmp_path):
     head = load_drafter(str(run / "export"), target=target)
     assert head.config.architecture == drafter
     assert getattr(head.config, "norm_fused", False) == ("drafter.norm_fused=true" in extra)
+    assert head.draft_ids().numel() == (48 if "drafter.draft_vocab_size=48" in extra else 128)
     prompt = prompt_ids(tok, [{"role": "user", "content": "alpha beta"}])
     ref, _ = ar_generate(target, tok, prompt, 24, stop_ids=set())
     out, _ = speculative_generate(target, tok, prompt, make_proposer(head), 24, stop_ids=set())

@@ -51,7 +51,9 @@ Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 AttendRows = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
-def select_nodes(tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: int) -> tuple[Tensor, Tensor]:
+def select_nodes(
+    tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """EAGLE-2 reranking with fixed shapes: the `total` best candidates, best first.
 
     Best first (score descending, ties shallower first) puts every parent before its children (a child never
@@ -63,8 +65,9 @@ def select_nodes(tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: 
         total: nodes kept (root excluded).
 
     Returns:
-        tokens (N,) and parents (N,) of the kept nodes, N = min(total, P); parents are tree node indices
-        (0 = root, nodes numbered from 1), -1 where a parent was not kept (impossible for monotone scores).
+        tokens (N,) and parents (N,) of the kept nodes, N = min(total, P), and their pool indices (N,);
+        parents are tree node indices (0 = root, nodes numbered from 1), -1 where a parent was not kept
+        (impossible for monotone scores).
     """
     p = tok.shape[0]
     order = torch.sort(depth, stable=True).indices  # ties in score: shallower first, then pool order
@@ -73,7 +76,7 @@ def select_nodes(tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: 
     numbers = torch.arange(1, keep.shape[0] + 1, device=tok.device)  # (N,)
     node = torch.full((p,), -1, dtype=torch.long, device=tok.device).scatter(0, keep, numbers)  # (P,)
     kp = par[keep]
-    return tok[keep], torch.where(kp < 0, torch.zeros_like(kp), node[kp.clamp_min(0)])
+    return tok[keep], torch.where(kp < 0, torch.zeros_like(kp), node[kp.clamp_min(0)]), keep
 
 
 class EagleTreeProposer:
@@ -236,7 +239,7 @@ class EagleTreeProposer:
         tokens (N,), parents (N,), depth (N,), ancestors (N, N) with N = 1 + min(total_tokens, P)."""
         assert self.fixed is not None
         tok, par, score, depth = self.grow(last, self.fixed.attend)
-        kept, kept_par = select_nodes(tok, par, score, depth, self.total_tokens)  # (N - 1,) each
+        kept, kept_par, _ = select_nodes(tok, par, score, depth, self.total_tokens)  # (N - 1,) each
         tokens = torch.cat([root, kept])  # (N,)
         parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=last.device), kept_par])  # (N,)
         anc, node_depth = fixed_ancestors(parents, self.depth)
@@ -351,11 +354,10 @@ class EagleTreeProposer:
 
     def rerank(self, root: int, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device) -> DraftTree:
         """Keep the `total_tokens` best candidates and lay them out depth by depth under the root."""
-        kept, parents = select_nodes(tok, par, score, depth, self.total_tokens)
+        kept, parents, keep = select_nodes(tok, par, score, depth, self.total_tokens)
         if bool((parents < 0).any()):
             raise RuntimeError("EAGLE-2 rerank kept a node without its parent (non-monotone scores)")
         tokens = torch.cat([torch.tensor([root], device=tok.device), kept])
         parents = torch.cat([torch.tensor([-1], device=tok.device), parents])
-        kept_logp, _ = select_nodes(score, par, score, depth, self.total_tokens)  # (N-1,) same selection
-        scores = torch.cat([score.new_zeros(1), kept_logp]).float().exp()  # (N,) path probabilities
+        scores = torch.cat([score.new_zeros(1), score[keep]]).float().exp()  # (N,) path probabilities
         return DraftTree(tokens.to(device), parents.to(device), scores=scores.to(device))

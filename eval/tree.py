@@ -212,6 +212,12 @@ def pack_beams(beams: Tensor) -> tuple[DraftTree, float]:
         raise ValueError(f"pack_beams: all beams must start with the root token, got {beams[:, 0].tolist()}")
     W, L = beams.shape
     valid = beams != PAD  # (W, L), a prefix of each row
+    if W == 1:  # one beam (a small node budget): a chain, nothing to share
+        n = int(valid.sum())
+        ar = torch.arange(n, device=beams.device)
+        ancestors = torch.ones(n, n, dtype=torch.bool, device=beams.device).tril()
+        beam_nodes = torch.where(valid, torch.arange(L, device=beams.device)[None], PAD)  # (1, L)
+        return DraftTree(beams[0, :n].clone(), ar - 1, ar, ancestors, beam_nodes), 1.0
     first, unique = dedup_prefix(beams)
     flat_unique = (unique & valid).reshape(-1)  # (W*L,) beam-major
     node_of_flat = flat_unique.long().cumsum(0) - 1  # (W*L,) node index of unique positions

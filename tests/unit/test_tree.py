@@ -30,6 +30,20 @@ def test_pack_beams_docstring_example():
     assert path_to(tree, 3).tolist() == [0, 1, 3]
 
 
+@pytest.mark.parametrize("tail", [0, 2])
+def test_one_beam_packs_as_the_general_path_does(tail):
+    """W = 1 takes a chain fast path: the same tree as two identical beams packed the general way (the copy
+    shares every node), PAD tails included."""
+    beam = torch.tensor([7, 3, 3, 5, 1])
+    if tail:
+        beam[-tail:] = PAD
+    one, ratio = pack_beams(beam[None])
+    ref, _ = pack_beams(beam.repeat(2, 1))
+    for name in ("tokens", "parents", "depth", "ancestors"):
+        assert torch.equal(getattr(one, name), getattr(ref, name)), name
+    assert torch.equal(one.beam_nodes, ref.beam_nodes[:1]) and ratio == 1.0
+
+
 def test_dedup_prefix_first_owner():
     beams = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 4], [5, 1, 2, 3], [5, 7, 2, 3]])
     first, unique = dedup_prefix(beams)

@@ -161,13 +161,12 @@ class EagleDrafter(PreTrainedModel):
             return nn.Identity(), head
         d2t = cast(Tensor, self.d2t)
         key = (head.weight.data_ptr(), head.weight._version, head.weight.dtype, d2t._version)
-        hit = self.__dict__.get(
-            "_rows_head"
-        )  # one Linear per LM head state: int8 copies are shared by identity
+        # one Linear per LM head state (int8 copies are shared by identity), kept out of the submodules
+        hit = self.__dict__.get("_rows_head")
         if hit is None or hit[0] != key:
             rows = nn.Linear(head.in_features, int(d2t.shape[0]), bias=False)
             rows.weight = nn.Parameter(head.weight.detach()[self.draft_ids().to(head.weight.device)], False)
-            hit = self.__dict__["_rows_head"] = (key, rows)  # not a submodule: never saved
+            hit = self.__dict__["_rows_head"] = (key, rows)  # never saved
         return nn.Identity(), hit[1]
 
     def to_target_ids(self, ids: Tensor) -> Tensor:

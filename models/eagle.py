@@ -159,14 +159,13 @@ class EagleDrafter(PreTrainedModel):
         head = cast(nn.Linear, self.borrowed.modules["lm_head"])
         if not self.reduced:
             return nn.Identity(), head
-        d2t = cast(Tensor, self.d2t)
-        key = (head.weight.data_ptr(), head.weight._version, head.weight.dtype, d2t._version)
-        # one Linear per LM head state (int8 copies are shared by identity), kept out of the submodules
+        rows = self.borrowed.rows("lm_head", head.weight, self.draft_ids())  # (Vd, H), cached by `Borrowed`
+        # one Linear per cached rows tensor (int8 copies are shared by identity), kept out of the submodules
         hit = self.__dict__.get("_rows_head")
-        if hit is None or hit[0] != key:
-            rows = nn.Linear(head.in_features, int(d2t.shape[0]), bias=False)
-            rows.weight = nn.Parameter(head.weight.detach()[self.draft_ids().to(head.weight.device)], False)
-            hit = self.__dict__["_rows_head"] = (key, rows)  # never saved
+        if hit is None or hit[0] is not rows:
+            linear = nn.Linear(head.in_features, rows.shape[0], bias=False)
+            linear.weight = nn.Parameter(rows, requires_grad=False)
+            hit = self.__dict__["_rows_head"] = (rows, linear)  # never saved
         return nn.Identity(), hit[1]
 
     def to_target_ids(self, ids: Tensor) -> Tensor:

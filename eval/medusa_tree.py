@@ -187,11 +187,11 @@ def measure_rank_accuracies(
     """Per-head rank accuracies of a Medusa on held-out batches (the input of `build_tree`).
 
     Args:
-        drafter: Medusa heads (`head_logits(hidden (..., H)) -> (..., K, Vd)`, `to_draft_ids` with a reduced
+        drafter: Medusa heads (`head_logits(hidden (..., H), root=(...)) -> (..., K, Vd)`, `to_draft_ids` with a reduced
             draft vocabulary: a label outside it is a miss at every rank).
         target: the frozen target (one no-grad forward per batch for h_t).
         batches: collated batches (`data.collate.Collator` with draft_len = K): `input_ids`, `attention_mask`,
-            `targets` (B, L, K), `pos_mask` (B, L).
+            `root` (B, L), `targets` (B, L, K), `pos_mask` (B, L).
         topk: ranks measured per head.
         max_batches: stop after this many batches (None: all).
         chunk: positions per head-logits call (bounds the (chunk, K, V) buffer).
@@ -213,8 +213,9 @@ def measure_rank_accuracies(
         hidden = forward_with_hidden(target, ids, attention_mask=mask, logits=False).hidden  # (B, L, H)
         sel = batch["pos_mask"].to(dev)  # (B, L)
         h, tg = hidden[sel], batch["targets"].to(dev)[sel]  # (N, H), (N, K)
+        root = batch["root"].to(dev)[sel]  # (N,) x_{t+1}, read by root-conditioned heads
         for s in range(0, h.shape[0], chunk):
-            logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1]).float()  # (n, K, Vd)
+            logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1], root=root[s : s + chunk]).float()
             labels = tg[s : s + chunk].to(logits.device)  # (n, K) target ids, -100 = ignored
             if getattr(drafter, "reduced_vocab", False):  # draft ids; -1 (never a hit) outside the vocabulary
                 labels = drafter.to_draft_ids(labels, missing=-1).masked_fill(labels == -100, -100)
@@ -232,8 +233,9 @@ class MedusaProposer:
     """Static-tree proposer: fill one fixed tree with every head's top-k tokens (one drafter call per step).
 
     Args:
-        drafter: a `models.medusa.Medusa` (`topk_tokens(hidden (H,), k, num_heads) -> (num_heads, k)` target
-            ids, mapped from the draft vocabulary; `config.draft_len`, `config.topk`, `config.tree_choices`).
+        drafter: a `models.medusa.Medusa` (`topk_tokens(hidden (H,), k, num_heads, linears, root) -> (num_heads,
+            k)` target ids, mapped from the draft vocabulary; `config.draft_len`, `config.topk`,
+            `config.tree_choices`).
         choices: rank paths (None: the export's `tree_choices`, else `DEFAULT_TREE` pruned to the heads and
             `config.topk`).
         max_nodes: node budget N (root included) applied to the tree (None: the whole tree).
@@ -291,12 +293,10 @@ class MedusaProposer:
         """N, nodes of every proposed tree (root included; `fit_budget` may lower it)."""
         return self._cap
 
-    def _topk(self, hidden: Tensor) -> Tensor:
-        """(..., H) -> (..., depth, k) target ids of the heads and ranks the proposed nodes need, through the
-        int8 copies when there are some."""
-        if self.int8 is None:
-            return self.drafter.topk_tokens(hidden, *self._run)
-        return self.drafter.topk_tokens(hidden, *self._run, linears=self.int8)
+    def _topk(self, hidden: Tensor, root: Tensor) -> Tensor:
+        """hidden (..., H), root (...) -> (..., depth, k) target ids of the heads and ranks the proposed nodes
+        need, through the int8 copies when there are some (root-conditioned heads read `root`)."""
+        return self.drafter.topk_tokens(hidden, *self._run, linears=self.int8, root=root)
 
     def _layout_on(self, dev: torch.device) -> None:
         """Move the static layout to the decoding device (once, not every step)."""
@@ -320,7 +320,7 @@ class MedusaProposer:
         n = self._cap
         out = tokens[-1:].repeat(n)  # (N,)
         if n > 1:
-            top = self._topk(hidden[-1]).to(dev)  # (depth, k)
+            top = self._topk(hidden[-1], tokens[-1]).to(dev)  # (depth, k)
             out[1:] = top[self.head[1:n], self.rank[1:n]]
         return DraftTree(out, self.parents[:n], self.depth[:n], self.ancestors[:n, :n])
 
@@ -350,7 +350,7 @@ class MedusaProposer:
         out = roots[:, None].repeat(1, n)  # (R, N)
         if n > 1:
             last = torch.stack([h[-1] for h in hidden])  # (R, H)
-            top = self._topk(last).to(dev)  # (R, d, k)
+            top = self._topk(last, roots).to(dev)  # (R, d, k)
             out[:, 1:] = top[:, self.head[1:n], self.rank[1:n]]
         return [DraftTree(o, self.parents[:n], self.depth[:n], self.ancestors[:n, :n]) for o in out]
 

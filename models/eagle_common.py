@@ -160,7 +160,7 @@ class Borrowed:
         """The borrowed module's weight in `like`'s dtype/device (cast once, then cached)."""
         if name not in self.modules:
             raise RuntimeError(
-                f"the EAGLE head has no borrowed `{name}`: call `attach(model, target)` after loading"
+                f"the drafter has no borrowed `{name}` of the target: call `attach(model, target)` after loading"
             )
         key = (name, like.dtype, like.device)
         if key not in self._cast:

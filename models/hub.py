@@ -215,12 +215,14 @@ def _new_residual_block(name: str, dst: Any, theirs: dict[str, Any]) -> bool:
     return not bool(dst.any())
 
 
-# ReDrafter modules a warm start may add to an export without them (`train.init_from`), each with the parameters
-# that are zero at its init: prefix attention's output projection (so the logits stay the export's) and the copy
-# gate's output layer and per-length bias (copy weight 1/2 on every lookup candidate, `CopyGate`).
+# Modules a warm start may add to an export without them (`train.init_from`), each with the parameters that are
+# zero at its init: ReDrafter prefix attention's output projection (so the logits stay the export's), the copy
+# gate's output layer and per-length bias (copy weight 1/2 on every lookup candidate, `CopyGate`), and Medusa's
+# root-token projection (the plain heads' function).
 _ADDABLE_MODULES: dict[str, Callable[[Any], tuple[Any, ...]]] = {
     "ctx": lambda m: tuple(m.out.parameters()),
     "copy_gate": lambda m: (*m.out.parameters(), m.length_bias),
+    "root_input": lambda m: (m.proj.weight,),  # Medusa's root token (models/medusa_root.py)
 }
 
 
@@ -247,7 +249,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     LM-head row, is on another scale than the trained features and can outrank them: a grown dataset's warm
     start then began at half the exported accuracy); (4) ReDrafter prefix attention (`ctx.`) added to an export
     without it stays at its init, whose zero output projection leaves the logits unchanged; (5) a ReDrafter copy
-    gate (`copy_gate.`) added to an export without it starts at its init: copy weight 1/2 on every lookup candidate.
+    gate (`copy_gate.`) added to an export without it starts at its init: copy weight 1/2 on every lookup candidate;
+    (6) Medusa's root-token input (`root_input.`) added to plain heads starts at zero (the export's function).
 
     Args:
         model: the freshly built drafter (same family as the export).

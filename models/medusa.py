@@ -2,7 +2,7 @@
 
 Alignment (docs/design.md): the target's own LM head on h_t gives the root x_{t+1}; Medusa head k (0-based)
 on the same h_t predicts x_{t+2+k}, i.e. draft slot k. Medusa-1: the backbone stays frozen, only the heads
-train. Unlike ReDrafter the heads never see the root or any drafted token, so every head's top-k is computed
+train. Unlike ReDrafter the heads never see any drafted token (nor, unless `root_token`, the root), so every head's top-k is computed
 once per step and a *static* tree over their ranks (eval/medusa_tree.py) turns them into candidates:
 
     h_t ─┬─> ResBlock^n ─> W_0 ─> logits of slot 0 (x_{t+2})
@@ -19,6 +19,9 @@ training labels are scored (buffer `d2t` (Vd,): target id = draft id + d2t[draft
 store it). For SmolLM2 (V = 49,152, H = 576) four full heads cost about one step of the 135M target; the heads
 are most of the drafter. Labels outside the draft vocabulary are ignored by the loss (`teacher_forced`) and are
 never drafted; `topk_tokens` returns target ids, so trees and verification (lossless) are unchanged.
+
+Root token (`root_token`, models/medusa_root.py): every head's input also reads the root x_{t+1}'s embedding, which
+the decoder knows before the heads run; the heads stay parallel and the tree static.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from specdraft.models.family import FamilySpec
 from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids, draft_vocab_ids
+from specdraft.models.medusa_root import RootInput
 
 FORMAT_VERSION = 1
 
@@ -55,6 +59,7 @@ class MedusaConfig(PretrainedConfig):
     loss_decay: float = 0.8  # lambda: head k's CE is weighted lambda^k
     topk: int = 10  # candidates per head the static tree may use at decode time
     tree_choices: list | None = None  # static tree as Medusa rank paths (None: eval/medusa_tree.DEFAULT_TREE)
+    root_token: bool = False  # every head also reads the root x_{t+1}'s embedding (models/medusa_root.py)
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -85,6 +90,7 @@ class Medusa(PreTrainedModel):
         # never read then); the shared loss (`teacher_forced`) reads `reduced_vocab`.
         self.reduced_vocab = vd < v
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=self.reduced_vocab)
+        self.root_input: RootInput | None = RootInput(h, config.draft_len) if config.root_token else None
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -128,6 +134,7 @@ class Medusa(PreTrainedModel):
         hidden: Tensor,
         num_heads: int | None = None,
         linears: Sequence[Callable[[Tensor], Tensor]] | None = None,
+        root: Tensor | None = None,
     ) -> Tensor:
         """Logits of the first `num_heads` heads over the draft vocabulary.
 
@@ -136,6 +143,7 @@ class Medusa(PreTrainedModel):
             num_heads: how many heads to run (None: all K).
             linears: per head, a replacement of its vocabulary Linear, (..., H) -> (..., Vd) (e.g. int8 copies at
                 decode time; their outputs may be float32); None: the heads as they are.
+            root: (...) long, the root x_{t+1} of each state; required with `root_token`, ignored without.
 
         Returns:
             (..., num_heads, Vd) (Vd = V unless `draft_vocab_size` is set; `to_target_ids` maps a column index
@@ -148,10 +156,16 @@ class Medusa(PreTrainedModel):
             raise ValueError(
                 f"Medusa has {self.config.draft_len} heads, {n} requested (lower drafter.draft_len)"
             )
+        if self.root_input is not None:
+            if root is None:
+                raise ValueError("this Medusa reads the root token (root_token=true): pass `root`")
+            xs = self.root_input(x, root, n).unbind(-2)  # n x (..., H): head k's input
+        else:
+            xs = (x,) * n
         if linears is None:
-            return torch.stack([self.heads[k](x) for k in range(n)], dim=-2)  # (..., n, Vd)
-        parts, flat = self.vocab_heads(), x.reshape(-1, x.shape[-1])  # (N, H): int8 products take 2-D inputs
-        out = torch.stack([linears[k](parts[k][0](flat)) for k in range(n)], dim=-2)  # (N, n, Vd)
+            return torch.stack([self.heads[k](xs[k]) for k in range(n)], dim=-2)  # (..., n, Vd)
+        parts = self.vocab_heads()  # int8 products take 2-D inputs: (N, H) per head
+        out = torch.stack([linears[k](parts[k][0](xs[k].reshape(-1, x.shape[-1]))) for k in range(n)], dim=-2)
         return out.reshape(*x.shape[:-1], n, out.shape[-1])  # (..., n, Vd)
 
     def forward(self, hidden: Tensor, root: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
@@ -159,13 +173,14 @@ class Medusa(PreTrainedModel):
 
         Args:
             hidden: (B, L, H) target last-layer states.
-            root: (B, L) ignored (Medusa heads do not condition on tokens; kept for the shared protocol).
+            root: (B, L) the root x_{t+1} of each position; read only with `root_token` (plain heads do not
+                condition on tokens).
             targets: (B, L, D) ignored except for D, the number of heads run (None: all K).
 
         Returns:
             logits: (B, L, D, Vd) over the draft vocabulary.
         """
-        return self.head_logits(hidden, None if targets is None else targets.shape[-1])
+        return self.head_logits(hidden, None if targets is None else targets.shape[-1], root=root)
 
     @torch.no_grad()
     def topk_tokens(
@@ -174,6 +189,7 @@ class Medusa(PreTrainedModel):
         k: int,
         num_heads: int | None = None,
         linears: Sequence[Callable[[Tensor], Tensor]] | None = None,
+        root: Tensor | None = None,
     ) -> Tensor:
         """The k most likely tokens of each of the first `num_heads` heads at one position (decode time).
 
@@ -182,12 +198,13 @@ class Medusa(PreTrainedModel):
             k: candidates per head.
             num_heads: heads run (None: all K); a shallow tree needs only its depth.
             linears: replacements of the heads' vocabulary Linears (`head_logits`).
+            root: (...) long, the root token of each state (read with `root_token`).
 
         Returns:
             (..., num_heads, k) long target ids, row j sorted by head j's logit (rank 0 first).
         """
         top = (
-            self.head_logits(hidden, num_heads, linears).topk(k, dim=-1).indices
+            self.head_logits(hidden, num_heads, linears, root).topk(k, dim=-1).indices
         )  # (..., num_heads, k) draft ids
         return self.to_target_ids(top)  # (..., num_heads, k) target ids
 
@@ -197,7 +214,16 @@ MODEL, CONFIG = Medusa, MedusaConfig
 
 
 def attach(model: Medusa, target: PreTrainedModel) -> Medusa:
-    """Nothing is borrowed from the target (every head owns its projection)."""
+    """Borrow the target's input embeddings for the root token (`root_token`); plain heads borrow nothing (every
+    head owns its projection)."""
+    if model.root_input is not None:
+        emb = cast(nn.Embedding, target.get_input_embeddings())
+        shape, want = tuple(emb.weight.shape), (model.config.vocab_size, model.config.base_hidden_size)
+        if shape != want:
+            raise ValueError(
+                f"target embeddings {shape} do not match the Medusa heads (vocab_size, hidden) {want}"
+            )
+        model.root_input.attach(emb)
     return model
 
 
@@ -239,8 +265,9 @@ def build(
         loss_decay=float(schema.loss_decay),
         topk=int(schema.topk),
         tree_choices=[list(map(int, p)) for p in tree] if tree else None,
+        root_token=bool(getattr(schema, "root_token", False)),
     )
-    model = Medusa(config)
+    model = attach(Medusa(config), target)
     with torch.no_grad():
         if vd < v:
             model.d2t.copy_(ids - torch.arange(vd))
@@ -296,7 +323,7 @@ FAMILY = FamilySpec(
     attach=attach,
     compute_loss=compute_loss,  # models.teacher_forced with lambda^k head weights: every ce / kl / lk combination
     proposer="medusa_tree",  # eval.medusa_tree.MedusaProposer: the static top-k tree
-    features="last",  # h_t only
+    features="last",  # h_t only (and the root token's embedding with `root_token`)
     decode_last_hidden=True,
     low_precision_outputs=True,  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
     uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels

@@ -205,7 +205,9 @@ def run_tiny_train(
 
 
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
-FAMILIES = ("redrafter", "redrafter_context", "medusa", "eagle", "eagle_vocab", "eagle3", "lookup")
+FAMILIES = (
+    "redrafter", "redrafter_context", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "lookup",
+)  # fmt: skip
 
 
 def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
@@ -218,7 +220,8 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 
 def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
     """A randomly initialised drafter of `family` (one of `FAMILIES`, or "redrafter_copy": the copy gate without
-    prefix attention; "eagle_vocab": EAGLE-1 drafting over 64 of the 128 tokens; "lookup": prompt lookup of 4
+    prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over
+    64 of the 128 tokens; "lookup": prompt lookup of 4
     tokens) on a
     `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
     call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds."""
@@ -250,10 +253,10 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
         }[family]
         d = redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, **extra), model, fp)
         return ReDrafterProposer(ready(d, 0.05), beam_width=4, beam_length=4)
-    if family == "medusa":
+    if family in ("medusa", "medusa_root"):
         schema = OmegaConf.create(
             {"draft_len": 3, "num_layers": 1, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
-             "tree_choices": None}
+             "tree_choices": None, "root_token": family == "medusa_root"}
         )  # fmt: skip
         return make_proposer(ready(medusa.build(schema, model, fp), 0.05), tree_nodes=12)
     if family in ("eagle", "eagle_vocab", "eagle3"):
@@ -285,7 +288,7 @@ def tiny_proposer_factory(family: str, target: torch.nn.Module) -> Callable[[], 
         if name.startswith("redrafter"):
             inner = lambda: ReDrafterProposer(drafter, beam_width=4, beam_length=4)  # noqa: E731
         else:
-            inner = lambda: make_proposer(drafter, tree_nodes=12 if name == "medusa" else 10)  # noqa: E731
+            inner = lambda: make_proposer(drafter, tree_nodes=12 if name.startswith("medusa") else 10)  # noqa: E731
     return (lambda: LookupBranch(inner(), 4)) if lookup else inner
 
 

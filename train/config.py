@@ -109,6 +109,7 @@ class MedusaSchema:
     tree_choices: list[list[int]] | None = (
         None  # static tree (Medusa rank paths) saved in the export (None: default)
     )
+    root_token: bool = False  # every head also reads the root x_{t+1}'s embedding (models/medusa_root.py)
 
 
 @dataclass

@@ -217,3 +217,28 @@ def test_copy_gate_warm_starts_trains_and_decodes_losslessly(reference, assets):
     proposer = make_proposer(drafter)
     assert proposer.copy_ngram == 3
     assert_lossless(target, proposer, torch.tensor([5, 6, 7, 5, 6, 7, 5, 6]))
+
+
+def test_medusa_root_token_warm_starts_exactly_trains_and_decodes_losslessly(assets):
+    """drafter.root_token on top of plain Medusa heads: the first eval is the plain export's (the root projection
+    starts at zero), training moves the projection, and the export decodes losslessly with each step's root."""
+    from specdraft.eval.proposers import make_proposer
+
+    run_train(
+        assets, "medusa", "drafter=medusa", "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4",
+    )  # fmt: skip
+    plain = assets / "runs" / "medusa"
+    run_train(
+        assets, "medusa_root", "drafter=medusa", "drafter.root_token=true", f"train.init_from={plain / 'export'}",
+        "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4", "optim.lr=1e-2",
+        "train.eval_at_start=true",
+    )  # fmt: skip
+    warm = [r for r in read_metrics(assets / "runs" / "medusa_root") if "eval/loss" in r]
+    ref = [r for r in read_metrics(plain) if "eval/loss" in r]
+    assert [r["step"] for r in warm] == [0, 4]
+    assert warm[0]["eval/loss"] == pytest.approx(ref[-1]["eval/loss"], rel=1e-4)
+    assert warm[1]["eval/loss"] != warm[0]["eval/loss"]
+    target = tiny_llama()
+    drafter = load_drafter(str(assets / "runs" / "medusa_root" / "export"), target=target)
+    assert drafter.config.root_token and float(drafter.root_input.proj.weight.detach().abs().sum()) > 0
+    assert_lossless(target, make_proposer(drafter, tree_nodes=12), torch.arange(5, 17))

@@ -166,7 +166,9 @@ def test_proposer_defaults_budget_and_export_tree(medusa64):
     tree = full.propose(hidden, torch.tensor([7]))
     calls: list[tuple[int, int]] = []
     topk_tokens = medusa64.topk_tokens
-    medusa64.topk_tokens = lambda h, k, heads: calls.append((k, heads)) or topk_tokens(h, k, heads)
+    medusa64.topk_tokens = lambda h, k, heads, **kw: (
+        calls.append((k, heads)) or topk_tokens(h, k, heads, **kw)
+    )
     for b in range(1, 13):
         cut = tree.truncated(b)
         assert full.paths[: b - 1] == build_tree(acc, b)[0] and cut.num_nodes == b
@@ -238,8 +240,8 @@ class OracleHeads(torch.nn.Module):
         )
         self.ref, self.ranks, self.done, self.g = ref, ranks, 0, torch.Generator().manual_seed(0)
 
-    def topk_tokens(self, hidden, k, num_heads):
-        assert num_heads == 4  # the default tree reaches depth 4
+    def topk_tokens(self, hidden, k, num_heads, linears=None, root=None):
+        assert num_heads == 4 and linears is None and root is not None  # the default tree reaches depth 4
         top = torch.randperm(V, generator=self.g)[: len(self.ranks) * k].reshape(len(self.ranks), k)
         for j, r in enumerate(self.ranks):
             if self.done + j < len(self.ref):

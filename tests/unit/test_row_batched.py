@@ -19,8 +19,8 @@ from specdraft.testing import random_prompts, tiny_proposer, tiny_proposer_facto
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CPU = torch.device("cpu")
 BATCHED = [
-    "redrafter", "redrafter_copy", "medusa", "eagle", "eagle_vocab", "eagle3", "redrafter_copy+lookup", "medusa+lookup",
-    "eagle3+lookup",
+    "redrafter", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "redrafter_copy+lookup",
+    "medusa+lookup", "medusa_root+lookup", "eagle3+lookup",
 ]  # fmt: skip
 
 

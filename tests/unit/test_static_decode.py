@@ -19,6 +19,7 @@ from specdraft.eval.verify import greedy_verify, greedy_verify_packed
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.testing import (
+    FAMILIES,
     OracleBeamProposer,
     RandomTreeProposer,
     check_static_equals_ar,
@@ -76,9 +77,7 @@ def test_test_trees_equal_ar(arch, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize(
-    "family", ["redrafter", "redrafter_context", "medusa", "eagle", "eagle_vocab", "eagle3", "lookup"]
-)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_every_family_equals_ar(arch, family, shape):
     """Mixed prompt lengths, stop tokens hit mid-way, budgets hit; the dynamic path gives the same trees."""

@@ -323,6 +323,7 @@ EVAL: Table = {
     "cuda_graphs": one_of("auto", "on", "off"),
     "node_budget": one_of("off", "auto"),
     "node_budget_refit": COUNT,
+    "node_budget_refit_scale": COUNT,
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),
     "scheduler": one_of("fifo", "length", "both", "groups", "all"),

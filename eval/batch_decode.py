@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
-from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
+from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
 from specdraft.eval.decode import (
     DecodeStats,
     Proposer,
@@ -408,9 +408,9 @@ class BatchDecoder:
             active = [r for r in range(B) if rows[r] is not None]
             if not active:
                 break
-            if budget is not None and proposers and sampling is None and budget.tick():  # a refit: full trees
+            if budget is not None and proposers and sampling is None and budget.tick():  # a refit: probe size
                 for p in proposers:
-                    p.fit_budget(FULL)
+                    p.fit_budget(budget.refit_cap())
             fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
             off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
             trees: dict[int, DraftTree] = {}  # drafted rows; the others verify their root alone (AR)

@@ -13,13 +13,17 @@ nodes on a 2-core CPU in fp32). Two measured curves decide the budget:
 
 `NodeBudget.cap` = argmax over b of gain(b) / (cost(b) + draft time), where b = 1 means "do not draft" (gain
 1, no draft time): a drafter that cannot pay on this machine turns itself off. The draft time is re-measured
-at the chosen size before that last decision (a ReDrafter told to fill 2 nodes searches one beam of one token,
+at the chosen size (and at the next larger size when the model rates it within `near`: a near-tie that
+phase 1's full-size draft time cannot decide) before that last decision (a ReDrafter told to fill 2 nodes searches one beam of one token,
 several times cheaper than its full search). Output is unchanged whatever the budget.
 
 The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
-final. A refit drafts `refit_steps` full-size steps again, the gain curve becomes the newest `fit_steps`
-full-size steps, and the cap is settled anew (the proposer drafts at full size meanwhile). It starts
+final. A refit drafts `refit_steps` steps at a probe size again, the gain curve becomes the newest `fit_steps`
+drafted steps, and the cap is settled anew. The probe is `refit_scale` times the cap settled before (at least 8
+nodes; the first fit drafts full-size trees): a full-size refit of a 64-node Medusa tree costs 2.3 target steps
+a step on a 2-core CPU, and at a cap of 4 nodes sizes past 16 are never chosen anyway; a refit that settles on
+the probe's size probes twice as far the next time. It starts
   * while drafting (cap > 1), when the tokens per step at the cap drift: the mean over `drift_window` drafted
     steps is more than `drift` (relative) away from what the fit expected there, in either direction (a
     refit costs full-size steps, so a drafter whose gains hold is never refitted);
@@ -169,6 +173,10 @@ class NodeBudget:
         refit_steps: full-size drafted steps of a refit's phase 1.
         drift_window: drafted steps at the cap whose mean tokens per step are compared with the fit's.
         drift: relative difference of that mean from the fit's expectation that starts a refit.
+        refit_scale: a refit drafts trees of at most this many times the previously settled cap, and at least
+            8 nodes (`refit_cap`); 0: full-size trees.
+        near: phase 2 also checks the next larger size when phase 1's model rates it within this fraction of
+            the provisional cap (a near-tie that the full-size draft time of phase 1 cannot decide); 0: never.
     """
 
     cost: CostCurve
@@ -181,6 +189,8 @@ class NodeBudget:
     refit_steps: int = 16
     drift_window: int = 32
     drift: float = 0.2
+    refit_scale: int = 4
+    near: float = 0.05
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -198,6 +208,9 @@ class NodeBudget:
     _recent: list[int] = field(default_factory=list)  # tokens of the latest drafted steps at the cap
     _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
     _due: bool = False  # the drift test asks for a refit
+    _larger: int | None = (
+        None  # phase 2: the next larger size still to check (a near-tie with the provisional)
+    )
 
     @classmethod
     def fixed(cls, cap: int, label: str = "") -> NodeBudget:
@@ -228,17 +241,16 @@ class NodeBudget:
             return
         self.gains = [list(g) for g in other.gains[-self.fit_steps :]]
         self.draft_ms = list(other.draft_ms[-self.fit_steps :])
-        rates = self.rates(self.draft_ms)
-        self.cap = max((b for b in sorted(rates) if b > 1), key=lambda b: (rates[b], -b))
+        self._provisional(self.rates(self.draft_ms))
         self._left = 0
         if self.check_steps <= 0:
             self._settle({})
 
     def tick(self) -> bool:
         """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
-        after settling on no drafting has passed): phase 1 again, so the caller lifts the proposer's cap
-        (`fit_budget(FULL)`) and drafts full trees, observing them with their gain curves, until the cap
-        settles again."""
+        after settling on no drafting has passed): phase 1 again, so the caller raises the proposer's cap to
+        the probe size (`fit_budget(refit_cap())`) and drafts those trees, observing them with their gain
+        curves, until the cap settles again."""
         if not self.settled or self.refit_gap <= 0:
             return False
         self._since += 1
@@ -247,6 +259,14 @@ class NodeBudget:
         self.cap, self.settled, self.measured, self.checks = None, False, {}, []
         self._left, self.refits, self._due, self._check_tokens = self.refit_steps, self.refits + 1, False, {}
         return True
+
+    def refit_cap(self) -> int:
+        """The node cap a refit's phase 1 drafts at (`Proposer.fit_budget(budget.refit_cap())` when `tick` starts
+        one): `refit_scale` times the cap settled before, at least 8, or `FULL` (full-size trees) with
+        `refit_scale` 0 or before any fit."""
+        if self.refit_scale <= 0 or not self.history:
+            return FULL
+        return max(8, self.refit_scale * self.history[-1])
 
     def observe(
         self, draft_s: float, accepted: int, nodes: int, prefix_accept: list[int] | None = None
@@ -270,8 +290,7 @@ class NodeBudget:
             self._left = (self.fit_steps if self._left < 0 else self._left) - 1
             if self._left <= 0:  # the curve: the newest `fit_steps` full-size steps
                 del self.gains[: -self.fit_steps], self.draft_ms[: -self.fit_steps]
-                rates = self.rates(self.draft_ms)
-                self.cap = max((b for b in sorted(rates) if b > 1), key=lambda b: (rates[b], -b))
+                self._provisional(self.rates(self.draft_ms))
                 if self.check_steps <= 0:
                     self._settle({})
             return
@@ -285,11 +304,25 @@ class NodeBudget:
             self.checks = []
             best = max([1.0 / self.cost(1), *self.measured.values()])
             bound = self.rates([0.0])  # no draft time: what each size could reach at best
-            smaller = [b for b in self.sizes if 1 < b < self.cap and bound[b] > best]
-            if smaller:
+            smaller = [
+                b for b in self.sizes if 1 < b < self.cap and bound[b] > best and b not in self.measured
+            ]
+            if self._larger is not None:  # a near-tie above the provisional cap: check it next
+                self.cap, self._larger = self._larger, None
+            elif smaller:
                 self.cap = max(smaller)  # check it next (the decoder tells the proposer)
             else:
                 self._settle(self.measured, [draft])
+
+    def _provisional(self, rates: dict[int, float]) -> None:
+        """End of phase 1: the provisional cap (the best modelled rate among b > 1), and the next larger size to
+        check in phase 2 when the model rates it within `near` of the provisional one."""
+        self.cap = max((b for b in sorted(rates) if b > 1), key=lambda b: (rates[b], -b))
+        drafted = max((len(g) for g in self.gains), default=0)  # nodes of the largest tree phase 1 saw
+        above = [b for b in sorted(rates) if self.cap < b <= drafted]
+        self._larger = None
+        if above and self.near > 0 and rates[above[0]] >= (1.0 - self.near) * rates[self.cap]:
+            self._larger = above[0]
 
     def _settle(self, measured: dict[int, float], draft_ms: list[float] | None = None) -> None:
         """Final cap among 1 and b <= the provisional cap: measured rates where there are some (the checked

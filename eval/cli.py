@@ -79,7 +79,11 @@ def _spec(
         bool(e.profile),
         bool(e.fallback),
         decoder,
-        NodeBudget(cost, label=name, refit_gap=int(e.node_budget_refit)) if cost is not None else None,
+        NodeBudget(
+            cost, label=name, refit_gap=int(e.node_budget_refit), refit_scale=int(e.node_budget_refit_scale)
+        )
+        if cost is not None
+        else None,
     )
 
 
@@ -315,6 +319,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             reserve=reserve,
             node_budget=str(e.get("node_budget", "off")) == "auto",
             budget_refit=int(e.get("node_budget_refit", 128)),
+            budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),
             cuda_graphs=str(e.cuda_graphs),
             sample={"temperature": float(e.temperature), "top_k": int(e.get("top_k", 0) or 0),
                     "top_p": float(e.get("top_p", 1.0)), "seed": int(e.seed)} if e.temperature > 0 else None,

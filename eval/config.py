@@ -48,6 +48,9 @@ class EvalConfig:
     linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: packed on Intel+MKL, panel on other AVX2 CPUs, else transposed) | transposed | native | packed | panel
     node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
     node_budget_refit: int = 128  # steps after settling on no drafting before a refit (0: no refits at all)
+    node_budget_refit_scale: int = (
+        4  # a refit drafts <= this x the settled cap, >= 8 nodes (0: full-size trees)
+    )
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
     scheduler: str = "fifo"  # throughput: fifo | length (longest predicted first) | both | groups (S3) | all
     reserve_quantile: float = (

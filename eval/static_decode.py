@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdraft.eval.budget import FULL, SIZES, NodeBudget, time_round_robin
+from specdraft.eval.budget import SIZES, NodeBudget, time_round_robin
 from specdraft.eval.decode import (
     DecodeStats,
     Proposer,
@@ -314,8 +314,8 @@ class StaticDecoder:
         if budget is not None and budget.cap is not None:
             proposer.fit_budget(budget.cap)
         while not done:
-            if budget is not None and greedy and budget.tick():  # a refit: full-size trees again
-                proposer.fit_budget(FULL)
+            if budget is not None and greedy and budget.tick():  # a refit: trees of the probe size again
+                proposer.fit_budget(budget.refit_cap())
             fitting = budget is not None and greedy and not budget.settled
             off = budget is not None and budget.cap == 1  # drafting does not pay here: plain target steps
             drafted = not off and (fallback is None or fallback.should_draft())

@@ -45,6 +45,7 @@ def throughput_rows(
     node_budget: bool = False,
     sample: dict[str, Any] | None = None,
     budget_refit: int = 128,
+    budget_refit_scale: int = 4,
     cuda_graphs: str = "auto",
     node_cap: int | None = None,
 ) -> list[dict[str, Any]]:
@@ -68,6 +69,8 @@ def throughput_rows(
             from the second batch size on it starts from the previous one's gain curve (`NodeBudget.warm_start`).
         budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
             refits at all; `eval.node_budget_refit`).
+        budget_refit_scale: a refit drafts trees of at most this many times the settled cap, >= 8 nodes (0:
+            full-size trees; `eval.node_budget_refit_scale`).
         node_cap: every drafter's trees cut to this many nodes at every batch size, no fitting
             (`NodeBudget.fixed`; instead of `node_budget`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
@@ -100,7 +103,12 @@ def throughput_rows(
             if node_cap is not None and factory:
                 budget = NodeBudget.fixed(node_cap)
             elif curve and factory:
-                budget = NodeBudget(curve, label=f"{name} at batch {b}", refit_gap=budget_refit)
+                budget = NodeBudget(
+                    curve,
+                    label=f"{name} at batch {b}",
+                    refit_gap=budget_refit,
+                    refit_scale=budget_refit_scale,
+                )
                 if name in fitted:  # its gain curve from the previous batch size
                     budget.warm_start(fitted[name])
                 fitted[name] = budget

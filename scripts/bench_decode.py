@@ -53,6 +53,14 @@ def main(argv: list[str] | None = None) -> None:
         help="with --budget: one row per value of eval.node_budget_refit (0: the first fit is final)",
     )
     p.add_argument(
+        "--budget-refit-scale",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="with --budget: rows per value of eval.node_budget_refit_scale too (refits draft <= this x the "
+        "settled cap, >= 8 nodes; 0: full-size trees)",
+    )
+    p.add_argument(
         "--float-heads",
         action="store_true",
         help="draft with the drafters' own vocabulary heads (default on CPU: int8 copies, as evaluate.py's "
@@ -145,9 +153,18 @@ def main(argv: list[str] | None = None) -> None:
                     ),
                 )
             )
-            for refit in a.budget_refit if a.budget else []:
-                b, prop = NodeBudget(c, label=name, refit_gap=refit), new_proposer()
-                tag = name + "+budget" + (f"(refit {refit})" if len(a.budget_refit) > 1 else "")
+            scales = a.budget_refit_scale  # without refits (0) the probe size is never used: one row
+            combos = (
+                [(r, x) for r in a.budget_refit for x in (scales if r else scales[:1])] if a.budget else []
+            )
+            for refit, scale in combos:
+                b = NodeBudget(c, label=name, refit_gap=refit, refit_scale=scale)
+                prop = new_proposer()
+                what = [f"refit {refit}"] if len(a.budget_refit) > 1 else []
+                what += (
+                    [f"probe x{scale}" if scale else "full refits"] if len(a.budget_refit_scale) > 1 else []
+                )
+                tag = name + "+budget" + (f"({', '.join(what)})" if what else "")
                 budgets[(tag, label)] = b
                 methods.append(
                     (

@@ -101,6 +101,31 @@ def test_phase_two_walks_down_while_a_smaller_cap_could_pay():
     assert budget.measured == pytest.approx({8: 4 / 26, 4: 3 / 14})
 
 
+def test_phase_two_also_checks_a_near_tie_above_the_provisional_cap():
+    """Phase 1 rates 2 nodes (1.5 tok / 21 ms) a hair above 4 (1.6 / 23 ms), both charged the full-size draft
+    time; 4 is within `near` (5%), so after 2 it is checked too, and its real draft time (1 ms, not 10) makes it
+    the better one. Outside `near` (or with near=0) only 2 is checked."""
+    costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 30.0}
+    for near, want in ((0.05, 4), (0.0, 2)):
+        budget = _budget(costs, check_steps=2, near=near)
+        for i in range(10):  # half the steps accept the first node; one of them accepts 2 more by node 4
+            g2 = 2 if i < 5 else 1
+            g4 = 3 if i == 0 else g2
+            budget.observe(0.010, 1, 8, [1, g2, g2, g4, g4, g4, g4, g4])
+        rates = budget.rates(budget.draft_ms)
+        assert budget.cap == 2 and rates[4] >= 0.95 * rates[2] and rates[4] < rates[2]
+        budget.observe(0.001, 2, 2)
+        budget.observe(0.001, 1, 2)  # 1.5 tok / 12 ms measured at 2
+        if want == 2:
+            assert budget.settled and budget.cap == 2
+            continue
+        assert budget.cap == 4 and not budget.settled  # the near-tie above is checked next
+        budget.observe(0.001, 2, 4)
+        budget.observe(0.001, 2, 4)  # 2 tok / 14 ms measured at 4
+        assert budget.settled and budget.cap == 4
+        assert budget.measured == pytest.approx({2: 1.5 / 12, 4: 2 / 14})
+
+
 def test_warm_start_skips_phase_one_with_another_budgets_gains():
     """A budget at another batch size (another cost curve) starts from a fitted budget's gain curve: no
     full-size steps, a provisional cap from its own costs, then phase 2 as usual; a started budget or an
@@ -307,7 +332,8 @@ def test_refit_follows_the_text():
 def test_drafting_comes_back_after_a_refit(static):
     """Drafts that never pay turn drafting off; on later prompts the drafts are right, a refit sees it and
     drafting resumes (the proposer then gets every position committed while it was off, so its drafts line
-    up again); outputs equal AR throughout, and the proposers' caps are lifted for the refit (`FULL`)."""
+    up again); outputs equal AR throughout, and the proposers' caps are lifted to the probe size for the refit
+    (`refit_cap`: at least 8 nodes)."""
     model = tiny_llama(num_layers=2, dtype=torch.float64)
     dec = StaticDecoder(model, 96, static=static)
     flat = {1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3}  # verify costs of seconds: the draft time does not matter
@@ -326,4 +352,30 @@ def test_drafting_comes_back_after_a_refit(static):
         if i == 1:
             assert budget.history[0] == 1 and stats.tree_sizes[-1] == 1  # off
     assert budget.refits >= 1 and budget.history[-1] > 1 and budget.cap == budget.history[-1]
-    assert FULL in caps and sum(stats.accepted) > 0  # drafting again, and accepted
+    assert (
+        8 in caps and sum(stats.accepted) > 0
+    )  # lifted to the probe size (8 nodes), drafting again, accepted
+
+
+def test_refits_probe_a_multiple_of_the_settled_cap():
+    """The first fit drafts full-size trees; a refit drafts `refit_scale` x the cap settled before (>= 8 nodes),
+    so its gain curve stops there and no larger cap can be chosen; settling on the probe size lets the next
+    refit probe further; `refit_scale=0` keeps full-size refits."""
+    costs = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0}
+    budget = _budget(costs, check_steps=0, refit_gap=2, refit_steps=4, drift_window=4)
+    assert budget.refit_cap() == FULL  # nothing settled yet: the first fit is full size
+    deep = list(range(1, 9)) + [8] * 56  # 64 nodes: 8 tokens from node 8 on
+    for _ in range(10):
+        budget.observe(0.0, 8, 64, deep[:2])  # only 2 nodes' worth of gain: cap 2
+    assert budget.cap == 2 and budget.refit_cap() == 8
+    for _ in range(4):  # a drift: 8 tokens a step where 2 were expected
+        budget.tick()
+        budget.observe(0.0, 8, 2)
+    assert budget.tick() and budget.cap is None
+    for _ in range(4):  # the refit drafts 8-node trees (its gain lists stop at 8)
+        budget.observe(0.0, 8, 8, deep[:8])
+    assert budget.cap == 8 and budget.refit_cap() == 32  # settled on the probe: the next refit probes 4x that
+    full = _budget(costs, check_steps=0, refit_scale=0)
+    for _ in range(10):
+        full.observe(0.0, 8, 64, deep[:2])
+    assert full.cap == 2 and full.refit_cap() == FULL

@@ -27,9 +27,10 @@ the probe's size probes twice as far the next time. It starts
   * while drafting (cap > 1), when the tokens per step at the cap drift: the mean over `drift_window` drafted
     steps is more than `drift` (relative) away from what the fit expected there, in either direction (a
     refit costs full-size steps, so a drafter whose gains hold is never refitted);
-  * after "no drafting" (cap 1: nothing to watch), `refit_gap` decode steps after settling; while such
-    refits keep drafting off the gap doubles, up to `refit_max`, so a drafter that never pays costs a few
-    percent at most; a changed cap resets the gap.
+  * after "no drafting" (cap 1: nothing to watch) or a cap of 2 (one draft node: a step gives at most 2
+    tokens, so the drift test hardly ever sees that a larger cap would now pay), `refit_gap` decode steps
+    after settling; while such refits keep the same cap the gap doubles, up to `refit_max`, so a drafter that
+    never pays costs a few percent at most; a changed cap resets the gap.
 """
 
 from __future__ import annotations
@@ -248,13 +249,14 @@ class NodeBudget:
 
     def tick(self) -> bool:
         """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
-        after settling on no drafting has passed): phase 1 again, so the caller raises the proposer's cap to
+        after settling on no drafting or on 2 nodes has passed): phase 1 again, so the caller raises the proposer's cap to
         the probe size (`fit_budget(refit_cap())`) and drafts those trees, observing them with their gain
         curves, until the cap settles again."""
         if not self.settled or self.refit_gap <= 0:
             return False
         self._since += 1
-        if not self._due and (self.cap != 1 or self._since <= (self._gap or self.refit_gap)):
+        timed = self.cap is not None and self.cap <= 2  # off, or one draft node: refitted on a timer too
+        if not self._due and (not timed or self._since <= (self._gap or self.refit_gap)):
             return False
         self.cap, self.settled, self.measured, self.checks = None, False, {}, []
         self._left, self.refits, self._due, self._check_tokens = self.refit_steps, self.refits + 1, False, {}

@@ -362,7 +362,7 @@ def test_refits_probe_a_multiple_of_the_settled_cap():
     so its gain curve stops there and no larger cap can be chosen; settling on the probe size lets the next
     refit probe further; `refit_scale=0` keeps full-size refits."""
     costs = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0}
-    budget = _budget(costs, check_steps=0, refit_gap=2, refit_steps=4, drift_window=4)
+    budget = _budget(costs, check_steps=0, refit_gap=100, refit_steps=4, drift_window=4)
     assert budget.refit_cap() == FULL  # nothing settled yet: the first fit is full size
     deep = list(range(1, 9)) + [8] * 56  # 64 nodes: 8 tokens from node 8 on
     for _ in range(10):
@@ -379,3 +379,32 @@ def test_refits_probe_a_multiple_of_the_settled_cap():
     for _ in range(10):
         full.observe(0.0, 8, 64, deep[:2])
     assert full.cap == 2 and full.refit_cap() == FULL
+
+
+def test_a_two_node_cap_is_refitted_on_a_timer_too():
+    """At 2 nodes a step gives at most 2 tokens, so the drift test cannot see a larger cap start to pay; such a
+    cap is refitted `refit_gap` steps after settling (the gap doubling while refits keep it), as "no drafting"
+    is; a larger cap whose tokens hold is not."""
+    costs = {1: 10.0, 2: 10.0, 4: 14.0, 8: 40.0}
+    budget = _budget(costs, check_steps=0, refit_gap=5, refit_steps=4, drift_window=4)
+    for _ in range(10):
+        budget.observe(0.001, 2, 8, [1, 2, 2, 2, 2, 2, 2, 2])  # 2 tokens at 2 nodes: 2 / 11 ms beats 2 / 15
+    assert budget.settled and budget.cap == 2
+    gaps = []
+    for _ in range(2):
+        n = 0
+        while not budget.tick():
+            n += 1
+            budget.observe(0.001, 2, 2)  # exactly as expected: no drift
+        gaps.append(n)
+        for _ in range(4):
+            budget.observe(0.001, 2, 8, [1, 2, 2, 2, 2, 2, 2, 2])
+        assert budget.cap == 2
+    assert gaps == [5, 10]
+    while not budget.tick():
+        budget.observe(0.001, 2, 2)
+    for _ in range(4):  # the text now pays 4 nodes: the timer's refit (4 steps) finds it
+        budget.observe(0.001, 2, 8, [1, 2, 3, 4, 4, 4, 4, 4])
+    assert budget.cap == 4
+    assert budget._expect == pytest.approx(2.8)  # the newest 10 steps: 4 new (4 tokens), 6 older (2 tokens)
+    assert not any(budget.tick() or budget.observe(0.001, 3, 4) for _ in range(100))  # 4 holds: no timer

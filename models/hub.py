@@ -251,6 +251,7 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     without it stays at its init, whose zero output projection leaves the logits unchanged; (5) a ReDrafter copy
     gate (`copy_gate.`) added to an export without it starts at its init: copy weight 1/2 on every lookup candidate;
     (6) Medusa's root-token input (`root_input.`) added to plain heads starts at zero (the export's function).
+    An export tensor this drafter lacks (e.g. the root token's into plain heads) is refused, never dropped.
 
     Args:
         model: the freshly built drafter (same family as the export).
@@ -271,8 +272,15 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     check_target_match(drafter_target_info(src.config), fingerprint, f"train.init_from={path_or_hub_id!r}")
     ids_src, ids_dst = _draft_ids(src), _draft_ids(model)
     theirs, copied = src.state_dict(), 0
+    ours = model.state_dict()
+    dropped = [n for n in theirs if n not in ours and n not in ("d2t", "t2d")]
+    if dropped:  # e.g. an export with the root token, prefix attention or a copy gate, into a drafter without
+        raise ValueError(
+            f"train.init_from={path_or_hub_id!r} has tensor {dropped[0]!r} that this drafter lacks, so the warm "
+            "start would not compute the export's function (change the drafter settings to match the export)"
+        )
     with torch.no_grad():
-        for name, dst in model.state_dict().items():
+        for name, dst in ours.items():
             if name in ("d2t", "t2d"):
                 continue  # the draft vocabulary is this run's (built from its own data)
             if name not in theirs and _new_residual_block(name, dst, theirs):

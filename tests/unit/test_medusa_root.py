@@ -73,6 +73,15 @@ def test_a_fresh_root_input_is_the_plain_heads_and_warm_starts_from_them(target,
     torch.testing.assert_close(fresh.eval().head_logits(h, root=root), plain.head_logits(h), rtol=0, atol=0)
 
 
+def test_a_root_export_refuses_a_warm_start_into_plain_heads(target, tmp_path):
+    """Plain heads cannot compute what heads trained with the root computed: the tensor is named, not dropped."""
+    fp = target_fingerprint(target, tiny_tokenizer())
+    export_drafter(_build(target, root=True), tmp_path / "root")
+    plain = medusa.build(_schema(False), target, fp).double()
+    with pytest.raises(ValueError, match=r"has tensor 'root_input\.proj\.weight' that this drafter lacks"):
+        warm_start(plain, str(tmp_path / "root"), fp)
+
+
 def test_export_round_trip_reattaches_the_embeddings(target, tmp_path):
     model = _build(target, root=True)
     export_drafter(model, tmp_path / "root")

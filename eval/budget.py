@@ -14,8 +14,9 @@ nodes on a 2-core CPU in fp32). Two measured curves decide the budget:
 `NodeBudget.cap` = argmax over b of gain(b) / (cost(b) + draft time), where b = 1 means "do not draft" (gain
 1, no draft time): a drafter that cannot pay on this machine turns itself off. The draft time is re-measured
 at the chosen size (and at the next larger size when the model rates it within `near`: a near-tie that
-phase 1's full-size draft time cannot decide) before that last decision (a ReDrafter told to fill 2 nodes searches one beam of one token,
-several times cheaper than its full search). Output is unchanged whatever the budget.
+phase 1's full-size draft time cannot decide) before that last decision (a ReDrafter told to fill 2 nodes
+searches one beam of one token, several times cheaper than its full search). Output is unchanged whatever the
+budget.
 
 The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
@@ -26,7 +27,7 @@ a step on a 2-core CPU, and at a cap of 4 nodes sizes past 16 are never chosen a
 the probe's size probes twice as far the next time. It starts
   * while drafting (cap > 1), when the tokens per step at the cap drift: the mean over `drift_window` drafted
     steps is more than `drift` (relative) away from what the fit expected there, in either direction (a
-    refit costs full-size steps, so a drafter whose gains hold is never refitted);
+    refit costs probe-size steps, so a drafter whose gains hold is not refitted for nothing);
   * after "no drafting" (cap 1: nothing to watch) or a cap of 2 (one draft node: a step gives at most 2
     tokens, so the drift test hardly ever sees that a larger cap would now pay), `refit_gap` decode steps
     after settling; while such refits keep the same cap the gap doubles, up to `refit_max`, so a drafter that
@@ -171,7 +172,7 @@ class NodeBudget:
         refit_gap: decode steps after settling on no drafting before a refit (0: the first fit is final,
             drift included).
         refit_max: longest such gap: it doubles after each refit that keeps drafting off.
-        refit_steps: full-size drafted steps of a refit's phase 1.
+        refit_steps: drafted steps (at the probe size, `refit_cap`) of a refit's phase 1.
         drift_window: drafted steps at the cap whose mean tokens per step are compared with the fit's.
         drift: relative difference of that mean from the fit's expectation that starts a refit.
         refit_scale: a refit drafts trees of at most this many times the previously settled cap, and at least
@@ -209,9 +210,7 @@ class NodeBudget:
     _recent: list[int] = field(default_factory=list)  # tokens of the latest drafted steps at the cap
     _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
     _due: bool = False  # the drift test asks for a refit
-    _larger: int | None = (
-        None  # phase 2: the next larger size still to check (a near-tie with the provisional)
-    )
+    _larger: int | None = None  # phase 2: the next larger size still to check (a near-tie)
 
     @classmethod
     def fixed(cls, cap: int, label: str = "") -> NodeBudget:
@@ -249,9 +248,9 @@ class NodeBudget:
 
     def tick(self) -> bool:
         """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
-        after settling on no drafting or on 2 nodes has passed): phase 1 again, so the caller raises the proposer's cap to
-        the probe size (`fit_budget(refit_cap())`) and drafts those trees, observing them with their gain
-        curves, until the cap settles again."""
+        after settling on no drafting or on 2 nodes has passed): phase 1 again, so the caller raises the
+        proposer's cap to the probe size (`fit_budget(refit_cap())`) and drafts those trees, observing them
+        with their gain curves, until the cap settles again."""
         if not self.settled or self.refit_gap <= 0:
             return False
         self._since += 1

@@ -187,8 +187,8 @@ def measure_rank_accuracies(
     """Per-head rank accuracies of a Medusa on held-out batches (the input of `build_tree`).
 
     Args:
-        drafter: Medusa heads (`head_logits(hidden (..., H), root=(...)) -> (..., K, Vd)`, `to_draft_ids` with a reduced
-            draft vocabulary: a label outside it is a miss at every rank).
+        drafter: Medusa heads (`head_logits(hidden (..., H), root=(...)) -> (..., K, Vd)`, `to_draft_ids` with a
+            reduced draft vocabulary: a label outside it is a miss at every rank).
         target: the frozen target (one no-grad forward per batch for h_t).
         batches: collated batches (`data.collate.Collator` with draft_len = K): `input_ids`, `attention_mask`,
             `root` (B, L), `targets` (B, L, K), `pos_mask` (B, L).

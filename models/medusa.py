@@ -2,8 +2,9 @@
 
 Alignment (docs/design.md): the target's own LM head on h_t gives the root x_{t+1}; Medusa head k (0-based)
 on the same h_t predicts x_{t+2+k}, i.e. draft slot k. Medusa-1: the backbone stays frozen, only the heads
-train. Unlike ReDrafter the heads never see any drafted token (nor, unless `root_token`, the root), so every head's top-k is computed
-once per step and a *static* tree over their ranks (eval/medusa_tree.py) turns them into candidates:
+train. Unlike ReDrafter the heads never see any drafted token (nor, unless `root_token`, the root), so every
+head's top-k is computed once per step and a *static* tree over their ranks (eval/medusa_tree.py) turns them
+into candidates:
 
     h_t ─┬─> ResBlock^n ─> W_0 ─> logits of slot 0 (x_{t+2})
          ├─> ResBlock^n ─> W_1 ─> logits of slot 1 (x_{t+3})
@@ -20,8 +21,8 @@ store it). For SmolLM2 (V = 49,152, H = 576) four full heads cost about one step
 are most of the drafter. Labels outside the draft vocabulary are ignored by the loss (`teacher_forced`) and are
 never drafted; `topk_tokens` returns target ids, so trees and verification (lossless) are unchanged.
 
-Root token (`root_token`, models/medusa_root.py): every head's input also reads the root x_{t+1}'s embedding, which
-the decoder knows before the heads run; the heads stay parallel and the tree static.
+Root token (`root_token`, models/medusa_root.py): every head's input also reads the root x_{t+1}'s embedding,
+which the decoder knows before the heads run; the heads stay parallel and the tree static.
 """
 
 from __future__ import annotations

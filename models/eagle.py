@@ -50,7 +50,7 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     unroll,
 )
 from specdraft.models.family import FamilySpec
-from specdraft.models.layers import draft_vocab_ids, scatter_to_vocab
+from specdraft.models.layers import d2t_draft_ids, draft_vocab_ids, scatter_to_vocab
 
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------------------
@@ -141,8 +141,7 @@ class EagleDrafter(PreTrainedModel):
         """(Vd,) ascending target ids of the draft vocabulary (arange(V) without one)."""
         if not self.reduced:
             return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
-        d2t = cast(Tensor, self.d2t)
-        return d2t + torch.arange(d2t.shape[0], device=d2t.device)
+        return d2t_draft_ids(cast(Tensor, self.d2t), True)
 
     def full_logits(self, out: Tensor) -> Tensor:
         """(..., H) head outputs -> (..., V) logits through the borrowed target LM head (the training loss)."""

@@ -56,6 +56,7 @@ class RootInput(nn.Module):
         w = self.proj.weight  # (K*H, H)
         e = F.embedding(root.to(hidden.device).clamp_min(0), self.borrowed.weight("embed", w))  # (..., H)
         wide = e.to(torch.promote_types(e.dtype, torch.float32))  # fp32 at least (fp64 stays fp64)
-        e = e * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps).to(e.dtype)  # (..., H)
+        # (..., H): the weightless RMS normalisation ReDrafter's target layers use
+        e = F.rms_norm(wide, (self.hidden,), eps=self.eps).to(e.dtype)
         delta = F.linear(e, w[: num_heads * self.hidden])  # (..., n*H)
         return hidden[..., None, :] + delta.unflatten(-1, (num_heads, self.hidden))  # (..., n, H)

@@ -299,6 +299,7 @@ EVAL: Table = {
     "beam_width": optional(POSITIVE),
     "beam_length": optional(POSITIVE),
     "int8_draft_head": ANY,
+    "draft_block": one_of("auto", "hf", "fused", "int8"),
     "draft_dtype": optional(DTYPE),
     "draft_min_prob": FRACTION,
     "lookup_tokens": COUNT,

@@ -133,6 +133,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
                 static=decoder is not None
                 and decoder.static,  # fixed-shape draft steps where verify is fixed
                 graphs=decoder is not None and decoder.graphs,
+                draft_block=str(e.draft_block),
             )
             while any(m.name == name for m in methods):
                 name += "'"
@@ -141,7 +142,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             )
             methods[-1].factory = partial(  # the same drafter and settings for the batched decoder (eager)
                 make_proposer, drafter, e.beam_width, e.beam_length, e.tree_nodes, bool(e.int8_draft_head),
-                lookup_tokens, float(e.draft_min_prob),
+                lookup_tokens, float(e.draft_min_prob), draft_block=str(e.draft_block),
             )  # fmt: skip
             if e.adaptive == "on":  # next to it: the same drafter, pruned per step by confidence (LLMCad)
                 from specdraft.eval.adaptive import AdaptiveProposer

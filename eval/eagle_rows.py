@@ -126,6 +126,7 @@ class RowGroup:
         lead = members[0]
         self.members: list[EagleTreeProposer | None] = list(members)
         self.drafter: Any = lead.drafter  # the head every member shares
+        self.block = lead.block  # and its decode-time layer (None: HF modules)
         self.device = next(lead.drafter.parameters()).device
         need = max(p.committed for p in members) + (lead.depth - 1) * lead.top_k + SOLO
         self.cache = RowsKVCache(len(members), max(need, 64), self.device)
@@ -168,7 +169,7 @@ class RowGroup:
         """One head pass over slots `rows`: feats (R, n, F'), toks (R, n), positions (R, n), writes at (R, n),
         mask (R, 1, n, S) bool over each slot's first S positions (S <= capacity, past every write) -> (R, n, H)."""
         self.cache.rows, self.cache.write_pos, self.cache.span = rows, write, mask.shape[-1]
-        return self.drafter.step(feats, toks, cast(DynamicCache, self.cache), pos, mask)
+        return self.drafter.step(feats, toks, cast(DynamicCache, self.cache), pos, mask, self.block)
 
     def _append(self, rows: slice, hidden: Tensor, toks: Tensor, lengths: Tensor, longest: int) -> Tensor:
         """Commit n positions in each slot of `rows` after its `lengths` committed ones (causal among them).
@@ -183,7 +184,7 @@ class RowGroup:
         pos = lengths[:, None] + torch.arange(hidden.shape[1], device=self.device)  # (R, n)
         cap = torch.arange(longest + hidden.shape[1], device=self.device)  # (S,)
         mask = cap[None, None, None] <= pos[:, None, :, None]  # (R, 1, n, S): query j sees <= len + j
-        return self._forward(rows, self.drafter.encode_target(hidden), toks, pos, pos, mask)
+        return self._forward(rows, self.drafter.encode_target(hidden, self.block), toks, pos, pos, mask)
 
     def commit(
         self, slots: list[int], hidden: list[Tensor], tokens: list[Tensor], draft_slots: int

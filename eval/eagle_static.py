@@ -25,7 +25,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.eval.graphs import CudaGraph, replay_or_run
-from specdraft.models.eagle_common import causal_tree_mask
+from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 
 Expansion = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
 
@@ -175,12 +175,19 @@ class StaticHeadState:
         max_write: top_k (nodes per expanded level).
         graphs: capture the expansion as a CUDA graph (head on CUDA; eager when capture fails).
         capacity: initial head-cache room in positions.
+        block: the head's decode-time layer (`eval/draft_block.py`) passed to every `step`; None: HF modules.
     """
 
     def __init__(
-        self, drafter: Any, draft_slots: int, max_write: int, graphs: bool = False, capacity: int = 256
+        self,
+        drafter: Any,
+        draft_slots: int,
+        max_write: int,
+        graphs: bool = False,
+        capacity: int = 256,
+        block: DraftBlock | None = None,
     ) -> None:
-        self.drafter, self.draft_slots = drafter, int(draft_slots)
+        self.drafter, self.draft_slots, self.block = drafter, int(draft_slots), block
         dev = next(drafter.parameters()).device
         self.cache = HeadKVCache(dev, capacity, max_write)
         self.graphs = graphs and dev.type == "cuda"
@@ -205,7 +212,8 @@ class StaticHeadState:
             self.captured, self.graph = {}, None  # new buffers: recapture
         pos = torch.arange(c.length, c.length + n, device=dev)[None]  # (1, n)
         mask = causal_tree_mask(n, c.length + n, dev)  # (n, C + n)
-        out = d.step(d.encode_target(hidden.to(dev))[None], tokens.to(dev)[None], c, pos, mask)[0]
+        g = d.encode_target(hidden.to(dev), self.block)[None]  # (1, n, H)
+        out = d.step(g, tokens.to(dev)[None], c, pos, mask, self.block)[0]
         c.set_length(c.length + n)
         return out
 
@@ -224,7 +232,7 @@ class StaticHeadState:
         c.prepare_write(rows.shape[1] - k, k)
         pos = (c.length_t - 1 + level).expand(1, k)  # (1, k) every frontier node sits at depth `level`
         mask = draft_mask(rows, c.length_t, c.capacity)  # (1, 1, k, capacity)
-        return self.drafter.step(feats[None], toks[None], c, pos, mask)[0]
+        return self.drafter.step(feats[None], toks[None], c, pos, mask, self.block)[0]
 
     def run(
         self, expand: Expansion, last: Tensor, root: Tensor, size: tuple[int, int] = (0, 0)

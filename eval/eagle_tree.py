@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
-from specdraft.models.eagle_common import causal_tree_mask
+from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 
 if TYPE_CHECKING:
     from specdraft.eval.decode import Proposer
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 # the same for G rows at once: (level, rows (G, k, s), feats (G, k, H), toks (G, k)) -> (G, k, H)
 AttendRows = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+# how the head's decoder layer runs while drafting (`eval.draft_block`; `eval/draft_block.py`)
+DRAFT_BLOCKS = ("auto", "hf", "fused", "int8")
 
 
 def select_nodes(
@@ -93,6 +95,9 @@ class EagleTreeProposer:
         graphs: with `static` and the head on CUDA, capture the expansion once as a CUDA graph.
         early_stop: stop expanding once no deeper node can enter the kept set (`grow_rows`; the same tree with
             fewer head passes, one host sync per level, so never inside a CUDA graph).
+        draft_block: "hf" runs the head's HF decoder layer; "fused" / "int8" a decode-time copy with fused
+            (and int8) products on a CPU (`eval/draft_block.py`; other devices and layers: "hf"); "auto" int8
+            where the family declares `int8_draft_layer`, else fused.
 
     Attributes:
         target_layers: target `hidden_states` indices the decoder must pass instead of the last layer
@@ -109,6 +114,7 @@ class EagleTreeProposer:
         static: bool = False,
         graphs: bool = False,
         early_stop: bool = True,
+        draft_block: str = "hf",
     ) -> None:
         if min(total_tokens, depth, top_k) < 1:
             raise ValueError(
@@ -140,8 +146,9 @@ class EagleTreeProposer:
 
             pre, head = drafter.draft_head()
             self.int8 = (pre, int8_copy(head)) if int8_supported() else None
+        self.block = _draft_block(drafter, draft_block)  # the head's layer as fused products (CPU) or None
         slots = (self.depth - 1) * self.top_k  # draft entries one expansion writes to the head cache
-        self.fixed = StaticHeadState(drafter, slots, self.top_k, graphs) if static else None
+        self.fixed = StaticHeadState(drafter, slots, self.top_k, graphs, block=self.block) if static else None
         self.static, self.graphs = static, self.fixed is not None and self.fixed.graphs
 
     def reset(self) -> None:
@@ -186,7 +193,8 @@ class EagleTreeProposer:
             return hidden.new_zeros(0, d.config.base_hidden_size)
         pos = torch.arange(self.committed, self.committed + n, device=dev)[None]  # (1, n)
         mask = causal_tree_mask(n, self.committed + n, dev)  # (n, C + n)
-        out = d.step(d.encode_target(hidden.to(dev))[None], tokens.to(dev)[None], self.cache, pos, mask)[0]
+        g = d.encode_target(hidden.to(dev), self.block)[None]  # (1, n, H)
+        out = d.step(g, tokens.to(dev)[None], self.cache, pos, mask, self.block)[0]
         self.committed += n
         return out
 
@@ -215,7 +223,9 @@ class EagleTreeProposer:
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
     ) -> list[DraftTree] | None:
         """Every row's `propose`, each expansion level one head pass for all rows (`eval/eagle_rows.py`); None
-        (nothing changed) unless every row is a dynamic-mode `EagleTreeProposer` of this head and tree size.
+        (nothing changed) unless every row is a dynamic-mode `EagleTreeProposer` of this head, tree size and
+        draft block. With int8 products (`draft_block="int8"`, `int8_head`) activations are quantised per
+        call, so a row's tree may differ at rounding level from its own `propose`'s (the output never does).
 
         Args:
             rows: R proposers (this one among them); hidden: R of (n_i, F); tokens: R of (n_i,).
@@ -228,6 +238,7 @@ class EagleTreeProposer:
             and p.drafter is self.drafter
             and (p.total_tokens, p.depth, p.top_k) == (self.total_tokens, self.depth, self.top_k)
             and (p.int8[1] if p.int8 else None) is (self.int8[1] if self.int8 else None)  # one int8 head
+            and p.block is self.block
             for p in rows
         )
         if not same or self.fixed is not None:
@@ -350,7 +361,7 @@ class EagleTreeProposer:
         c, m = self.committed, rows.shape[0]
         mask = torch.cat([torch.ones(m, c, dtype=torch.bool, device=rows.device), rows], dim=1)  # (k, C + s)
         pos = torch.full((1, m), c - 1 + level, device=rows.device)  # frontier nodes sit at depth `level`
-        return self.drafter.step(feats[None], toks[None], self.cache, pos, mask)[0]
+        return self.drafter.step(feats[None], toks[None], self.cache, pos, mask, self.block)[0]
 
     def rerank(self, root: int, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device) -> DraftTree:
         """Keep the `total_tokens` best candidates and lay them out depth by depth under the root."""
@@ -361,3 +372,19 @@ class EagleTreeProposer:
         parents = torch.cat([torch.tensor([-1], device=tok.device), parents])
         scores = torch.cat([score.new_zeros(1), score[keep]]).float().exp()  # (N,) path probabilities
         return DraftTree(tokens.to(device), parents.to(device), scores=scores.to(device))
+
+
+def _draft_block(drafter: torch.nn.Module, kind: str) -> DraftBlock | None:
+    """The head's decode-time `FastBlock` for `kind` ("hf": None; "auto": "int8" where the family declares
+    `int8_draft_layer`, else "fused"; "fused"/"int8": None off a CPU or for an unsupported layer)."""
+    if kind not in DRAFT_BLOCKS:
+        raise ValueError(f"draft_block={kind!r}: use one of {', '.join(DRAFT_BLOCKS)}")
+    if kind == "hf":
+        return None
+    from specdraft.eval.draft_block import draft_block
+    from specdraft.models.registry import spec_of
+
+    if kind == "auto":
+        kind = "int8" if spec_of(drafter).int8_draft_layer else "fused"
+    layer, extra = cast("EagleDrafter | Eagle3Drafter", drafter).draft_layer()
+    return draft_block(drafter, layer, extra, int8=kind == "int8")

@@ -60,7 +60,7 @@ def int8_copy(linear: torch.nn.Linear) -> Int8Linear:
     """The `Int8Linear` of `linear`, quantised once and shared by every proposer of the same drafter (a batch
     of B rows makes B proposers); quantised again when the weights were changed (trained, moved or cast)."""
     w = linear.weight
-    key = (w.data_ptr(), w._version, w.dtype)
+    key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype)  # inference tensors: no versions
     hit = _INT8_COPIES.get(linear)
     if hit is None or hit[0] != key:
         hit = (key, Int8Linear(linear))
@@ -439,6 +439,7 @@ def make_proposer(
     min_prob: float = 0.0,
     static: bool = False,
     graphs: bool = False,
+    draft_block: str = "hf",
 ):
     """The proposer for `drafter`'s family, with decode settings (None: the drafter's defaults).
 
@@ -453,6 +454,9 @@ def make_proposer(
         min_prob: ReDrafter prunes beam positions below this drafter probability (0: off).
         static, graphs: ReDrafter's fixed-shape draft step / EAGLE-2's fixed-shape tree expansion (and its CUDA
             graph) for the static decode path.
+        draft_block: EAGLE heads' decoder layer while drafting: "hf" (its modules), "fused" or "int8" (a
+            decode-time copy with fused / int8 products on CPU: `eval/draft_block.py`), "auto" (int8 where the
+            family declares `int8_draft_layer`, else fused).
     """
     from specdraft.models.registry import spec_of
 
@@ -461,7 +465,7 @@ def make_proposer(
     except ValueError as err:
         raise NotImplementedError(f"no proposer for {type(drafter).__name__}: {err}") from err
     proposer = _family_proposer(
-        drafter, spec, beam_width, beam_length, tree_nodes, int8_head, min_prob, static, graphs
+        drafter, spec, beam_width, beam_length, tree_nodes, int8_head, min_prob, static, graphs, draft_block
     )
     if lookup_tokens > 0:
         from specdraft.eval.hybrid import LookupBranch
@@ -480,6 +484,7 @@ def _family_proposer(
     min_prob: float,
     static: bool,
     graphs: bool,
+    draft_block: str = "hf",
 ):
     """The proposer `spec.proposer` names, built with `make_proposer`'s settings (prompt lookup aside)."""
     cfg = cast("PretrainedConfig", drafter.config)
@@ -496,7 +501,14 @@ def _family_proposer(
 
         total = tree_nodes or int(cfg.tree_total_tokens)
         return EagleTreeProposer(
-            drafter, total, int(cfg.tree_depth), int(cfg.tree_top_k), int8_head, static, graphs
+            drafter,
+            total,
+            int(cfg.tree_depth),
+            int(cfg.tree_top_k),
+            int8_head,
+            static,
+            graphs,
+            draft_block=draft_block,
         )
     if ":" in spec.proposer:  # a plugged-in family's builder "package.module:callable"
         import importlib

@@ -7,7 +7,7 @@ A head exposes `encode_target(target feats) -> g`, `step(g, tokens, cache, posit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,34 @@ if TYPE_CHECKING:
     from specdraft.models.eagle3 import Eagle3Drafter
 
 FORMAT_VERSION = 1
+
+
+class DraftBlock(Protocol):
+    """A decode-time stand-in for a head's decoder layer (`eval/draft_block.py`'s `FastBlock`): the same
+    functions of the same weights, computed with fewer (optionally int8) products. `step(..., block=)` runs
+    the head through it; None runs the HF modules."""
+
+    def norm(self, name: str, x: Tensor) -> Tensor:
+        """The layer's RMSNorm child `name` of x (..., H)."""
+        ...
+
+    def linear(self, name: str, x: Tensor) -> Tensor:
+        """The head's own Linear `name` (`fc`) of x (..., in) -> (..., out)."""
+        ...
+
+    def attention(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache: Any) -> Tensor:
+        """Normed x (B, n, X), rope (cos, sin), mask (B|1, 1, n, S) bool -> (B, n, H) after o_proj."""
+        ...
+
+    def mlp(self, h: Tensor) -> Tensor:
+        """Normed h (B, n, H) -> (B, n, H)."""
+        ...
+
+    def layer(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache: Any) -> Tensor:
+        """The whole pre-norm layer on x (B, n, H) -> (B, n, H)."""
+        ...
+
+
 DROP_BLOCK_KEYS = (
     "architectures",
     "layer_types",

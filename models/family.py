@@ -59,6 +59,8 @@ class FamilySpec:
         low_precision_outputs: `compute_loss` takes bf16/fp16 model outputs and computes in fp32 itself (the loop
             then skips accelerate's fp32 copy of them).
         uses_token_counts: `build` takes the training-label counts (a reduced draft vocabulary).
+        int8_draft_layer: drafting through int8 products of its decoder layer keeps its acceptance (measured:
+            `eval.draft_block=auto` runs int8 for such a family, else the fused layer in the head's dtype).
     """
 
     name: str
@@ -74,6 +76,7 @@ class FamilySpec:
     losses: tuple[str, ...] = ALL_LOSSES
     low_precision_outputs: bool = False
     uses_token_counts: bool = False
+    int8_draft_layer: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -66,6 +66,13 @@ def main(argv: list[str] | None = None) -> None:
         help="draft with the drafters' own vocabulary heads (default on CPU: int8 copies, as evaluate.py's "
         "eval.int8_draft_head; the output is the same either way)",
     )
+    p.add_argument(
+        "--draft-block",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "hf", "fused", "int8"],
+        help="EAGLE heads' layer while drafting (eval.draft_block); several: one row per value (an A/B)",
+    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     a = p.parse_args(argv)
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import first_turns, load_bench, write_json
     from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
     from specdraft.eval.decode import ar_generate, speculative_generate
-    from specdraft.eval.proposers import PromptLookupProposer, make_proposer
+    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
     from specdraft.eval.static_decode import make_decoder
     from specdraft.models.linear_layout import apply_layout, match_target_layout
 
@@ -89,13 +96,24 @@ def main(argv: list[str] | None = None) -> None:
         """(name, proposer factory) per drafter, then prompt lookup: each method gets its own proposer (a
         fitted budget may shrink the one it drives)."""
         int8 = not a.float_heads  # as evaluate.py's eval.int8_draft_head (CPU only)
-        out = [(name, lambda d=d: make_proposer(d, int8_head=int8)) for name, d in drafters]
+        blocks = a.draft_block
+        out = [
+            (
+                name + (f"[{b}]" if len(blocks) > 1 else ""),
+                lambda d=d, b=b: make_proposer(d, int8_head=int8, draft_block=b),
+            )
+            for name, d in drafters
+            for b in (blocks if drafter_family(d).startswith("eagle") else blocks[:1])
+        ]
         if (
             a.lookup_branch
         ):  # each drafter again, prompt lookup's chain merged into its trees (eval/hybrid.py)
             n = a.lookup_branch
             out += [
-                (f"{name}+lookup", lambda d=d: make_proposer(d, int8_head=int8, lookup_tokens=n))
+                (
+                    f"{name}+lookup",
+                    lambda d=d: make_proposer(d, int8_head=int8, lookup_tokens=n, draft_block=blocks[0]),
+                )
                 for name, d in drafters
             ]
         if a.lookup:

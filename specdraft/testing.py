@@ -206,7 +206,8 @@ def run_tiny_train(
 
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
 FAMILIES = (
-    "redrafter", "redrafter_context", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "lookup",
+    "redrafter", "redrafter_context", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "eagle_int8",
+    "eagle3_int8", "lookup",
 )  # fmt: skip
 
 
@@ -221,7 +222,8 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
     """A randomly initialised drafter of `family` (one of `FAMILIES`, or "redrafter_copy": the copy gate without
     prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over
-    64 of the 128 tokens; "lookup": prompt lookup of 4
+    64 of the 128 tokens; "eagle_int8" / "eagle3_int8" / "eagle3_fused": the head's layer run
+    as int8 / fused products (`eval.draft_block`); "lookup": prompt lookup of 4
     tokens) on a
     `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
     call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds."""
@@ -259,16 +261,17 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
              "tree_choices": None, "root_token": family == "medusa_root"}
         )  # fmt: skip
         return make_proposer(ready(medusa.build(schema, model, fp), 0.05), tree_nodes=12)
-    if family in ("eagle", "eagle_vocab", "eagle3"):
+    if family in ("eagle", "eagle_vocab", "eagle3", "eagle_int8", "eagle3_int8", "eagle3_fused"):
         vocab = 64 if family == "eagle_vocab" else None  # the most frequent half of random counts
         eagle_schema = SimpleNamespace(
             draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
             token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=vocab, ttt_decay=0.8,
         )  # fmt: skip
-        module = eagle3 if family == "eagle3" else eagle
+        module = eagle3 if family.startswith("eagle3") else eagle
         counts = torch.rand(int(fp["vocab_size"]), generator=torch.Generator().manual_seed(2))  # (V,)
         built = module.build(eagle_schema, model, fp, token_counts=counts)
-        return make_proposer(ready(built, 0.2), tree_nodes=10)
+        block = family.rpartition("_")[2] if family.endswith(("_int8", "_fused")) else "hf"
+        return make_proposer(ready(built, 0.2), tree_nodes=10, draft_block=block)
     raise ValueError(f"tiny_proposer: family={family!r}, expected one of {', '.join(FAMILIES)}")
 
 
@@ -288,7 +291,9 @@ def tiny_proposer_factory(family: str, target: torch.nn.Module) -> Callable[[], 
         if name.startswith("redrafter"):
             inner = lambda: ReDrafterProposer(drafter, beam_width=4, beam_length=4)  # noqa: E731
         else:
-            inner = lambda: make_proposer(drafter, tree_nodes=12 if name.startswith("medusa") else 10)  # noqa: E731
+            nodes = 12 if name.startswith("medusa") else 10
+            block = name.rpartition("_")[2] if name.endswith(("_int8", "_fused")) else "hf"
+            inner = lambda: make_proposer(drafter, tree_nodes=nodes, draft_block=block)  # noqa: E731
     return (lambda: LookupBranch(inner(), 4)) if lookup else inner
 
 

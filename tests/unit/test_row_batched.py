@@ -19,8 +19,8 @@ from specdraft.testing import random_prompts, tiny_proposer, tiny_proposer_facto
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CPU = torch.device("cpu")
 BATCHED = [
-    "redrafter", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "redrafter_copy+lookup",
-    "medusa+lookup", "medusa_root+lookup", "eagle3+lookup",
+    "redrafter", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "eagle3_fused",
+    "redrafter_copy+lookup", "medusa+lookup", "medusa_root+lookup", "eagle3+lookup",
 ]  # fmt: skip
 
 
@@ -93,7 +93,7 @@ def test_propose_rows_declines_rows_it_cannot_draft_together():
 
 
 @pytest.mark.parametrize(
-    "family", ["redrafter_copy", "medusa", "eagle3", "redrafter_copy+lookup", "eagle+lookup"]
+    "family", ["redrafter_copy", "medusa", "eagle3", "eagle3_int8", "redrafter_copy+lookup", "eagle+lookup"]
 )
 def test_batched_decoder_drafts_each_step_in_one_call(family, monkeypatch):
     """With one shared drafter the batched decoder never calls a row's `propose` for the drafter (one

@@ -55,20 +55,14 @@ class _Product(nn.Module):
     def __init__(self, linears: list[nn.Linear], int8: bool) -> None:
         super().__init__()
         w = torch.cat([lin.weight.detach() for lin in linears])  # (sum out, in)
-        biases = [lin.bias for lin in linears]
-        b = (
-            None
-            if all(x is None for x in biases)
-            else torch.cat(
-                [
-                    x.detach() if x is not None else w.new_zeros(lin.out_features)
-                    for x, lin in zip(biases, linears)
-                ]
+        b: Tensor | None = None
+        if any(lin.bias is not None for lin in linears):
+            b = torch.cat(
+                [w.new_zeros(lin.out_features) if lin.bias is None else lin.bias.detach() for lin in linears]
             )
-        )
         self.dtype = w.dtype
         self.int8 = None
-        if int8:
+        if int8:  # the int8 copy replaces the stacked weights (only it is kept)
             from specdraft.eval.proposers import Int8Linear
 
             stacked = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
@@ -76,6 +70,7 @@ class _Product(nn.Module):
             if b is not None:
                 cast(Tensor, stacked.bias).data = b.float()
             self.int8 = Int8Linear(stacked)
+            w, b = w[:0], None
         self.weight, self.bias = w, b
 
     def forward(self, x: Tensor) -> Tensor:

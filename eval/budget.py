@@ -27,7 +27,10 @@ a step on a 2-core CPU, and at a cap of 4 nodes sizes past 16 are never chosen a
 the probe's size probes twice as far the next time. It starts
   * while drafting (cap > 1), when the tokens per step at the cap drift: the mean over `drift_window` drafted
     steps is more than `drift` (relative) away from what the fit expected there, in either direction (a
-    refit costs probe-size steps, so a drafter whose gains hold is not refitted for nothing);
+    refit costs probe-size steps, so a drafter whose gains hold is not refitted for nothing); while such
+    refits keep the same cap the window doubles, up to `drift_window_max` (a change of prompt moves the
+    tokens per step without moving the best cap; each refit cost 3-7% of an eval run's speed, Session 29);
+    a changed cap resets it;
   * after "no drafting" (cap 1: nothing to watch) or a cap of 2 (one draft node: a step gives at most 2
     tokens, so the drift test hardly ever sees that a larger cap would now pay), `refit_gap` decode steps
     after settling; while such refits keep the same cap the gap doubles, up to `refit_max`, so a drafter that
@@ -175,6 +178,7 @@ class NodeBudget:
         refit_steps: drafted steps (at the probe size, `refit_cap`) of a refit's phase 1.
         drift_window: drafted steps at the cap whose mean tokens per step are compared with the fit's.
         drift: relative difference of that mean from the fit's expectation that starts a refit.
+        drift_window_max: longest drift window: it doubles after each refit that keeps the cap.
         refit_scale: a refit drafts trees of at most this many times the previously settled cap, and at least
             8 nodes (`refit_cap`); 0: full-size trees.
         near: phase 2 also checks the next larger size when phase 1's model rates it within this fraction of
@@ -191,6 +195,7 @@ class NodeBudget:
     refit_steps: int = 16
     drift_window: int = 32
     drift: float = 0.2
+    drift_window_max: int = 256
     refit_scale: int = 4
     near: float = 0.05
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
@@ -210,6 +215,7 @@ class NodeBudget:
     _recent: list[int] = field(default_factory=list)  # tokens of the latest drafted steps at the cap
     _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
     _due: bool = False  # the drift test asks for a refit
+    _window: int = 0  # drafted steps the drift test averages (0: `drift_window`); doubles while refits agree
     _larger: int | None = None  # phase 2: the next larger size still to check (a near-tie)
 
     @classmethod
@@ -279,7 +285,7 @@ class NodeBudget:
             if self.cap == 1 or self.drift_window <= 0 or self.refit_gap <= 0:
                 return
             self._recent.append(accepted)
-            if len(self._recent) >= self.drift_window:
+            if len(self._recent) >= (self._window or self.drift_window):
                 mean = sum(self._recent) / len(self._recent)
                 self._due = abs(mean - self._expect) > self.drift * self._expect
                 self._recent = []
@@ -335,6 +341,8 @@ class NodeBudget:
         cap = max(sorted(rates), key=lambda b: (rates[b], -b))
         same = bool(self.history) and self.history[-1] == cap
         self._gap = min(2 * (self._gap or self.refit_gap), self.refit_max) if same else self.refit_gap
+        grown = max(self.drift_window, min(2 * (self._window or self.drift_window), self.drift_window_max))
+        self._window = grown if same else self.drift_window
         self.cap, self.settled, self._since, self._recent, self._due = cap, True, 0, [], False
         self._expect = self._check_tokens.get(cap) or sum(g[min(cap, len(g)) - 1] for g in self.gains) / len(
             self.gains

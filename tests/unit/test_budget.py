@@ -48,7 +48,8 @@ def test_cost_curve_interpolates_and_is_cached(tmp_path, monkeypatch):
 
 
 def _budget(costs: dict[int, float], **kw) -> NodeBudget:
-    return NodeBudget(CostCurve(costs), fit_steps=10, sizes=(1, 2, 4, 8), **kw)
+    kw.setdefault("fit_steps", 10)
+    return NodeBudget(CostCurve(costs), sizes=(1, 2, 4, 8), **kw)
 
 
 def test_cap_follows_the_machine():
@@ -408,3 +409,34 @@ def test_a_two_node_cap_is_refitted_on_a_timer_too():
     assert budget.cap == 4
     assert budget._expect == pytest.approx(2.8)  # the newest 10 steps: 4 new (4 tokens), 6 older (2 tokens)
     assert not any(budget.tick() or budget.observe(0.001, 3, 4) for _ in range(100))  # 4 holds: no timer
+
+
+def test_the_drift_window_doubles_while_refits_keep_the_cap():
+    """A drift that a refit answers with the same cap (a change of prompt, not of the best cap) makes the next
+    drift test average twice as many steps, up to `drift_window_max`; a refit that changes the cap resets it."""
+    costs = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}
+    budget = _budget(
+        costs, fit_steps=4, check_steps=0, refit_gap=5, refit_steps=4, drift_window=4, drift_window_max=16
+    )
+    good = [1, 2, 2, 3, 3, 3, 3, 4]
+    for _ in range(4):
+        budget.observe(0.001, 4, 8, good)
+    assert budget.cap == 8
+
+    def steps_to_refit(tokens: int) -> int:
+        n = 0
+        while not budget.tick():
+            budget.observe(0.001, tokens, 8)  # no token accepted where 3 are expected: a drift
+            n += 1
+        for _ in range(4):  # the refit sees the same gains: the same cap
+            budget.observe(0.001, 4, 8, good)
+        assert budget.cap == 8
+        return n
+
+    assert [steps_to_refit(0) for _ in range(4)] == [4, 8, 16, 16]  # doubled, capped at 16
+    bad = [1] * 8
+    while not budget.tick():
+        budget.observe(0.001, 0, 8)
+    for _ in range(4):  # now the drafts are never accepted: the refit turns drafting off (a new cap)
+        budget.observe(0.001, 1, 8, bad)
+    assert budget.cap == 1 and budget._window == 4  # reset

@@ -164,12 +164,15 @@ def main(argv: list[str] | None = None) -> None:
     requests = first_turns(bench.tokenizer, a.bench, a.requests)
     methods: list[tuple[str, Factory]] = [("ar", None)]
     # one drafter module shared by every row's proposer (rows are drafted in one call where the family can:
-    # eval.decode.RowBatchedProposer); the int8 vocabulary head on CPU, as evaluate.py's eval.int8_draft_head
-    methods += [(name, partial(make_proposer, d, int8_head=True)) for name, d in bench.drafters]
+    # eval.decode.RowBatchedProposer); int8 vocabulary heads and EAGLE layers (eval.draft_block=auto) on CPU, as
+    # evaluate.py drafts
+    methods += [
+        (name, partial(make_proposer, d, int8_head=True, draft_block="auto")) for name, d in bench.drafters
+    ]
     if a.lookup_branch:  # each drafter again, prompt lookup's chain merged into its trees (eval/hybrid.py)
         n = a.lookup_branch
         methods += [
-            (f"{name}+lookup", partial(make_proposer, d, int8_head=True, lookup_tokens=n))
+            (f"{name}+lookup", partial(make_proposer, d, int8_head=True, lookup_tokens=n, draft_block="auto"))
             for name, d in bench.drafters
         ]
     if a.draft_rows != "together":  # the same proposers drafted one row at a time

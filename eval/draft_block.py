@@ -1,4 +1,4 @@
-"""A decode-time copy of an EAGLE head's decoder layer for CPU drafting (`eval.fast_draft_block`).
+"""A decode-time copy of an EAGLE head's decoder layer for CPU drafting (`eval.draft_block`).
 
 An EAGLE head drafts with one decoder layer of the target's own type (`models.eagle_common.target_block`),
 run through transformers' modules: on a CPU each head pass at 4 rows was ~60% matrix products and ~40% small
@@ -70,7 +70,7 @@ class _Product(nn.Module):
             if b is not None:
                 cast(Tensor, stacked.bias).data = b.float()
             self.int8 = Int8Linear(stacked)
-            w, b = w[:0], None
+            w, b = w.new_empty(0, w.shape[1]), None  # not a view: the stacked weights' memory is freed
         self.weight, self.bias = w, b
 
     def forward(self, x: Tensor) -> Tensor:
@@ -174,12 +174,10 @@ def draft_block(
     params = list(drafter.parameters())
     if not params or params[0].device.type != "cpu" or supported(layer) is not None:
         return None
-    if int8:
-        from specdraft.eval.proposers import int8_supported
+    from specdraft.eval.proposers import int8_supported, weights_key
 
-        int8 = int8_supported()
-    # inference tensors (a head built under inference_mode) carry no version counter: they cannot change
-    key = (int8, tuple((p.data_ptr(), 0 if p.is_inference() else p._version, p.dtype) for p in params))
+    int8 = int8 and int8_supported()
+    key = (int8, weights_key(*params))
     hit = _BLOCKS.get(drafter)
     if hit is None or hit[0] != key:
         hit = (key, FastBlock(layer, extra, int8))

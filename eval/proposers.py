@@ -51,21 +51,27 @@ class Int8Linear(torch.nn.Module):
         return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
 
 
-_INT8_COPIES: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int, torch.dtype], Int8Linear]] = (
-    weakref.WeakKeyDictionary()
-)
+_INT8_COPIES: weakref.WeakKeyDictionary[
+    torch.nn.Linear, tuple[tuple[tuple[int, int, torch.dtype], ...], Int8Linear]
+] = weakref.WeakKeyDictionary()
 
 
 def int8_copy(linear: torch.nn.Linear) -> Int8Linear:
     """The `Int8Linear` of `linear`, quantised once and shared by every proposer of the same drafter (a batch
     of B rows makes B proposers); quantised again when the weights were changed (trained, moved or cast)."""
-    w = linear.weight
-    key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype)  # inference tensors: no versions
+    key = weights_key(linear.weight)
     hit = _INT8_COPIES.get(linear)
     if hit is None or hit[0] != key:
         hit = (key, Int8Linear(linear))
         _INT8_COPIES[linear] = hit
     return hit[1]
+
+
+def weights_key(*weights: Tensor) -> tuple[tuple[int, int, torch.dtype], ...]:
+    """What identifies the values of `weights` for a cached copy: storage, in-place version and dtype (a copy
+    keyed by it is rebuilt after training, a move or a cast). Inference tensors (made under
+    `inference_mode`) have no version counter and cannot change in place: version 0."""
+    return tuple((w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype) for w in weights)
 
 
 def int8_supported() -> bool:

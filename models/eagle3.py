@@ -158,19 +158,21 @@ class Eagle3Drafter(PreTrainedModel):
         g = feats.to(self.fc.weight.dtype)  # (B, n, H)
         mask = mask if mask.ndim == 4 else mask[None, None]
         rope = self.rotary(g, positions)
-        if block is not None:
-            x = torch.cat(
-                [block.norm("input_layernorm", self.embed(tokens)), block.norm("hidden_norm", g)], -1
-            )
-            o = g + block.attention(x, rope, mask, cache)
-            o = o + block.mlp(block.norm("post_attention_layernorm", o))  # (B, n, H)
-            return self.norm(o) if self.config.norm_fused else o
-        x = torch.cat([lay.input_layernorm(self.embed(tokens)), lay.hidden_norm(g)], dim=-1)  # (B, n, 2H)
-        a, _ = lay.self_attn(
-            hidden_states=x, position_embeddings=rope, attention_mask=mask, past_key_values=cache
+        # the layer's pieces: its HF modules, or the same functions from a decode-time `block`
+        norm = block.norm if block is not None else (lambda name, t: getattr(lay, name)(t))
+        mlp = block.mlp if block is not None else lay.mlp
+        attend = (
+            block.attention
+            if block is not None
+            else lambda x, rope, mask, cache: lay.self_attn(
+                hidden_states=x, position_embeddings=rope, attention_mask=mask, past_key_values=cache
+            )[0]
         )
-        o = g + a
-        o = o + lay.mlp(lay.post_attention_layernorm(o))  # (B, n, H)
+        x = torch.cat(
+            [norm("input_layernorm", self.embed(tokens)), norm("hidden_norm", g)], dim=-1
+        )  # (B, n, 2H)
+        o = g + attend(x, rope, mask, cache)
+        o = o + mlp(norm("post_attention_layernorm", o))  # (B, n, H)
         return self.norm(o) if self.config.norm_fused else o  # EAGLE-3.1 feeds the post-norm state back
 
     def draft_logits(self, out: Tensor) -> Tensor:

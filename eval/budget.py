@@ -107,6 +107,14 @@ def time_round_robin(
     return {b: sorted(ts)[len(ts) // 2] * 1e3 for b, ts in times.items()}
 
 
+def typical_ms(ms: list[float]) -> float:
+    """Mean of `ms` without its slowest eighth (at least one sample once there are two): a step that
+    captured a CUDA graph at a new size (tens to hundreds of ms, once) must not price that size's every
+    step; on a CPU the trimmed mean is within noise of the plain mean."""
+    keep = sorted(ms)[: len(ms) - max(1, len(ms) // 8)] if len(ms) > 1 else list(ms)
+    return sum(keep) / len(keep)
+
+
 @dataclass
 class CostCurve:
     """Median ms of one verify forward per node count (measured sizes; linear in between)."""
@@ -304,7 +312,7 @@ class NodeBudget:
         self.checks.append((draft_s * 1e3, accepted, nodes))
         if len(self.checks) >= self.check_steps:
             k = len(self.checks)
-            draft = sum(c[0] for c in self.checks) / k
+            draft = typical_ms([c[0] for c in self.checks])
             ms = sum(self.cost(c[2]) for c in self.checks) / k + draft
             self._check_tokens[self.cap] = sum(c[1] for c in self.checks) / k
             self.measured[self.cap] = self._check_tokens[self.cap] / ms
@@ -359,8 +367,8 @@ class NodeBudget:
 
     def rates(self, draft_ms: list[float]) -> dict[int, float]:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
-        phase-1 gain curve and the mean of `draft_ms`."""
-        draft = sum(draft_ms) / len(draft_ms)
+        phase-1 gain curve and the typical draft time of `draft_ms` (`typical_ms`)."""
+        draft = typical_ms(draft_ms)
         out = {1: 1.0 / self.cost(1)}
         for b in self.sizes[1:]:
             gain = sum(g[min(b, len(g)) - 1] for g in self.gains) / len(self.gains)

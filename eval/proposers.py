@@ -252,7 +252,7 @@ class ReDrafterProposer:
         self._root: int | None = None  # the previous call's root: committed, indexed on the next call
         plain = not (self.uses_context or self.copy_ngram or min_prob > 0)
         self.static = static and plain and self.draft_len > 0
-        self.graphs = graphs and self.static
+        self.graphs = graphs and self.static and drafter.head.weight.device.type == "cuda"  # else eager
         self._draft_graph: CudaGraph[tuple[Tensor, Tensor]] | None = None
         if self.static:  # the constant topology: root, then W chains of D nodes (node 1 + w * D + d)
             dev = drafter.head.weight.device

@@ -198,9 +198,13 @@ class Borrowed:
         return self._cast[key]
 
     def rows(self, name: str, like: Tensor, ids: Tensor) -> Tensor:
-        """`weight(name, like)[ids]`, cached for a fixed `ids` (e.g. EAGLE-3's draft vocabulary)."""
+        """`weight(name, like)[ids]`, cached for a fixed `ids` (e.g. EAGLE-3's draft vocabulary). While a CUDA
+        graph captures (after warm-up runs with the same `ids`) the cached rows are used unchecked: comparing
+        `ids` reads the device, which a capture cannot do."""
         key = (f"{name}[rows]", like.dtype, like.device)
         hit = self._cast.get(key)
+        if hit is not None and like.is_cuda and torch.cuda.is_current_stream_capturing():
+            return hit
         if hit is None or self._rows_ids is None or not torch.equal(self._rows_ids, ids):
             self._rows_ids = ids.clone()
             self._cast[key] = hit = self.weight(name, like)[ids.to(like.device)]

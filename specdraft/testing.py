@@ -245,7 +245,8 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
     dtype = next(target.parameters()).dtype
 
     def ready(drafter: torch.nn.Module, scale: float) -> torch.nn.Module:
-        return jitter(drafter.to(dtype).eval(), scale)  # the target's dtype, random non-identity weights
+        dev = next(target.parameters()).device  # the target's device and dtype, as `load_drafter` places it
+        return jitter(drafter.to(device=dev, dtype=dtype).eval(), scale)  # random non-identity weights
 
     if family in ("redrafter", "redrafter_context", "redrafter_copy"):  # copy: the copy gate alone
         extra: dict[str, Any] = {

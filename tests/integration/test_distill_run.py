@@ -209,13 +209,18 @@ distill(cfg)
 """
 
 
+def _pythonpath() -> str:
+    """The checkout first, then whatever PYTHONPATH already holds (where the dependencies may be installed)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 @pytest.mark.slow
 def test_kill9_mid_shard_then_resume(assets, tmp_path):
     """A real `kill -9` while shard 2 is being written: resume gives the uninterrupted dataset."""
     ref = rows_of(distill(make_cfg(assets, tmp_path / "ref")))
     out, marker = tmp_path / "killed", tmp_path / "marker"
     args = overrides(assets, out)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath()}
     proc = subprocess.Popen(
         [sys.executable, "-c", KILL_SCRIPT, json.dumps(args), str(marker), CONF_DIR], cwd=ROOT, env=env
     )
@@ -245,7 +250,8 @@ def test_accelerate_launch_two_processes(assets, tmp_path):
         str(ROOT / "distill.py"),
         *overrides(assets, out, f"output_root={tmp_path}"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # CPU processes over gloo, as the test means, also on a CUDA host (2 ranks cannot share one GPU over NCCL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = {json.loads(p.read_text())["rank"] for p in out.glob("shard-*/stats.json")}

@@ -46,7 +46,8 @@ def launch(assets: Path, config: str, name: str) -> Path:
         "train.max_steps=6", "train.batch_size=4", "train.eval_every=3", "train.eval_batches=2",
         "train.ckpt_every=3", "train.log_every=1", "train.progress=false", "logger.tensorboard=false",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # CPU processes, as the test means, also on a CUDA host (2 ranks cannot share one GPU over NCCL)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "2 process(es)" in proc.stderr + proc.stdout

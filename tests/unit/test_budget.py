@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.eval.budget import FULL, CostCurve, NodeBudget, machine_key
+from specdraft.eval.budget import FULL, CostCurve, NodeBudget, machine_key, typical_ms
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.eval.tree import DraftTree
@@ -66,6 +66,26 @@ def test_cap_follows_the_machine():
     before = list(mid.gains)
     mid.observe(0.0, 1, 1, [1, 1])  # settled: further steps are not recorded
     assert mid.gains == before
+
+
+def test_typical_draft_time_drops_the_slowest_eighth():
+    assert typical_ms([5.0]) == 5.0
+    assert typical_ms([3.0, 300.0]) == 3.0  # one sample of two dropped
+    assert typical_ms([1.0] * 7 + [500.0]) == 1.0  # a CUDA graph capture (once) does not price the size
+    assert typical_ms([float(i) for i in range(1, 17)]) == sum(range(1, 15)) / 14  # 16 samples: slowest 2 out
+
+
+def test_a_capture_step_does_not_turn_drafting_off():
+    """The first step at a new size captures a CUDA graph (here 400 ms once); the cap is decided on the steps
+    that replay it (1 ms), in phase 1 and in phase 2."""
+    gains = [1, 2, 2, 3, 3, 3, 3, 4]
+    b = _budget({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, check_steps=4)
+    for i in range(10):
+        b.observe(0.4 if i == 0 else 0.001, 4, 8, gains)
+    assert b.cap == 8 and not b.settled
+    for i in range(4):
+        b.observe(0.4 if i == 0 else 0.001, 4, 8)
+    assert b.settled and b.cap == 8
 
 
 def test_off_is_decided_with_the_draft_time_at_the_cap():

@@ -37,7 +37,8 @@ def _target(arch: str, device: torch.device = CPU) -> torch.nn.Module:
 def _head(family, target: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
     """A built EAGLE-1 / EAGLE-3 head on `target` with jittered (non-identity) fp64 weights."""
     torch.manual_seed(seed)
-    head = family.build(SCHEMA, target, target_fingerprint(target, tiny_tokenizer())).double().eval()
+    head = family.build(SCHEMA, target, target_fingerprint(target, tiny_tokenizer()))
+    head = head.to(device=next(target.parameters()).device, dtype=torch.float64).eval()  # the target's device
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.2)

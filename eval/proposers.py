@@ -199,8 +199,9 @@ class ReDrafterProposer:
             (dynamic tree size; 0: keep all).
         static: fixed shapes for the static decode path: all W beams from the first slot
             (`beam_search_fixed`) laid out as a tree of constant topology, 1 + W * D nodes without prefix
-            dedup, so a draft step makes no host sync. Plain ReDrafter only: prefix attention, the copy gate
-            and `min_prob` keep the dynamic step.
+            dedup, so a draft step makes no host sync. The copy gate looks up on the device in a buffer of
+            the committed tokens (`copy_lookup.lookup_fixed`); prefix attention and `min_prob` keep the
+            dynamic step.
         graphs: with `static`, capture the draft step as a CUDA graph (drafter on CUDA).
     """
 
@@ -250,7 +251,7 @@ class ReDrafterProposer:
         self.copy_ngram = int(getattr(cfg, "copy_ngram", 0) or 0)
         self._copy: NgramIndex | None = None
         self._root: int | None = None  # the previous call's root: committed, indexed on the next call
-        plain = not (self.uses_context or self.copy_ngram or min_prob > 0)
+        plain = not (self.uses_context or min_prob > 0)
         self.static = static and plain and self.draft_len > 0
         self.graphs = graphs and self.static and drafter.head.weight.device.type == "cuda"  # else eager
         self._draft_graph: CudaGraph[tuple[Tensor, Tensor]] | None = None
@@ -265,12 +266,19 @@ class ReDrafterProposer:
             self._ancestors, self._depth = fixed.ancestors, fixed.depth
             self._hidden_in = torch.zeros(0, device=dev)  # (F,) graph input, sized at the first call
             self._root_in = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
+            # copy gate: the committed tokens before the root (graph input; doubled when full: recapture)
+            self._ctx = torch.zeros(256 if self.copy_ngram else 1, dtype=torch.long, device=dev)  # (C,)
+            self._ctx_n, self._ctx_len = 0, torch.zeros((), dtype=torch.long, device=dev)  # host, device
+            self._ctx_root: Tensor | None = None  # (1,) the previous call's root, committed on the next
 
     def reset(self) -> None:
         """Forget the previous prompt."""
         self.last_compression = None
         self._history, self._memory, self._used = None, None, 0
         self._copy, self._root = None, None
+        if self.static:  # the buffer and graph stay; the graph reads the count
+            self._ctx_n, self._ctx_root = 0, None
+            self._ctx_len.fill_(0)
 
     def fit_budget(self, nodes: int) -> None:
         """Search only the beams a `nodes`-node tree can use: trees are laid out beam by beam, so the first
@@ -345,6 +353,8 @@ class ReDrafterProposer:
             The packed tree (N <= W * (1 + D) nodes).
         """
         if self.static:
+            if self.copy_ngram:
+                self._commit_fixed(tokens)
             return self._propose_fixed(hidden[-1], tokens[-1:])
         root = int(tokens[-1])
         if self.draft_len == 0:
@@ -401,6 +411,22 @@ class ReDrafterProposer:
         )  # (R, W, 1 + D) each
         return [p._pack(b, c, t.device) for p, b, c, t in zip(ps, beams, cum, tokens, strict=True)]
 
+    def _commit_fixed(self, tokens: Tensor) -> None:
+        """Copy gate, fixed-shape step: append the committed tokens before the new root (the previous root,
+        then tokens[:-1]) to the device buffer (eager; tokens (n,) on any device, no host sync)."""
+        new = tokens[:-1].to(self._ctx.device)
+        if self._ctx_root is not None:
+            new = torch.cat([self._ctx_root, new])  # (n',)
+        end = self._ctx_n + new.shape[0]
+        if end > self._ctx.shape[0]:  # double: the captured step read the old buffer, so capture again
+            grown = self._ctx.new_zeros(max(end, 2 * self._ctx.shape[0]))
+            grown[: self._ctx_n] = self._ctx[: self._ctx_n]
+            self._ctx, self._draft_graph = grown, None
+        self._ctx[self._ctx_n : end] = new
+        self._ctx_n = end
+        self._ctx_len.fill_(end)
+        self._ctx_root = tokens[-1:].to(self._ctx.device).clone()
+
     def _propose_fixed(self, hidden: Tensor, root: Tensor) -> DraftTree:
         """The fixed-shape draft step (optionally a CUDA graph): W beams -> a (1 + W*D)-node tree whose
         topology never changes. hidden (F,), root (1,) long."""
@@ -410,8 +436,9 @@ class ReDrafterProposer:
         self._root_in.copy_(root)
 
         def step() -> tuple[Tensor, Tensor]:
+            copy = (self._ctx, self._ctx_len, self.copy_ngram) if self.copy_ngram else None
             return beam_search_fixed(
-                self.drafter, self._hidden_in, self._root_in, self.beam_width, self.draft_len, self.head
+                self.drafter, self._hidden_in, self._root_in, self.beam_width, self.draft_len, self.head, copy
             )
 
         if self.graphs and self._draft_graph is None:

@@ -91,6 +91,44 @@ class NgramIndex:
         return cand, torch.tensor([m for _, m in out], dtype=torch.long, device=beams.device)
 
 
+def lookup_fixed(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: int) -> tuple[Tensor, Tensor]:
+    """`NgramIndex.lookup` of W chains at once, with fixed shapes and no host sync (a CUDA graph captures it).
+
+    The candidate is the token after the newest earlier occurrence of the longest suffix m-gram (m <= `max_ngram`)
+    of committed + chain, as `NgramIndex.lookup` gives: the newest match over all end positions q < p (those inside
+    the chain are newer than the indexed committed ones). O(W * (C + c) * max_ngram) on the device, against the
+    host index's O(1) dict lookups: for the graph-captured draft step only.
+
+    Args:
+        ctx: (C,) long committed tokens, the first `length` valid (the rest any value).
+        length: () long n0, on `ctx`'s device.
+        chains: (W, c) long, each beam's tokens after the committed ones (root first), c >= 1.
+        max_ngram: the longest suffix matched.
+
+    Returns:
+        candidates (W,) long (`NO_CANDIDATE` where nothing matches), match lengths (W,) long (0 there).
+    """
+    w, c = chains.shape
+    cap = ctx.shape[0]
+    q = torch.arange(cap + c, device=ctx.device)  # (Q,) positions of committed + chain
+    rel = (q - length).clamp(0, c - 1)  # (Q,) chain index of positions >= n0
+    seq = torch.where(q < length, ctx[q.clamp_max(cap - 1)], chains[:, rel])  # (W, Q); valid up to p
+    p = length + c - 1  # () the newest position
+    cand = torch.full((w,), NO_CANDIDATE, dtype=torch.long, device=ctx.device)  # (W,)
+    size = torch.zeros(w, dtype=torch.long, device=ctx.device)  # (W,)
+    match = torch.ones(w, cap + c, dtype=torch.bool, device=ctx.device)  # (W, Q) grams ending at q so far
+    for m in range(1, max_ngram + 1):  # longer grams overwrite: the longest one found wins
+        back = (p - (m - 1)).clamp_min(0).reshape(1, 1).expand(w, 1)  # (W, 1) gram element m - 1
+        match = match & (seq[:, (q - (m - 1)).clamp_min(0)] == seq.gather(1, back)) & (q >= m - 1)
+        ok = match & (q < p) & (p >= m - 1)  # (W, Q) earlier occurrences of the m-gram
+        best = torch.where(ok, q, -1).amax(dim=1)  # (W,) the newest, -1 = none
+        found = best >= 0
+        after = seq.gather(1, (best + 1).clamp(0, cap + c - 1)[:, None])[:, 0]  # (W,) the token after it
+        cand = torch.where(found, after, cand)
+        size = torch.where(found, torch.full_like(size, m), size)
+    return cand, size
+
+
 def slot_candidates(
     cand: Tensor, length: Tensor, input_ids: Tensor, root: Tensor, targets: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -190,8 +228,9 @@ class _MixLogits(torch.autograd.Function):
         p_c, pi, new = _mix_terms(l_c, lse, lam_f)
         on = lam_f > 0  # (M,) rows with a candidate
         out = logits.clone()
-        rows = on.nonzero()[:, 0]
-        out[rows, cand[rows]] = new[rows].to(out.dtype)
+        # rows without a candidate get their own logit back: no host sync (a CUDA graph captures this)
+        keep = torch.where(on, new.to(out.dtype), logits.gather(-1, cand[:, None])[:, 0])  # (M,)
+        out.scatter_(-1, cand[:, None], keep[:, None])
         ctx.save_for_backward(out, cand, lse, l_c, lam_f, p_c, pi, on)
         ctx.chunk, ctx.lam_dtype = chunk, lam.dtype
         return out

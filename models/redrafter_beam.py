@@ -132,13 +132,15 @@ def beam_search_fixed(
     beam_width: int,
     draft_len: int,
     head: Callable[[Tensor], Tensor] | None = None,
+    copy: tuple[Tensor, Tensor, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`beam_search` with fixed shapes and no host sync, the form a CUDA graph captures.
 
     All W beams exist from the first slot: the W - 1 copies of the root beam start at log-prob -inf (dead,
     as apple/ml-recurrent-drafter does), so step 1 still expands the root only and the beams equal
     `beam_search`'s (when the draft vocabulary has >= W tokens). Every step has the shapes of the last.
-    Prefix attention and the copy gate read growing state and keep the dynamic `beam_search`.
+    Prefix attention reads growing state and keeps the dynamic `beam_search`; the copy gate looks its
+    candidates up on the device (`copy_lookup.lookup_fixed`) in a committed-token buffer of fixed capacity.
 
     Args:
         drafter: the ReDrafter.
@@ -147,10 +149,14 @@ def beam_search_fixed(
         beam_width: W.
         draft_len: D.
         head: (W, X) -> (W, Vd) logits (None: the drafter's head).
+        copy: copy gate only: (committed tokens before the root (C,) long, their count () long, the gate's
+            n-gram length); each beam's candidate is looked up on them + the beam, as `beam_search` does.
 
     Returns:
         beams (W, 1 + D) long sorted by score; cum (W, 1 + D) float32 cumulative log-probs.
     """
+    from specdraft.models.copy_lookup import lookup_fixed
+
     w = beam_width
     h = drafter.features(hidden.reshape(1, -1)).expand(w, -1)  # (W, F)
     state = drafter.init_state(root.expand(w))  # (W, E)
@@ -161,7 +167,10 @@ def beam_search_fixed(
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[:, k])  # (W, E)
-        logp = torch.log_softmax(drafter.state_logits(state, h, head, None, None).float(), dim=-1)  # (W, Vd)
+        cands = (
+            None if copy is None else lookup_fixed(copy[0], copy[1], beams[:, : k + 1], copy[2])
+        )  # (W,) x2
+        logp = torch.log_softmax(drafter.state_logits(state, h, head, None, cands).float(), dim=-1)  # (W, Vd)
         vocab = logp.shape[-1]
         scores, idx = (scores[:, None] + logp).reshape(-1).topk(w)  # (W,)
         parent = idx // vocab  # (W,)

@@ -206,8 +206,8 @@ def run_tiny_train(
 
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
 FAMILIES = (
-    "redrafter", "redrafter_context", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "eagle_int8",
-    "eagle3_int8", "lookup",
+    "redrafter", "redrafter_context", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3",
+    "eagle_int8", "eagle3_int8", "lookup",
 )  # fmt: skip
 
 
@@ -220,7 +220,7 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 
 
 def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
-    """A randomly initialised drafter of `family` (one of `FAMILIES`, or "redrafter_copy": the copy gate without
+    """A randomly initialised drafter of `family` (one of `FAMILIES`; "redrafter_copy": the copy gate without
     prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over
     64 of the 128 tokens; "eagle_int8" / "eagle3_int8" / "eagle3_fused": the head's layer run
     as int8 / fused products (`eval.draft_block`); "lookup": prompt lookup of 4

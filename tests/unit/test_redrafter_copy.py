@@ -12,16 +12,19 @@ from specdraft.data.collate import Collator
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import ReDrafterProposer
+from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.models.copy_lookup import (
     NO_CANDIDATE,
     NgramIndex,
+    lookup_fixed,
     mix_logits,
     ngram_candidates,
     slot_candidates,
 )
 from specdraft.models.redrafter import ReDrafter
+from specdraft.models.redrafter_beam import beam_search, beam_search_fixed
 from specdraft.testing import tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 
@@ -239,3 +242,57 @@ def test_warm_start_adds_the_copy_gate_at_its_init(target_and_drafter, tmp_path)
     redrafter.attach(back, target)
     assert back.config.copy_ngram == N
     torch.testing.assert_close(back(*args, copy=copy), dst(*args, copy=copy))
+
+
+def test_device_lookup_equals_the_index():
+    """`lookup_fixed` (fixed shapes, the form a CUDA graph captures) gives `NgramIndex.lookup` for every beam,
+    whatever the buffer holds past the committed tokens."""
+    rng = random.Random(1)
+    for _ in range(400):
+        n, vocab = rng.randint(1, 4), rng.randint(2, 5)
+        n0, c, w = rng.randint(0, 20), rng.randint(1, 5), rng.randint(1, 4)
+        committed = [rng.randrange(vocab) for _ in range(n0)]
+        chains = [[rng.randrange(vocab) for _ in range(c)] for _ in range(w)]
+        index = NgramIndex(n)
+        index.extend(committed)
+        buf = torch.tensor(committed + [rng.randrange(vocab) for _ in range(rng.randint(1, 9))])  # stale tail
+        cand, size = lookup_fixed(buf, torch.tensor(n0), torch.tensor(chains), n)
+        assert list(zip(cand.tolist(), size.tolist())) == [index.lookup(ch) for ch in chains]
+
+
+def test_fixed_beam_search_with_the_copy_gate_equals_the_dynamic_one(target_and_drafter):
+    _, drafter = target_and_drafter
+    g = torch.Generator().manual_seed(3)
+    for seed in range(6):
+        ids = _repetitive(seed, 30).tolist()
+        n0 = 5 * seed
+        index = NgramIndex(N)
+        index.extend(ids[:n0])
+        buf = torch.tensor(ids[:n0] + [0] * 7)
+        hidden = torch.randn(32, generator=g, dtype=torch.float64)
+        beams, cum = beam_search(drafter, hidden, ids[n0], 4, D, copy=index)
+        fixed, fcum = beam_search_fixed(
+            drafter, hidden, torch.tensor([ids[n0]]), 4, D, copy=(buf, torch.tensor(n0), N)
+        )
+        assert torch.equal(beams, fixed) and torch.allclose(cum, fcum)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 20])
+def test_fixed_shape_copy_gate_decoding_is_lossless(target_and_drafter, prompt_len):
+    """The copy-gate ReDrafter on the fixed-shape step (its device buffer grown past 256 tokens) equals AR and
+    accepts exactly as the dynamic step does, call after call."""
+    target, drafter = target_and_drafter
+    fixed = ReDrafterProposer(drafter, 4, D + 1, static=True)
+    dynamic = ReDrafterProposer(drafter, 4, D + 1)
+    assert fixed.static and not dynamic.static
+    dec = StaticDecoder(target, 48, static=True)
+    prompt = _repetitive(prompt_len, prompt_len)
+    ref, _ = ar_generate(target, None, prompt, 300, stop_ids=set())
+    for _ in range(2):  # reused: `reset` empties the buffer
+        out, stats = dec.speculative_generate(None, prompt, fixed, 300, stop_ids=set())
+        _, dyn = speculative_generate(target, None, prompt, dynamic, 300, stop_ids=set())
+        assert out == ref and stats.accepted == dyn.accepted
+        assert (
+            fixed._ctx.shape[0] > 256
+            and fixed._ctx_n == prompt_len + sum(stats.accepted[:-1]) + stats.steps - 2
+        )

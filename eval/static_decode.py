@@ -44,6 +44,7 @@ from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_id
 from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
 
 VerifyFn = Callable[[DraftTree, Tensor], tuple[Tensor, int]]
+AR_QUEUE = 8  # greedy AR on the fixed-shape path: tokens per host sync (`StaticDecoder._ar_queued`)
 
 
 def budget_for(n: int) -> int:
@@ -252,6 +253,10 @@ class StaticDecoder:
             torch.zeros(1, dtype=torch.long, device=device),
             torch.ones(1, 1, dtype=torch.bool, device=device),
         )
+        if self.static and temperature <= 0.0 and not done:  # greedy, fixed shapes: no sync per token
+            self._ar_queued(logits, root, chain, out, stop_ids, max_new_tokens)
+            stats.steps = len(out) - 1  # as below: one step per token after the prefill's
+            done = True
         while not done:
             tok = sample_token(logits[-1], temperature, top_k, top_p, generator)  # the step's one sync
             done = _emit(out, [tok], stop_ids, max_new_tokens)
@@ -262,6 +267,35 @@ class StaticDecoder:
                 stats.steps += 1
         _finish(stats, out, stop_ids, device, t0)
         return out, stats
+
+    def _ar_queued(
+        self, logits: Tensor, root: Tensor, chain: DraftTree, out: list[int], stop_ids: set[int], max_new: int
+    ) -> None:
+        """Greedy AR on the fixed-shape path with one host sync per `AR_QUEUE` tokens (gpt-fast keeps the
+        token on the device the same way): each step's argmax feeds the next step's input on the device, so
+        the host queues steps while the GPU runs them; the round's tokens are read at once and checked for a
+        stop token there (steps queued past it are dropped: the output is the same, at most AR_QUEUE - 1
+        forwards are wasted once per call).
+
+        Args:
+            logits: (1, V) the prefill's last row; root: (1,) the chain's token (a static verify input);
+            chain: the one-node tree; out: the new tokens, appended in place.
+        """
+        cur = logits[-1].float().argmax(-1, keepdim=True)  # (1,) the next token, on the device
+        while True:
+            toks = [cur]
+            for _ in range(min(AR_QUEUE, max_new - len(out)) - 1):
+                root.copy_(cur)
+                logits, _, _, _ = self._forward_tree(chain, (), False)
+                self.cache.advance(1)
+                cur = logits[-1].float().argmax(-1, keepdim=True)
+                toks.append(cur)
+            if _emit(out, torch.cat(toks).tolist(), stop_ids, max_new):  # the round's one sync
+                return
+            root.copy_(cur)
+            logits, _, _, _ = self._forward_tree(chain, (), False)
+            self.cache.advance(1)
+            cur = logits[-1].float().argmax(-1, keepdim=True)
 
     @torch.inference_mode()
     def speculative_generate(

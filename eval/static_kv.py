@@ -104,14 +104,10 @@ class StaticKVCache(Cache):
         self.static, self.max_len, self.length = static, max_len, 0
         self.length_t = torch.zeros((), dtype=torch.long, device=device)  # mirrors `length` on the device
         self.write_pos = torch.arange(max_len, device=device)  # (max_len,) static write positions
-        shape = (1, kv_heads, max_len, head_dim)
-        layers: list[StaticKVLayer] = [
-            StaticKVLayer(
-                self,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(n_layers)
+        # every layer's keys and values are views of one buffer, so a commit moves them all in two kernels
+        self.buffer = torch.zeros(n_layers, 2, 1, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        layers: list[StaticKVLayer] = [  # (1, kv_heads, max_len, head_dim) views each
+            StaticKVLayer(self, self.buffer[i, 0], self.buffer[i, 1]) for i in range(n_layers)
         ]
         super().__init__(layers=list[Any](layers))
         self.kv_layers = layers  # the same objects, typed
@@ -145,15 +141,14 @@ class StaticKVCache(Cache):
             in_place: whether `path[:a] == arange(a)` (nothing to move), when the caller already knows it
                 from the host copy of the path; None: read it from `path` (a host sync on a GPU).
         """
-        start = self.length
+        start, buf = self.length, self.buffer  # buf: (layers, 2, 1, kv_heads, max_len, head_dim)
         if self.static:  # fixed shape: copy all k slots; slots >= a land past the new length (stale)
-            k = path.shape[0]
-            keep = torch.arange(k, device=path.device) < accepted
-            src = torch.where(keep, path, torch.arange(k, device=path.device)) + self.length_t  # (k,)
-            dst = self.length_t + torch.arange(k, device=path.device)  # (k,)
-            for layer in self.kv_layers:
-                for buf in (layer.keys, layer.values):
-                    buf.index_copy_(2, dst, buf.index_select(2, src))  # index_select copies first
+            if not in_place:  # (in place: the accepted nodes already sit right after the prefix)
+                k = path.shape[0]
+                keep = torch.arange(k, device=path.device) < accepted
+                src = torch.where(keep, path, torch.arange(k, device=path.device)) + self.length_t  # (k,)
+                dst = self.length_t + torch.arange(k, device=path.device)  # (k,)
+                buf.index_copy_(4, dst, buf.index_select(4, src))  # index_select copies first
             self.length_t += accepted
             self.length = start + accepted
             return
@@ -162,7 +157,5 @@ class StaticKVCache(Cache):
             in_place = not accepted or int(path[-1]) == accepted - 1
         if not in_place:
             src = path + start  # (a,)
-            for layer in self.kv_layers:
-                for buf in (layer.keys, layer.values):
-                    buf[:, :, start : start + accepted] = buf.index_select(2, src)
+            buf[:, :, :, :, start : start + accepted] = buf.index_select(4, src)
         self.set_length(start + accepted)

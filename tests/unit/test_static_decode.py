@@ -56,6 +56,27 @@ def _proposer(family: str, target: torch.nn.Module):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+def test_queued_greedy_ar_stops_where_ar_stops(shape):
+    """Greedy AR on the fixed-shape path reads its tokens once per `AR_QUEUE` steps: stop tokens anywhere in a
+    round (its first, middle, last token) and budgets around a round's size give AR's tokens and step count,
+    call after call on one decoder (the steps queued past a stop are dropped)."""
+    from specdraft.eval.static_decode import AR_QUEUE
+
+    model = _target("llama", torch.device("cuda") if shape == "graph" else CPU)
+    dec = _decoder(model, shape)
+    prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(7))
+    full, _ = ar_generate(model, None, prompt, 40, stop_ids=set())
+    cases = [(set(), n) for n in (1, AR_QUEUE - 1, AR_QUEUE, AR_QUEUE + 1, 40)]
+    cases += [({full[i]}, 40) for i in (0, 3, AR_QUEUE - 1, AR_QUEUE, 2 * AR_QUEUE + 2)]
+    for stop, n in cases:
+        ref, ref_stats = ar_generate(model, None, prompt, n, stop_ids=stop)
+        out, stats = dec.ar_generate(None, prompt, n, stop_ids=stop)
+        assert (
+            out == ref and stats.steps == ref_stats.steps and stats.finish_reason == ref_stats.finish_reason
+        )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_test_trees_equal_ar(arch, shape):
     """Random trees (mostly rejected) and oracle beams (long accepted paths, scattered compaction)."""
@@ -190,8 +211,12 @@ def test_kv_compaction_invariants(static):
         assert (k.data_ptr(), v.data_ptr()) == ptr
         assert k[0, 0, :9, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 11]
         assert torch.equal(v[0, :, :9], -k[0, :, :9])
+    before = cache.buffer.clone()  # every layer's keys and values are views of this one buffer
+    chain = torch.tensor([0, 1, 2])  # accepted nodes already in place: nothing moves
+    cache.commit(torch.cat([chain, torch.arange(3, 7)]) if static else chain, 3, in_place=True)
+    assert cache.length == 12 and int(cache.length_t) == 12 and torch.equal(cache.buffer, before)
     with pytest.raises(ValueError, match="KV cache full"):
-        cache.check_room(24)
+        cache.check_room(21)
 
 
 def test_budgets_and_shapes():

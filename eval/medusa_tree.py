@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
+from specdraft.eval.graphs import CudaGraph, replay_or_run
 from specdraft.eval.tree import DraftTree, ProposerSpec, ancestor_matrix
 
 if TYPE_CHECKING:
@@ -242,6 +243,8 @@ class MedusaProposer:
         int8_head: on CPU, run each head's vocabulary Linear as a shared dynamic-int8 copy
             (`proposers.int8_copy`): the K (Vd, H) products stream most of the drafter's weights every step.
             Only the drafts can change, never the output.
+        graphs: drafter on CUDA: capture the draft step (heads, top-k, the tree's tokens) as a CUDA graph,
+            once per node cap (`fit_budget`), and replay it (eager where capture fails; else ignored).
     """
 
     def __init__(
@@ -250,6 +253,7 @@ class MedusaProposer:
         choices: Sequence[Sequence[int]] | None = None,
         max_nodes: int | None = None,
         int8_head: bool = False,
+        graphs: bool = False,
     ) -> None:
         drafter = cast("Medusa", drafter)  # duck-typed: any module with Medusa's `config` and `topk_tokens`
         cfg = drafter.config
@@ -277,6 +281,12 @@ class MedusaProposer:
 
             if int8_supported():
                 self.int8 = [int8_copy(lin) for _, lin in drafter.vocab_heads()]
+        weight = next(iter(drafter.parameters()), None)
+        dev = weight.device if weight is not None else torch.device("cpu")
+        self.graphs = graphs and dev.type == "cuda"
+        self._captured: dict[int, CudaGraph[Tensor] | None] = {}  # per node cap
+        self._hidden_in = torch.zeros(0, device=dev)  # (H,) graph input, sized at the first call
+        self._root_in = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
 
     def reset(self) -> None:
         """No state across prompts."""
@@ -318,11 +328,31 @@ class MedusaProposer:
         dev = tokens.device
         self._layout_on(dev)
         n = self._cap
-        out = tokens[-1:].repeat(n)  # (N,)
-        if n > 1:
-            top = self._topk(hidden[-1], tokens[-1]).to(dev)  # (depth, k)
-            out[1:] = top[self.head[1:n], self.rank[1:n]]
+        if self.graphs:
+            if self._hidden_in.shape != hidden[-1].shape or self._hidden_in.dtype != hidden.dtype:
+                self._hidden_in, self._captured = hidden[-1].clone(), {}  # (H,)
+            self._hidden_in.copy_(hidden[-1])
+            self._root_in.copy_(tokens[-1:])
+            out = replay_or_run(
+                self._captured,
+                n,
+                lambda: self._fill(self._hidden_in, self._root_in),
+                dev,
+                "the Medusa draft step",
+            ).clone()  # the graph's output is overwritten by the next replay
+        else:
+            out = self._fill(hidden[-1], tokens[-1:])
         return DraftTree(out, self.parents[:n], self.depth[:n], self.ancestors[:n, :n])
+
+    def _fill(self, hidden: Tensor, root: Tensor) -> Tensor:
+        """The tree's tokens (N,) from the newest state `hidden` (H,) and the root (1,): fixed shapes for a
+        given cap, no host sync (the function a CUDA graph captures)."""
+        n = self._cap
+        out = root.repeat(n)  # (N,)
+        if n > 1:
+            top = self._topk(hidden, root[0]).to(out.device)  # (depth, k)
+            out[1:] = top[self.head[1:n], self.rank[1:n]]
+        return out
 
     @torch.inference_mode()
     def propose_rows(

@@ -528,7 +528,7 @@ def _family_proposer(
     if spec.proposer == "medusa_tree":
         from specdraft.eval.medusa_tree import MedusaProposer
 
-        return MedusaProposer(drafter, max_nodes=tree_nodes, int8_head=int8_head)
+        return MedusaProposer(drafter, max_nodes=tree_nodes, int8_head=int8_head, graphs=graphs)
     if spec.proposer == "eagle_tree":
         from specdraft.eval.eagle_tree import EagleTreeProposer
 

@@ -219,14 +219,15 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
     return module
 
 
-def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
+def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, graphs: bool = False) -> Any:
     """A randomly initialised drafter of `family` (one of `FAMILIES`; "redrafter_copy": the copy gate without
     prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over
     64 of the 128 tokens; "eagle_int8" / "eagle3_int8" / "eagle3_fused": the head's layer run
     as int8 / fused products (`eval.draft_block`); "lookup": prompt lookup of 4
     tokens) on a
     `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
-    call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds."""
+    call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds. `static` / `graphs`: the
+    fixed-shape draft step and its CUDA graph (`make_proposer`; graphs only with the target on CUDA)."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -255,13 +256,15 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
             "redrafter_copy": dict(copy_ngram=3),
         }[family]
         d = redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, **extra), model, fp)
-        return ReDrafterProposer(ready(d, 0.05), beam_width=4, beam_length=4)
+        return ReDrafterProposer(ready(d, 0.05), beam_width=4, beam_length=4, static=static, graphs=graphs)
     if family in ("medusa", "medusa_root"):
         schema = OmegaConf.create(
             {"draft_len": 3, "num_layers": 1, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
              "tree_choices": None, "root_token": family == "medusa_root"}
         )  # fmt: skip
-        return make_proposer(ready(medusa.build(schema, model, fp), 0.05), tree_nodes=12)
+        return make_proposer(
+            ready(medusa.build(schema, model, fp), 0.05), tree_nodes=12, static=static, graphs=graphs
+        )
     if family in ("eagle", "eagle_vocab", "eagle3", "eagle_int8", "eagle3_int8", "eagle3_fused"):
         vocab = 64 if family == "eagle_vocab" else None  # the most frequent half of random counts
         eagle_schema = SimpleNamespace(
@@ -272,7 +275,9 @@ def tiny_proposer(family: str, target: torch.nn.Module) -> Any:
         counts = torch.rand(int(fp["vocab_size"]), generator=torch.Generator().manual_seed(2))  # (V,)
         built = module.build(eagle_schema, model, fp, token_counts=counts)
         block = family.rpartition("_")[2] if family.endswith(("_int8", "_fused")) else "hf"
-        return make_proposer(ready(built, 0.2), tree_nodes=10, draft_block=block)
+        return make_proposer(
+            ready(built, 0.2), tree_nodes=10, draft_block=block, static=static, graphs=graphs
+        )
     raise ValueError(f"tiny_proposer: family={family!r}, expected one of {', '.join(FAMILIES)}")
 
 

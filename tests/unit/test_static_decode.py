@@ -98,6 +98,21 @@ def test_test_trees_equal_ar(arch, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "family", ["redrafter", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle3"]
+)
+def test_fixed_shape_draft_steps_equal_ar(family, shape):
+    """Each family's fixed-shape draft step (on CUDA captured as a CUDA graph, and the capture must hold: a
+    failed capture warns, an error here) decodes AR's tokens, mixed prompts and stop tokens included."""
+    device = torch.device("cuda") if shape == "graph" else CPU
+    model = _target("llama", device)
+    proposer = tiny_proposer(family, model, static=True, graphs=shape == "graph")
+    assert getattr(proposer, "static", True) and getattr(proposer, "graphs", False) == (shape == "graph")
+    check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
+    assert getattr(proposer, "graphs", False) == (shape == "graph")  # still on: every capture held
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_every_family_equals_ar(arch, family, shape):

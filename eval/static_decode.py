@@ -104,6 +104,8 @@ class StaticDecoder:
         self.cache = StaticKVCache(model, max_len, static)
         self._inputs: dict[int, _TreeInputs] = {}
         self._graphs: dict[tuple, CudaGraph[tuple[Tensor, Tensor]] | None] = {}
+        # greedy steps: the verify forward and `greedy_verify_packed` in one graph (`_forward_verified`)
+        self._verified: dict[tuple, CudaGraph[tuple[Tensor, Tensor, Tensor]] | None] = {}
 
     # -- cache ------------------------------------------------------------------------------------------
     def _reserve(self, needed: int) -> None:
@@ -111,6 +113,7 @@ class StaticDecoder:
         if needed > self.cache.max_len:
             self.cache = StaticKVCache(self.model, max(needed, 2 * self.cache.max_len), self.static)
             self._graphs.clear()
+            self._verified.clear()
         self.cache.set_length(0)
 
     def _mask(self, inp: _TreeInputs) -> Tensor:
@@ -167,6 +170,41 @@ class StaticDecoder:
             f"a {b}-node verify",
         )
         return logits, hidden, inp.valid, inp
+
+    def _forward_verified(
+        self, tree: DraftTree, layers: tuple[int, ...], keep_last: bool, prefix_accept: bool
+    ) -> tuple[Tensor, Tensor, Tensor, _TreeInputs]:
+        """Graph path, greedy steps: the verify forward and `greedy_verify_packed` captured together (the
+        verification's ~30 small kernels replay with the forward instead of launching one by one). Returns
+        (logits (b, V), hidden (b, H'), packed (2 + 2b [+ b],), the padded inputs)."""
+        b = budget_for(tree.num_nodes)
+        self.cache.check_room(b)
+        inp = self._inputs.get(b)
+        if inp is None:
+            inp = self._inputs[b] = _TreeInputs(b, self.device)
+        inp.fill(tree)
+
+        def step() -> tuple[Tensor, Tensor, Tensor]:
+            logits, hidden = self._static_forward(inp, layers, keep_last)
+            packed = greedy_verify_packed(
+                inp.tokens.reshape(-1),
+                inp.parents,
+                inp.ancestors,
+                inp.depth,
+                logits,
+                inp.valid,
+                prefix_accept,
+            )
+            return logits, hidden, packed
+
+        logits, hidden, packed = replay_or_run(
+            self._verified,
+            (b, layers, keep_last, prefix_accept),
+            step,
+            self.device,
+            f"a {b}-node verify",
+        )
+        return logits, hidden, packed, inp
 
     def _prefill(self, ids: Tensor, layers: tuple[int, ...], keep_last: bool) -> tuple[Tensor, Tensor]:
         """Prompt forward (eager; a causal chain). Returns (last-row logits (1, V), hidden (P, H'))."""
@@ -345,6 +383,8 @@ class StaticDecoder:
         new_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=device)])  # (n,) what each predicts
         single = DraftTree(torch.zeros(1, dtype=torch.long, device=device), torch.tensor([-1], device=device))
         greedy = verify_fn is None and temperature <= 0.0  # the budget fits on greedy steps only
+        valid: Tensor | None
+        inp: _TreeInputs | None
         if budget is not None and budget.cap is not None:
             proposer.fit_budget(budget.cap)
         while not done:
@@ -362,19 +402,25 @@ class StaticDecoder:
                 tree = single
             n = tree.num_nodes
             t2 = clock()
-            logits, hidden, valid, inp = self._forward_tree(tree, layers, keep_last)  # (b, V), (b, H')
+            prefix = fitting and drafted and cast(NodeBudget, budget).cap is None  # the gain curve too
+            if greedy and self.graphs:  # the verification replays with the forward
+                logits, hidden, packed, inp = self._forward_verified(tree, layers, keep_last, prefix)
+                valid = inp.valid
+            else:
+                logits, hidden, valid, inp = self._forward_tree(tree, layers, keep_last)  # (b, V), (b, H')
             t3 = clock()
             if verify_fn is None and temperature <= 0.0:
-                src = inp if inp is not None else tree
-                packed = greedy_verify_packed(
-                    src.tokens.reshape(-1),
-                    cast(Tensor, src.parents),
-                    cast(Tensor, src.ancestors),
-                    cast(Tensor, src.depth),
-                    logits,
-                    valid,
-                    prefix_accept=fitting and drafted and cast(NodeBudget, budget).cap is None,
-                )
+                if not (greedy and self.graphs):
+                    src = inp if inp is not None else tree
+                    packed = greedy_verify_packed(
+                        src.tokens.reshape(-1),
+                        cast(Tensor, src.parents),
+                        cast(Tensor, src.ancestors),
+                        cast(Tensor, src.depth),
+                        logits,
+                        valid,
+                        prefix_accept=prefix,
+                    )
                 vals = packed.tolist()  # the step's one host sync
                 b = logits.shape[0]
                 a, bonus = vals[0], vals[1]

@@ -108,8 +108,11 @@ def test_fixed_shape_draft_steps_equal_ar(family, shape):
     model = _target("llama", device)
     proposer = tiny_proposer(family, model, static=True, graphs=shape == "graph")
     assert getattr(proposer, "static", True) and getattr(proposer, "graphs", False) == (shape == "graph")
-    check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
+    dec = _decoder(model, shape)
+    check_static_equals_ar(dec, model, proposer, vocab=V)
     assert getattr(proposer, "graphs", False) == (shape == "graph")  # still on: every capture held
+    if shape == "graph":  # greedy steps replay the verify forward and its verification as one graph
+        assert dec._verified and all(g is not None for g in dec._verified.values())
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -48,6 +48,7 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     smooth_l1_feature_loss,
     soft_cross_entropy,
     target_block,
+    tensor_key,
     unroll,
 )
 from specdraft.models.family import FamilySpec
@@ -168,14 +169,18 @@ class EagleDrafter(PreTrainedModel):
         """(..., H) head outputs -> (..., Vd) logits over the draft vocabulary (V without one)."""
         if not self.reduced:
             return self.full_logits(out)
-        return F.linear(out, self.borrowed.rows("lm_head", out, self.draft_ids()))
+        return F.linear(
+            out, self.borrowed.rows("lm_head", out, self.draft_ids, tensor_key(cast(Tensor, self.d2t)))
+        )
 
     def draft_head(self) -> tuple[nn.Module, nn.Linear]:
         """(transform, vocabulary Linear) with `draft_logits(out) == linear(transform(out))` (for int8 copies)."""
         head = cast(nn.Linear, self.borrowed.modules["lm_head"])
         if not self.reduced:
             return nn.Identity(), head
-        rows = self.borrowed.rows("lm_head", head.weight, self.draft_ids())  # (Vd, H), cached by `Borrowed`
+        rows = self.borrowed.rows(
+            "lm_head", head.weight, self.draft_ids, tensor_key(cast(Tensor, self.d2t))
+        )  # (Vd, H), cached by `Borrowed`
         # one Linear per cached rows tensor (int8 copies are shared by identity), kept out of the submodules
         hit = self.__dict__.get("_rows_head")
         if hit is None or hit[0] is not rows:

@@ -7,6 +7,7 @@ A head exposes `encode_target(target feats) -> g`, `step(g, tokens, cache, posit
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -172,13 +173,24 @@ def next_tokens(input_ids: Tensor, steps: int) -> Tensor:
     return out
 
 
+def tensor_key(t: Tensor) -> tuple[int, torch.device, int]:
+    """(storage address, device, version counter) of `t`: changes when it is replaced, moved or written in
+    place (tensors made under inference mode have no counter: 0)."""
+    try:
+        version = t._version
+    except RuntimeError:
+        version = 0
+    return t.data_ptr(), t.device, version
+
+
 class Borrowed:
     """The target's embedding / LM head, hidden from `state_dict` and cached per dtype for the drafter."""
 
     def __init__(self) -> None:
         self.modules: dict[str, nn.Module] = {}
         self._cast: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
-        self._rows_ids: Tensor | None = None  # the `ids` of the cached `rows`
+        # per cached `rows`: the ids it holds and what they derive from (`rows(..., source=)`)
+        self._rows: dict[tuple[str, torch.dtype, torch.device], tuple[Tensor, Hashable | None]] = {}
 
     def set(self, name: str, module: nn.Module) -> None:
         self.modules[name] = module
@@ -197,17 +209,25 @@ class Borrowed:
             )
         return self._cast[key]
 
-    def rows(self, name: str, like: Tensor, ids: Tensor) -> Tensor:
-        """`weight(name, like)[ids]`, cached for a fixed `ids` (e.g. EAGLE-3's draft vocabulary). While a CUDA
-        graph captures (after warm-up runs with the same `ids`) the cached rows are used unchecked: comparing
-        `ids` reads the device, which a capture cannot do."""
+    def rows(
+        self, name: str, like: Tensor, ids: Tensor | Callable[[], Tensor], source: Hashable | None = None
+    ) -> Tensor:
+        """`weight(name, like)[ids]`, cached for a fixed `ids` (e.g. EAGLE's draft vocabulary).
+
+        With `source` (what `ids` derives from, e.g. the `d2t` buffer's `tensor_key`) the cache is kept while the
+        source is the same, without reading `ids` (`ids` may then be a callable, called on a miss only): no host
+        sync, so a CUDA graph can capture the draft step. Without it `ids` is compared with the cached one (a
+        host read on a GPU), except while a capture runs (after warm-up runs with the same `ids`)."""
         key = (f"{name}[rows]", like.dtype, like.device)
-        hit = self._cast.get(key)
+        hit, (had, had_source) = self._cast.get(key), self._rows.get(key, (None, None))
+        if hit is not None and source is not None and had_source == source:
+            return hit
         if hit is not None and like.is_cuda and torch.cuda.is_current_stream_capturing():
             return hit
-        if hit is None or self._rows_ids is None or not torch.equal(self._rows_ids, ids):
-            self._rows_ids = ids.clone()
-            self._cast[key] = hit = self.weight(name, like)[ids.to(like.device)]
+        wanted = ids() if callable(ids) else ids
+        if hit is None or had is None or not torch.equal(had, wanted):
+            self._cast[key] = hit = self.weight(name, like)[wanted.to(like.device)]
+        self._rows[key] = (wanted.clone(), source)
         return hit
 
 

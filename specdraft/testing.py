@@ -9,12 +9,15 @@ import random
 import string
 import subprocess
 import sys
+import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
@@ -370,3 +373,44 @@ class OracleBeamProposer:
         beams[:, 0] = tokens[-1]
         tree, self.last_compression = pack_beams(beams)
         return tree
+
+
+class HostReads(TorchFunctionMode):
+    """Counts torch calls that read a tensor's values on the host (`item`, `tolist`, `bool`, `int`, `nonzero`,
+    `torch.equal`, boolean-mask indexing, ...): each is a device sync on a GPU, and inside a step a CUDA graph
+    captures, a failed capture. A CPU stand-in for `torch.cuda.set_sync_debug_mode`; `sites` counts them by
+    the specdraft line that made them. Set `active` False to pause counting."""
+
+    READS = frozenset(
+        {
+            torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+            torch.Tensor.__float__, torch.Tensor.__index__, torch.equal, torch.Tensor.nonzero, torch.nonzero,
+            torch.Tensor.cpu, torch.Tensor.numpy, torch.masked_select, torch.Tensor.masked_select,
+        }
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.active, self.sites = 0, True, Counter[str]()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.active and (func in self.READS or self._bool_index(func, args)):
+            self.count += 1
+            here = [
+                f
+                for f in traceback.extract_stack()[:-1]
+                if "specdraft" in f.filename or "/eval/" in f.filename
+            ]
+            self.sites[
+                f"{func.__name__} @ {here[-1].filename}:{here[-1].lineno}" if here else func.__name__
+            ] += 1
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _bool_index(func: Any, args: tuple) -> bool:
+        """Indexing with a boolean mask (a data-dependent shape)."""
+        if func not in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) or len(args) < 2:
+            return False
+        idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)

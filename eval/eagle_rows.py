@@ -280,5 +280,5 @@ def propose_rows(
         s = p.slot
         p.committed = group.cache.lengths[s]
         p.last_levels = lead.last_levels
-        out.append(p.rerank(int(tokens[i][-1]), tok[s], par[s], score[s], depth[s], tokens[i].device))
+        out.append(p.rerank(tokens[i][-1:], tok[s], par[s], score[s], depth[s], tokens[i].device))
     return out

@@ -217,7 +217,7 @@ class EagleTreeProposer:
             tree_tok, parents, depth, anc = (t.clone() for t in res)  # graph outputs are overwritten
             return DraftTree(tree_tok, parents, depth, anc).to(tokens.device)
         tok, par, score, depth = self.grow(out[-1])
-        return self.rerank(int(tokens[-1]), tok, par, score, depth, tokens.device)
+        return self.rerank(tokens[-1:], tok, par, score, depth, tokens.device)
 
     def propose_rows(
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
@@ -363,15 +363,25 @@ class EagleTreeProposer:
         pos = torch.full((1, m), c - 1 + level, device=rows.device)  # frontier nodes sit at depth `level`
         return self.drafter.step(feats[None], toks[None], self.cache, pos, mask, self.block)[0]
 
-    def rerank(self, root: int, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device) -> DraftTree:
-        """Keep the `total_tokens` best candidates and lay them out depth by depth under the root."""
+    def rerank(
+        self, root: Tensor, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device
+    ) -> DraftTree:
+        """Keep the `total_tokens` best candidates and lay them out depth by depth under the root (1,); the
+        ancestors in `depth` fixed steps (`fixed_ancestors`: no host reads beyond the parent check)."""
         kept, parents, keep = select_nodes(tok, par, score, depth, self.total_tokens)
         if bool((parents < 0).any()):
             raise RuntimeError("EAGLE-2 rerank kept a node without its parent (non-monotone scores)")
-        tokens = torch.cat([torch.tensor([root], device=tok.device), kept])
-        parents = torch.cat([torch.tensor([-1], device=tok.device), parents])
+        tokens = torch.cat([root.to(tok.device), kept])
+        parents = torch.cat([torch.full((1,), -1, dtype=parents.dtype, device=tok.device), parents])
+        anc, node_depth = fixed_ancestors(parents, self.depth)
         scores = torch.cat([score.new_zeros(1), score[keep]]).float().exp()  # (N,) path probabilities
-        return DraftTree(tokens.to(device), parents.to(device), scores=scores.to(device))
+        return DraftTree(
+            tokens.to(device),
+            parents.to(device),
+            node_depth.to(device),
+            anc.to(device),
+            scores=scores.to(device),
+        )
 
 
 def _draft_block(drafter: torch.nn.Module, kind: str) -> DraftBlock | None:

@@ -24,7 +24,7 @@ import torch
 
 from specdraft.data.benchmarks import BenchmarkItem
 from specdraft.data.chat import prompt_ids as chat_prompt_ids
-from specdraft.eval.budget import NodeBudget
+from specdraft.eval.budget import FULL, NodeBudget
 from specdraft.eval.decode import ar_generate, model_device, speculative_generate, sync_device, target_forward
 from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import new_cache
@@ -43,6 +43,8 @@ class Method:
     reference: str
     draft_len: int | None = None  # max draft depth (acceptance rate denominator)
     factory: Callable[[], Any] | None = None  # spec methods: a fresh proposer (the batched throughput table)
+    # fixed-shape spec methods with a budget: run every node cap once (CUDA graphs captured), state restored
+    prepare: Callable[[list[int], int], None] | None = None
 
 
 def spec_method(
@@ -101,7 +103,33 @@ def spec_method(
             "profile": prof,
         }
 
-    return Method(name, "spec", run, "ar", _draft_len(proposer))
+    method = Method(name, "spec", run, "ar", _draft_len(proposer))
+    if decoder is not None and decoder.static and budget is not None:
+        method.prepare = partial(precapture, decoder, tokenizer, proposer, budget, stop_ids)
+    return method
+
+
+def precapture(
+    decoder: StaticDecoder,
+    tokenizer: Any,
+    proposer: Any,
+    budget: NodeBudget,
+    stop_ids: set[int],
+    ids: list[int],
+    max_new: int,
+) -> None:
+    """Decode `ids` once at every node cap the budget may settle on (below the proposer's full tree), each
+    under its own fixed budget, so that the fixed-shape path captures each cap's draft step and verify as CUDA
+    graphs before timing (the first use of a shape captures it: two warm-up runs and the capture, which a short
+    timed run would otherwise pay). The method's own budget is not touched; the proposer is restored to its
+    full trees and reset."""
+    full = int(proposer.spec.node_budget) or max(budget.sizes)  # 0: the proposer declares none
+    for cap in [c for c in budget.sizes if 1 < c < full]:
+        decoder.speculative_generate(
+            tokenizer, ids, proposer, max_new, stop_ids=stop_ids, budget=NodeBudget.fixed(cap)
+        )
+    proposer.fit_budget(FULL)
+    proposer.reset()
 
 
 def _draft_len(proposer) -> int | None:
@@ -254,3 +282,6 @@ def warm_up(methods: list[Method], prompts: list[list[int]], tokens: int) -> Non
     for ids in prompts:
         for m in methods:
             m.run(ids, tokens, None)
+    for m in methods:  # every node cap's shapes, once (captured as CUDA graphs on a GPU)
+        if m.prepare is not None and prompts:
+            m.prepare(prompts[0], tokens)

@@ -460,3 +460,32 @@ def test_the_drift_window_doubles_while_refits_keep_the_cap():
     for _ in range(4):  # now the drafts are never accepted: the refit turns drafting off (a new cap)
         budget.observe(0.001, 1, 8, bad)
     assert budget.cap == 1 and budget._window == 4  # reset
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_warm_up_runs_every_cap_once_and_restores_the_proposer(family):
+    """`runner.precapture` (what `warm_up` runs on the fixed-shape path): one decode at each cap below the full
+    tree, so a GPU captures each cap's shapes before timing; the method's budget and proposer come back as they
+    were, and the timed run that follows is still lossless."""
+    from specdraft.eval.runner import spec_method, warm_up
+    from specdraft.testing import tiny_proposer, tiny_target
+
+    model = tiny_target("llama")
+    dec = StaticDecoder(model, 96, static=True)
+    proposer = tiny_proposer(family, model, static=True)
+    full = proposer.spec.node_budget
+    budget = NodeBudget(CostCurve({1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0}), fit_steps=4, check_steps=2,
+                        sizes=(1, 2, 4, 8, 16))  # fmt: skip
+    caps, inner = [], proposer.fit_budget
+    proposer.fit_budget = lambda n: (caps.append(n), inner(n))[1]
+    method = spec_method("m", model, None, proposer, set(), {}, False, decoder=dec, budget=budget)
+    assert method.prepare is not None
+    prompt = torch.randint(5, 128, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    method.prepare(prompt, 6)
+    assert caps == [*[c for c in (2, 4, 8, 16) if c < full], FULL]
+    assert budget.cap is None and not budget.gains and proposer.spec.node_budget == full
+    caps.clear()
+    warm_up([method], [prompt], 6)  # the ordinary warm-up, then every cap
+    assert caps[-1] == FULL and set(caps[:-1]) >= {c for c in (2, 4, 8, 16) if c < full}
+    ref, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
+    assert method.run(prompt, 24, None)[0] == ref

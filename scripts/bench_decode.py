@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Callable
+from functools import partial
 
 LAYOUT_SETS = {
     "both": ("native", "transposed"),
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
     from specdraft.eval.decode import ar_generate, speculative_generate
     from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.runner import precapture
     from specdraft.eval.static_decode import make_decoder
     from specdraft.models.linear_layout import apply_layout, match_target_layout
 
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         for label, d, _, _ in paths
     ]
     budgets: dict[tuple[str, str], NodeBudget] = {}  # (method, path) -> its fitted node budget
+    warm: list[Callable[[list[int], int], None]] = []  # per budgeted method on a fixed-shape path: precapture
     for i, (name, new_proposer) in enumerate(proposers):
         prop = new_proposer()
         methods.append(
@@ -184,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 tag = name + "+budget" + (f"({', '.join(what)})" if what else "")
                 budgets[(tag, label)] = b
+                if d.static:  # every cap's shapes captured before timing (as evaluate.py's warm-up does)
+                    warm.append(partial(precapture, d, tok, prop, b, stop))
                 methods.append(
                     (
                         tag,
@@ -200,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         fn,
     ) in methods:  # warm-up on the extra prompt (allocator, kernels, graphs, budgets start fitting)
         fn(prompts[0])
+    for prepare in warm:
+        prepare(prompts[0], a.max_new_tokens)
     tot: dict[tuple[str, str], dict] = {}
     ref: dict[int, list[int]] = {}
     for k, ids in enumerate(prompts[1:]):

@@ -91,6 +91,8 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     """The AR reference, one method per drafter, then the transformers baselines (and why any was skipped)."""
     from specdraft.eval import runner
     from specdraft.eval.budget import CostCurve, machine_key
+    from specdraft.eval.decode import model_device
+    from specdraft.eval.graphs import graphs_wanted
     from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
     from specdraft.eval.static_decode import make_decoder
     from specdraft.hardware import draft_dtype_for
@@ -103,6 +105,9 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     decoder = make_decoder(
         model, str(e.decode_path), str(e.cuda_graphs)
     )  # shared: one cache, one set of graphs
+    batch_graphs = graphs_wanted(
+        model_device(model), str(e.cuda_graphs)
+    )  # the batched decoders' (throughput)
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
     cost = None
     if e.node_budget == "auto" and decoder is not None:  # verify cost per node count here (cached)
@@ -140,14 +145,16 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             methods.append(
                 _spec(cfg, runner, name, model, tokenizer, proposer, stop_ids, sampling, decoder, cost)
             )
-            methods[-1].factory = partial(  # the same drafter and settings for the batched decoder (eager)
+            eager = partial(  # the same drafter and settings for the batched decoder
                 make_proposer, drafter, e.beam_width, e.beam_length, e.tree_nodes, bool(e.int8_draft_head),
                 lookup_tokens, float(e.draft_min_prob), draft_block=str(e.draft_block),
             )  # fmt: skip
+            # with graphs (a GPU) each row's draft step takes its fixed shape and CUDA graph there too
+            methods[-1].factory = partial(eager, static=batch_graphs, graphs=batch_graphs)
             if e.adaptive == "on":  # next to it: the same drafter, pruned per step by confidence (LLMCad)
                 from specdraft.eval.adaptive import AdaptiveProposer
 
-                pruned = AdaptiveProposer(methods[-1].factory(), float(e.adaptive_threshold))
+                pruned = AdaptiveProposer(eager(), float(e.adaptive_threshold))
                 methods.append(
                     _spec(cfg, runner, name + "+adaptive", model, tokenizer, pruned, stop_ids, sampling, decoder, cost)
                 )  # fmt: skip

@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
     from specdraft.eval.bench_common import first_turns, load_bench, write_json
+    from specdraft.eval.decode import model_device
+    from specdraft.eval.graphs import graphs_wanted
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.throughput import Factory, print_throughput, throughput_rows
 
@@ -166,13 +168,14 @@ def main(argv: list[str] | None = None) -> None:
     # one drafter module shared by every row's proposer (rows are drafted in one call where the family can:
     # eval.decode.RowBatchedProposer); int8 vocabulary heads and EAGLE layers (eval.draft_block=auto) on CPU, as
     # evaluate.py drafts
-    methods += [
-        (name, partial(make_proposer, d, int8_head=True, draft_block="auto")) for name, d in bench.drafters
-    ]
+    # with graphs (a GPU) each row's draft step takes its fixed shape and CUDA graph, as evaluate.py's
+    g = graphs_wanted(model_device(model), a.graphs)
+    fixed = dict(int8_head=True, draft_block="auto", static=g, graphs=g)
+    methods += [(name, partial(make_proposer, d, **fixed)) for name, d in bench.drafters]
     if a.lookup_branch:  # each drafter again, prompt lookup's chain merged into its trees (eval/hybrid.py)
         n = a.lookup_branch
         methods += [
-            (f"{name}+lookup", partial(make_proposer, d, int8_head=True, lookup_tokens=n, draft_block="auto"))
+            (f"{name}+lookup", partial(make_proposer, d, lookup_tokens=n, **fixed))
             for name, d in bench.drafters
         ]
     if a.draft_rows != "together":  # the same proposers drafted one row at a time

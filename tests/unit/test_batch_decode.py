@@ -338,6 +338,21 @@ def test_every_family_batched_equals_batch1_ar(family, shape):
     assert max(n for _, s in res for n in s.tree_sizes) > 1  # trees were verified, not just roots
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "eager"])
+@pytest.mark.parametrize("family", ["redrafter", "redrafter_copy", "medusa", "eagle", "eagle3"])
+def test_fixed_shape_proposers_batched_equal_batch1_ar(family, shape):
+    """The batched decoder with each row's fixed-shape draft step (what evaluate.py's throughput table and
+    bench_batch.py build when the batch runs with graphs; on CUDA each row's step is a CUDA graph)."""
+    model = tiny_target("llama", _device(shape))
+    prompts = random_prompts(LENGTHS, seed=5)
+    stops, refs = _references(model, prompts, BUDGETS)
+    graphs = shape == "graph"
+    factory = lambda: tiny_proposer(family, model, static=True, graphs=graphs)  # noqa: E731
+    res = _decoder(model, 3, shape).generate(prompts, BUDGETS, stops, factory)
+    assert [out for out, _ in res] == refs
+    assert max(n for _, s in res for n in s.tree_sizes) > 1
+
+
 def test_fixed_shape_steps_never_change_shape():
     """Every batched verify of the fixed path reads the whole cache (span = max_len, no host lengths) over a
     power-of-two tree width, so a budget's step always has the same shapes (what a CUDA graph needs)."""

@@ -174,7 +174,8 @@ def draft_block(
     params = list(drafter.parameters())
     if not params or params[0].device.type != "cpu" or supported(layer) is not None:
         return None
-    from specdraft.eval.proposers import int8_supported, weights_key
+    from specdraft.eval.proposers import int8_supported
+    from specdraft.models.layers import weights_key
 
     int8 = int8 and int8_supported()
     key = (int8, weights_key(*params))

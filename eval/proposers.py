@@ -19,6 +19,7 @@ from torch import Tensor
 from specdraft.eval.graphs import CudaGraph, capture_or_none
 from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams
 from specdraft.models.copy_lookup import NgramIndex
+from specdraft.models.layers import weights_key
 from specdraft.models.redrafter_beam import beam_search_fixed, beam_search_rows
 
 if TYPE_CHECKING:
@@ -65,13 +66,6 @@ def int8_copy(linear: torch.nn.Linear) -> Int8Linear:
         hit = (key, Int8Linear(linear))
         _INT8_COPIES[linear] = hit
     return hit[1]
-
-
-def weights_key(*weights: Tensor) -> tuple[tuple[int, int, torch.dtype], ...]:
-    """What identifies the values of `weights` for a cached copy: storage, in-place version and dtype (a copy
-    keyed by it is rebuilt after training, a move or a cast). Inference tensors (made under
-    `inference_mode`) have no version counter and cannot change in place: version 0."""
-    return tuple((w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype) for w in weights)
 
 
 def int8_supported() -> bool:

@@ -154,11 +154,8 @@ class StaticDecoder:
                 self.model, tree.tokens[None], self.cache, positions, mask, layers=layers, keep_last=keep_last
             )
             return logits, hidden, None, None
-        b = budget_for(n)
-        inp = self._inputs.get(b)
-        if inp is None:
-            inp = self._inputs[b] = _TreeInputs(b, self.device)
-        inp.fill(tree)
+        inp = self._padded(tree)
+        b = inp.b
         if not self.graphs:
             logits, hidden = self._static_forward(inp, layers, keep_last)
             return logits, hidden, inp.valid, inp
@@ -171,18 +168,24 @@ class StaticDecoder:
         )
         return logits, hidden, inp.valid, inp
 
+    def _padded(self, tree: DraftTree) -> _TreeInputs:
+        """The static inputs of `tree`'s padded budget (one set per budget: graph inputs), filled with it."""
+        b = budget_for(tree.num_nodes)
+        inp = self._inputs.get(b)
+        if inp is None:
+            inp = self._inputs[b] = _TreeInputs(b, self.device)
+        inp.fill(tree)
+        return inp
+
     def _forward_verified(
         self, tree: DraftTree, layers: tuple[int, ...], keep_last: bool, prefix_accept: bool
     ) -> tuple[Tensor, Tensor, Tensor, _TreeInputs]:
         """Graph path, greedy steps: the verify forward and `greedy_verify_packed` captured together (the
         verification's ~30 small kernels replay with the forward instead of launching one by one). Returns
         (logits (b, V), hidden (b, H'), packed (2 + 2b [+ b],), the padded inputs)."""
-        b = budget_for(tree.num_nodes)
-        self.cache.check_room(b)
-        inp = self._inputs.get(b)
-        if inp is None:
-            inp = self._inputs[b] = _TreeInputs(b, self.device)
-        inp.fill(tree)
+        self.cache.check_room(budget_for(tree.num_nodes))
+        inp = self._padded(tree)
+        b = inp.b
 
         def step() -> tuple[Tensor, Tensor, Tensor]:
             logits, hidden = self._static_forward(inp, layers, keep_last)
@@ -406,11 +409,11 @@ class StaticDecoder:
             if greedy and self.graphs:  # the verification replays with the forward
                 logits, hidden, packed, inp = self._forward_verified(tree, layers, keep_last, prefix)
                 valid = inp.valid
+                t3 = clock()
             else:
                 logits, hidden, valid, inp = self._forward_tree(tree, layers, keep_last)  # (b, V), (b, H')
-            t3 = clock()
-            if verify_fn is None and temperature <= 0.0:
-                if not (greedy and self.graphs):
+                t3 = clock()
+                if greedy:
                     src = inp if inp is not None else tree
                     packed = greedy_verify_packed(
                         src.tokens.reshape(-1),
@@ -421,6 +424,7 @@ class StaticDecoder:
                         valid,
                         prefix_accept=prefix,
                     )
+            if greedy:
                 vals = packed.tolist()  # the step's one host sync
                 b = logits.shape[0]
                 a, bonus = vals[0], vals[1]

@@ -48,11 +48,10 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     smooth_l1_feature_loss,
     soft_cross_entropy,
     target_block,
-    tensor_key,
     unroll,
 )
 from specdraft.models.family import FamilySpec
-from specdraft.models.layers import d2t_draft_ids, draft_vocab_ids, scatter_to_vocab
+from specdraft.models.layers import d2t_draft_ids, draft_vocab_ids, scatter_to_vocab, weights_key
 
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------------------
@@ -170,7 +169,7 @@ class EagleDrafter(PreTrainedModel):
         if not self.reduced:
             return self.full_logits(out)
         return F.linear(
-            out, self.borrowed.rows("lm_head", out, self.draft_ids, tensor_key(cast(Tensor, self.d2t)))
+            out, self.borrowed.rows("lm_head", out, self.draft_ids, weights_key(cast(Tensor, self.d2t)))
         )
 
     def draft_head(self) -> tuple[nn.Module, nn.Linear]:
@@ -179,7 +178,7 @@ class EagleDrafter(PreTrainedModel):
         if not self.reduced:
             return nn.Identity(), head
         rows = self.borrowed.rows(
-            "lm_head", head.weight, self.draft_ids, tensor_key(cast(Tensor, self.d2t))
+            "lm_head", head.weight, self.draft_ids, weights_key(cast(Tensor, self.d2t))
         )  # (Vd, H), cached by `Borrowed`
         # one Linear per cached rows tensor (int8 copies are shared by identity), kept out of the submodules
         hit = self.__dict__.get("_rows_head")

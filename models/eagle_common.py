@@ -173,16 +173,6 @@ def next_tokens(input_ids: Tensor, steps: int) -> Tensor:
     return out
 
 
-def tensor_key(t: Tensor) -> tuple[int, torch.device, int]:
-    """(storage address, device, version counter) of `t`: changes when it is replaced, moved or written in
-    place (tensors made under inference mode have no counter: 0)."""
-    try:
-        version = t._version
-    except RuntimeError:
-        version = 0
-    return t.data_ptr(), t.device, version
-
-
 class Borrowed:
     """The target's embedding / LM head, hidden from `state_dict` and cached per dtype for the drafter."""
 
@@ -214,15 +204,13 @@ class Borrowed:
     ) -> Tensor:
         """`weight(name, like)[ids]`, cached for a fixed `ids` (e.g. EAGLE's draft vocabulary).
 
-        With `source` (what `ids` derives from, e.g. the `d2t` buffer's `tensor_key`) the cache is kept while the
+        With `source` (what `ids` derives from, e.g. `layers.weights_key` of the `d2t` buffer) the cache is kept while the
         source is the same, without reading `ids` (`ids` may then be a callable, called on a miss only): no host
         sync, so a CUDA graph can capture the draft step. Without it `ids` is compared with the cached one (a
-        host read on a GPU), except while a capture runs (after warm-up runs with the same `ids`)."""
+        host read on a GPU)."""
         key = (f"{name}[rows]", like.dtype, like.device)
         hit, (had, had_source) = self._cast.get(key), self._rows.get(key, (None, None))
         if hit is not None and source is not None and had_source == source:
-            return hit
-        if hit is not None and like.is_cuda and torch.cuda.is_current_stream_capturing():
             return hit
         wanted = ids() if callable(ids) else ids
         if hit is None or had is None or not torch.equal(had, wanted):

@@ -139,6 +139,13 @@ class PrefixAttention(nn.Module):
         return self.out(out)  # (..., n, out_dim)
 
 
+def weights_key(*weights: Tensor) -> tuple[tuple[int, int, torch.dtype], ...]:
+    """What identifies the values of `weights` for a cached copy: storage, in-place version and dtype (a copy
+    keyed by it is rebuilt after training, a move or a cast). Inference tensors (made under
+    `inference_mode`) have no version counter and cannot change in place: version 0."""
+    return tuple((w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype) for w in weights)
+
+
 def d2t_draft_ids(d2t: Tensor, reduced: bool) -> Tensor:
     """(Vd,) long target id of every draft-vocabulary entry, from the offsets `d2t` (Vd,) (arange when full)."""
     ar = torch.arange(d2t.shape[0], device=d2t.device)

@@ -21,9 +21,7 @@ class EvalConfig:
     int8_draft_head: bool = (
         True  # CPU: ReDrafter / Medusa / EAGLE draft with int8 vocab heads (output unchanged)
     )
-    draft_block: str = (
-        "auto"  # CPU EAGLE heads' layer while drafting: auto | int8 | fused | hf (output unchanged)
-    )
+    draft_block: str = "auto"  # CPU drafting layers: auto|int8|fused|hf (EAGLE layer, ReDrafter products)
     draft_dtype: str | None = None  # None: the target's dtype, else auto|fp32|bf16|fp16; same output
     draft_min_prob: float = 0.0  # ReDrafter: prune beam positions whose drafter probability is below this
     lookup_tokens: int = 0  # > 0: also run each drafter with a prompt-lookup chain this long merged in

@@ -197,6 +197,8 @@ class ReDrafterProposer:
             the committed tokens (`copy_lookup.lookup_fixed`); prefix attention and `min_prob` keep the
             dynamic step.
         graphs: with `static`, capture the draft step as a CUDA graph (drafter on CUDA).
+        int8_layers: search through `int8_clone(drafter)`: the recurrence, blocks, input projection and copy
+            gate as dynamic-int8 products (CPU only; `eval.draft_block=int8`).
     """
 
     def __init__(
@@ -208,6 +210,7 @@ class ReDrafterProposer:
         min_prob: float = 0.0,
         static: bool = False,
         graphs: bool = False,
+        int8_layers: bool = False,
     ) -> None:
         if beam_width < 1 or beam_length < 1:
             raise ValueError(
@@ -216,6 +219,8 @@ class ReDrafterProposer:
         # duck-typed: any module with ReDrafter's `head` and `beam_search`
         drafter = cast("ReDrafter", drafter)
         self.drafter = drafter
+        # the module the beam search runs: the drafter, or its int8 view (`eval/int8_clone.py`) on a CPU
+        self._search = cast("ReDrafter", _int8_view(drafter) if int8_layers else drafter)
         self.beam_width = beam_width
         self.draft_len = beam_length - 1
         self._full = (beam_width, self.draft_len)  # the search `fit_budget` caps (and restores)
@@ -305,7 +310,7 @@ class ReDrafterProposer:
         end = m0 + tokens.shape[0]
         js = torch.arange(min(max(m0, 2), end), end, device=hist.device)  # new positions with j >= 2
         first = self._memory is None
-        keys, values = self.drafter.context_memory(
+        keys, values = self._search.context_memory(
             hidden[js - m0, : self.hidden_size], hist[js - 2], hist[js - 1], hist[js], sink=first
         )  # (first + n', A) each
         self._history = hist
@@ -358,7 +363,7 @@ class ReDrafterProposer:
             )
         context = self._update_memory(hidden, tokens) if self.uses_context else None
         copy = self._update_copy_index(tokens) if self.copy_ngram else None
-        beams, cum = self.drafter.beam_search(
+        beams, cum = self._search.beam_search(
             hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy
         )  # (W, 1+D) each
         return self._pack(beams, cum, tokens.device)
@@ -387,13 +392,13 @@ class ReDrafterProposer:
             R trees, each equal to what `rows[i].propose(hidden[i], tokens[i])` gives (with the int8 head the
             rows share one activation scale, so a draft may differ slightly; the output never does).
         """
-        search = (self.drafter, self.beam_width, self.draft_len, self.min_logp)
+        search = (self._search, self.beam_width, self.draft_len, self.min_logp)
         if self.static or self.uses_context or self.draft_len == 0:
             return None
         if not all(isinstance(p, ReDrafterProposer) for p in rows):
             return None
         ps = cast("list[ReDrafterProposer]", list(rows))
-        if any((p.drafter, p.beam_width, p.draft_len, p.min_logp) != search for p in ps):
+        if any((p._search, p.beam_width, p.draft_len, p.min_logp) != search for p in ps):
             return None
         copies = (
             [p._update_copy_index(t) for p, t in zip(ps, tokens, strict=True)] if self.copy_ngram else None
@@ -401,7 +406,7 @@ class ReDrafterProposer:
         roots = torch.stack([t[-1] for t in tokens])  # (R,)
         feats = torch.stack([h[-1] for h in hidden])  # (R, F)
         beams, cum = beam_search_rows(
-            self.drafter, feats, roots, self.beam_width, self.draft_len, self.head, copies
+            self._search, feats, roots, self.beam_width, self.draft_len, self.head, copies
         )  # (R, W, 1 + D) each
         return [p._pack(b, c, t.device) for p, b, c, t in zip(ps, beams, cum, tokens, strict=True)]
 
@@ -432,7 +437,7 @@ class ReDrafterProposer:
         def step() -> tuple[Tensor, Tensor]:
             copy = (self._ctx, self._ctx_len, self.copy_ngram) if self.copy_ngram else None
             return beam_search_fixed(
-                self.drafter, self._hidden_in, self._root_in, self.beam_width, self.draft_len, self.head, copy
+                self._search, self._hidden_in, self._root_in, self.beam_width, self.draft_len, self.head, copy
             )
 
         if self.graphs and self._draft_graph is None:
@@ -443,6 +448,13 @@ class ReDrafterProposer:
         scores = torch.cat([cum.new_ones(1), cum[:, 1:].float().exp().reshape(-1)])  # (1 + W*D,)
         self.last_compression = 1.0
         return DraftTree(tokens, self._parents, self._depth, self._ancestors, scores=scores)
+
+
+def _int8_view(drafter: torch.nn.Module) -> torch.nn.Module:
+    """`int8_clone(drafter)` without its vocabulary head (the proposers swap that one themselves)."""
+    from specdraft.eval.int8_clone import int8_clone
+
+    return int8_clone(drafter, keep=("head",))
 
 
 def drafter_family(drafter: torch.nn.Module) -> str:
@@ -483,7 +495,8 @@ def make_proposer(
             graph) for the static decode path.
         draft_block: EAGLE heads' decoder layer while drafting: "hf" (its modules), "fused" or "int8" (a
             decode-time copy with fused / int8 products on CPU: `eval/draft_block.py`), "auto" (int8 where the
-            family declares `int8_draft_layer`, else fused).
+            family declares `int8_draft_layer`, else fused). ReDrafter: "int8" (or "auto" where declared)
+            searches through int8 products of its recurrence, blocks and copy gate (`eval/int8_clone.py`).
     """
     from specdraft.models.registry import spec_of
 
@@ -518,7 +531,10 @@ def _family_proposer(
     if spec.proposer == "redrafter_beams":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1
-        return ReDrafterProposer(drafter, int(w), int(length), int8_head, min_prob, static, graphs)
+        int8_layers = draft_block == "int8" or (draft_block == "auto" and spec.int8_draft_layer)
+        return ReDrafterProposer(
+            drafter, int(w), int(length), int8_head, min_prob, static, graphs, int8_layers
+        )
     if spec.proposer == "medusa_tree":
         from specdraft.eval.medusa_tree import MedusaProposer
 

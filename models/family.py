@@ -59,8 +59,9 @@ class FamilySpec:
         low_precision_outputs: `compute_loss` takes bf16/fp16 model outputs and computes in fp32 itself (the loop
             then skips accelerate's fp32 copy of them).
         uses_token_counts: `build` takes the training-label counts (a reduced draft vocabulary).
-        int8_draft_layer: drafting through int8 products of its decoder layer keeps its acceptance (measured:
-            `eval.draft_block=auto` runs int8 for such a family, else the fused layer in the head's dtype).
+        int8_draft_layer: drafting through int8 products of its layers keeps its acceptance (measured:
+            `eval.draft_block=auto` runs int8 for such a family, else the fused layer in the head's dtype;
+            ReDrafter: its recurrence, blocks and copy gate, `eval/int8_clone.py`).
     """
 
     name: str

@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=["auto"],
         choices=["auto", "hf", "fused", "int8"],
-        help="EAGLE heads' layer while drafting (eval.draft_block); several: one row per value (an A/B)",
+        help="EAGLE heads' layer / ReDrafter's products while drafting (eval.draft_block); several: one row "
+        "per value (an A/B)",
     )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 lambda d=d, b=b: make_proposer(d, int8_head=int8, draft_block=b),
             )
             for name, d in drafters
-            for b in (blocks if drafter_family(d).startswith("eagle") else blocks[:1])
+            for b in (blocks if drafter_family(d) != "medusa" else blocks[:1])  # Medusa: no draft block
         ]
         if (
             a.lookup_branch

@@ -210,7 +210,7 @@ def run_tiny_train(
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
 FAMILIES = (
     "redrafter", "redrafter_context", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3",
-    "eagle_int8", "eagle3_int8", "lookup",
+    "eagle_int8", "eagle3_int8", "redrafter_int8", "lookup",
 )  # fmt: skip
 
 
@@ -226,8 +226,8 @@ def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, gr
     """A randomly initialised drafter of `family` (one of `FAMILIES`; "redrafter_copy": the copy gate without
     prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over
     64 of the 128 tokens; "eagle_int8" / "eagle3_int8" / "eagle3_fused": the head's layer run
-    as int8 / fused products (`eval.draft_block`); "lookup": prompt lookup of 4
-    tokens) on a
+    as int8 / fused products (`eval.draft_block`); "redrafter_int8": the copy-gate ReDrafter searching through
+    int8 products (`eval/int8_clone.py`); "lookup": prompt lookup of 4 tokens) on a
     `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
     call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds. `static` / `graphs`: the
     fixed-shape draft step and its CUDA graph (`make_proposer`; graphs only with the target on CUDA)."""
@@ -252,14 +252,18 @@ def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, gr
         dev = next(target.parameters()).device  # the target's device and dtype, as `load_drafter` places it
         return jitter(drafter.to(device=dev, dtype=dtype).eval(), scale)  # random non-identity weights
 
-    if family in ("redrafter", "redrafter_context", "redrafter_copy"):  # copy: the copy gate alone
+    if family.startswith("redrafter"):  # copy: the copy gate alone
         extra: dict[str, Any] = {
             "redrafter": {},
             "redrafter_context": dict(context_heads=2, context_dim=16, copy_ngram=3),
             "redrafter_copy": dict(copy_ngram=3),
+            "redrafter_int8": dict(copy_ngram=3),
         }[family]
         d = redrafter.build(ReDrafterSchema(draft_len=3, beam_width=4, num_layers=1, **extra), model, fp)
-        return ReDrafterProposer(ready(d, 0.05), beam_width=4, beam_length=4, static=static, graphs=graphs)
+        int8 = family == "redrafter_int8"
+        return ReDrafterProposer(
+            ready(d, 0.05), beam_width=4, beam_length=4, static=static, graphs=graphs, int8_layers=int8
+        )
     if family in ("medusa", "medusa_root"):
         schema = OmegaConf.create(
             {"draft_len": 3, "num_layers": 1, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
@@ -298,7 +302,8 @@ def tiny_proposer_factory(family: str, target: torch.nn.Module) -> Callable[[], 
     else:
         drafter = tiny_proposer(name, target).drafter
         if name.startswith("redrafter"):
-            inner = lambda: ReDrafterProposer(drafter, beam_width=4, beam_length=4)  # noqa: E731
+            int8 = name == "redrafter_int8"
+            inner = lambda: ReDrafterProposer(drafter, beam_width=4, beam_length=4, int8_layers=int8)  # noqa: E731
         else:
             nodes = 12 if name.startswith("medusa") else 10
             block = name.rpartition("_")[2] if name.endswith(("_int8", "_fused")) else "hf"

@@ -1,0 +1,89 @@
+"""A decode-time view of a drafter whose small products run as dynamic int8 (CPU drafting, `eval.draft_block`).
+
+ReDrafter's beam search and Medusa's heads make a dozen or more small products per draft (ReDrafter: the
+recurrence's U s and W e, the residual blocks and the copy gate at W beams per slot; at 8 rows a bf16
+576 x 576 product costs ~34 us on a 2-core Zen 5, its dynamic-int8 copy ~16 us, and in a decode step the
+weights are cold, so halving their bytes counts twice). `int8_clone(module, keep)` returns a shallow copy of
+`module` that shares every parameter and buffer, with each `nn.Linear` below it (except the attribute names in
+`keep`, e.g. the vocabulary head, which the proposers already swap for their own int8 copy) replaced by
+`Int8Product`: the same product through `proposers.Int8Linear`, in float32. The original is
+untouched (training and exports never see the clone). Only the drafts change, slightly; the output never does
+(verification decides every token).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.eval.proposers import Int8Linear, int8_copy
+from specdraft.models.layers import weights_key
+
+
+class Int8Product(nn.Module):
+    """`linear`'s product as a dynamic-int8 fbgemm product (`Int8Linear`: int8 weights per output channel,
+    activations quantised per call), returned in float32 (or float64): the small ops after it then run in float32 too
+    (type promotion), so the next product needs no cast (on a CPU each cast of a few rows costs about as much
+    as the elementwise op itself)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.q: Int8Linear = int8_copy(linear)  # shared with every clone of the same weights
+        self.out_features = linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., in) -> (..., out) float32 (float64 for a float64 x)."""
+        return self.q(x).to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _linears(module: nn.Module, keep: frozenset[str]) -> list[nn.Linear]:
+    """Every `nn.Linear` below `module` that the clone swaps (children named in `keep` excluded, at any depth)."""
+    out: list[nn.Linear] = []
+    for name, child in module.named_children():
+        if name in keep:
+            continue
+        if isinstance(child, nn.Linear):
+            out.append(child)
+        else:
+            out.extend(_linears(child, keep))
+    return out
+
+
+def _clone(module: nn.Module, keep: frozenset[str]) -> nn.Module:
+    """A shallow copy of `module` (shared parameters and buffers) with its Linears swapped, recursively."""
+    twin = copy.copy(module)
+    twin._modules = {}  # a new dict: the original's children stay as they are
+    for name, child in module._modules.items():
+        if child is None or name in keep:
+            twin._modules[name] = child
+        elif isinstance(child, nn.Linear):
+            twin._modules[name] = Int8Product(child)
+        else:
+            twin._modules[name] = _clone(child, keep)
+    return twin
+
+
+_CLONES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def int8_clone(module: nn.Module, keep: tuple[str, ...] = ("head",)) -> nn.Module:
+    """The int8 view of `module` (see the module docstring), built once per module and weights and shared by
+    every proposer of it (a batch of B rows makes B proposers); rebuilt when a swapped Linear's weights changed
+    (trained, moved or cast). `module` itself is returned unchanged where int8 products do not apply: off a CPU,
+    without fbgemm, or with no Linear to swap."""
+    from specdraft.eval.proposers import int8_supported
+
+    keys = frozenset(keep)
+    linears = _linears(module, keys)
+    if not linears or not int8_supported() or any(lin.weight.device.type != "cpu" for lin in linears):
+        return module
+    key = tuple(weights_key(lin.weight) for lin in linears)
+    hit = _CLONES.get(module)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = (key, _clone(module, keys))
+        _CLONES[module] = hit
+    return hit[1]

@@ -34,6 +34,8 @@ DTYPES: dict[str, torch.dtype] = {  # short names first: the order config errors
 }
 SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matmuls on x86
+# int8 dot products that accumulate in 32 bits (fbgemm's int8 products need no 7-bit activations there)
+VNNI_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 @lru_cache(maxsize=1)
@@ -47,6 +49,13 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_int8_full_range() -> bool:
+    """Whether int8 products may quantise activations to the full 8 bits here: VNNI (or AMX) dot products
+    accumulate in 32 bits; without them fbgemm's AVX2 path sums pairs in saturating 16 bits, which 7-bit
+    activations (`reduce_range`) keep from overflowing."""
+    return any(f in cpu_flags() for f in VNNI_CPU_FLAGS)
 
 
 @lru_cache(maxsize=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -123,10 +124,13 @@ def test_fused_block_drafts_the_same_trees(family, static):
 
 
 @pytest.mark.skipif(not int8_supported(), reason="needs fbgemm's int8 products")
-def test_auto_runs_int8_where_the_family_declares_it():
-    """eval.draft_block=auto: EAGLE-3 (int8_draft_layer) drafts through int8 products, EAGLE-1 through the
-    fused layer in its own dtype (its int8 copy drafted worse)."""
+def test_auto_runs_int8_where_the_family_declares_it(monkeypatch):
+    """eval.draft_block=auto: a family declaring `int8_draft_layer` (EAGLE-3 and, with 8-bit activations,
+    EAGLE-1) drafts through int8 products; one that does not, through the fused layer in its own dtype."""
     target = tiny_target("llama").float()
     e3, e1 = (EagleTreeProposer(_head(f, target), 10, 4, 3, draft_block="auto") for f in (eagle3, eagle))
     assert e3.block is not None and e3.block.qkv.int8 is not None
+    assert e1.block is not None and e1.block.qkv.int8 is not None
+    monkeypatch.setattr(eagle, "FAMILY", dataclasses.replace(eagle.FAMILY, int8_draft_layer=False))
+    e1 = EagleTreeProposer(_head(eagle, target), 10, 4, 3, draft_block="auto")
     assert e1.block is not None and e1.block.qkv.int8 is None

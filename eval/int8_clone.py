@@ -35,55 +35,65 @@ class Int8Product(nn.Module):
         self.out_features = linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        """x (..., in) -> (..., out) float32 (float64 for a float64 x)."""
-        return self.q(x).to(torch.promote_types(x.dtype, torch.float32))
+        """x (..., in) -> (..., out) float32 (float64 for a float64 x); any number of leading dims (fbgemm takes
+        2-D and up)."""
+        y = self.q(x.reshape(-1, x.shape[-1]))  # (N, out)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _linears(module: nn.Module, keep: frozenset[str]) -> list[nn.Linear]:
-    """Every `nn.Linear` below `module` that the clone swaps (children named in `keep` excluded, at any depth)."""
+def _kept(name: str, child: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> bool:
+    """Whether the clone leaves `child` (attribute `name`) as it is: named in `keep`, or one of `skip`."""
+    return name in keep or id(child) in skip
+
+
+def _linears(module: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> list[nn.Linear]:
+    """Every `nn.Linear` below `module` that the clone swaps (kept children excluded, at any depth)."""
     out: list[nn.Linear] = []
     for name, child in module.named_children():
-        if name in keep:
+        if _kept(name, child, keep, skip):
             continue
         if isinstance(child, nn.Linear):
             out.append(child)
         else:
-            out.extend(_linears(child, keep))
+            out.extend(_linears(child, keep, skip))
     return out
 
 
-def _clone(module: nn.Module, keep: frozenset[str]) -> nn.Module:
+def _clone(module: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> nn.Module:
     """A shallow copy of `module` (shared parameters and buffers) with its Linears swapped, recursively."""
     twin = copy.copy(module)
     twin._modules = {}  # a new dict: the original's children stay as they are
     for name, child in module._modules.items():
-        if child is None or name in keep:
+        if child is None or _kept(name, child, keep, skip):
             twin._modules[name] = child
         elif isinstance(child, nn.Linear):
             twin._modules[name] = Int8Product(child)
         else:
-            twin._modules[name] = _clone(child, keep)
+            twin._modules[name] = _clone(child, keep, skip)
     return twin
 
 
 _CLONES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 
 
-def int8_clone(module: nn.Module, keep: tuple[str, ...] = ("head",)) -> nn.Module:
+def int8_clone(
+    module: nn.Module, keep: tuple[str, ...] = ("head",), skip: tuple[nn.Module, ...] = ()
+) -> nn.Module:
     """The int8 view of `module` (see the module docstring), built once per module and weights and shared by
     every proposer of it (a batch of B rows makes B proposers); rebuilt when a swapped Linear's weights changed
-    (trained, moved or cast). `module` itself is returned unchanged where int8 products do not apply: off a CPU,
-    without fbgemm, or with no Linear to swap."""
+    (trained, moved or cast). Children named in `keep` (at any depth) and the modules in `skip` stay as they
+    are. `module` itself is returned unchanged where int8 products do not apply: off a CPU, without fbgemm, or
+    with no Linear to swap."""
     from specdraft.eval.proposers import int8_supported
 
-    keys = frozenset(keep)
-    linears = _linears(module, keys)
+    keys, skipped = frozenset(keep), frozenset(id(m) for m in skip)
+    linears = _linears(module, keys, skipped)
     if not linears or not int8_supported() or any(lin.weight.device.type != "cpu" for lin in linears):
         return module
     key = tuple(weights_key(lin.weight) for lin in linears)
     hit = _CLONES.get(module)
     if hit is None or hit[0] != key:
         with torch.no_grad():
-            hit = (key, _clone(module, keys))
+            hit = (key, _clone(module, keys, skipped))
         _CLONES[module] = hit
     return hit[1]

@@ -245,6 +245,9 @@ class MedusaProposer:
             Only the drafts can change, never the output.
         graphs: drafter on CUDA: capture the draft step (heads, top-k, the tree's tokens) as a CUDA graph,
             once per node cap (`fit_budget`), and replay it (eager where capture fails; else ignored).
+        int8_layers: on CPU, the heads' residual blocks as dynamic-int8 products
+            through `eval.int8_clone.int8_clone` (`eval.draft_block=int8`); the vocabulary Linears follow
+            `int8_head`.
     """
 
     def __init__(
@@ -254,6 +257,7 @@ class MedusaProposer:
         max_nodes: int | None = None,
         int8_head: bool = False,
         graphs: bool = False,
+        int8_layers: bool = False,
     ) -> None:
         drafter = cast("Medusa", drafter)  # duck-typed: any module with Medusa's `config` and `topk_tokens`
         cfg = drafter.config
@@ -266,6 +270,13 @@ class MedusaProposer:
         else:
             paths = prune_tree(DEFAULT_TREE, heads, int(getattr(cfg, "topk", 10)), max_nodes)
         self.drafter = drafter
+        self._search = drafter  # what drafts: the drafter, or its int8 view (below)
+        if int8_layers:
+            from specdraft.eval.int8_clone import int8_clone
+
+            vocab = tuple(lin for _, lin in drafter.vocab_heads())
+            # the root input slices its weight per call (`models/medusa_root.py`): it keeps its float product
+            self._search = cast("Medusa", int8_clone(drafter, keep=("root_input",), skip=vocab))
         self.paths = paths
         self.parents, self.head, self.rank = tree_layout(paths)  # (N,) each
         self.ancestors, self.depth = ancestor_matrix(self.parents)  # (N, N), (N,)
@@ -306,7 +317,7 @@ class MedusaProposer:
     def _topk(self, hidden: Tensor, root: Tensor) -> Tensor:
         """hidden (..., H), root (...) -> (..., depth, k) target ids of the heads and ranks the proposed nodes
         need, through the int8 copies when there are some (root-conditioned heads read `root`)."""
-        return self.drafter.topk_tokens(hidden, *self._run, linears=self.int8, root=root)
+        return self._search.topk_tokens(hidden, *self._run, linears=self.int8, root=root)
 
     def _layout_on(self, dev: torch.device) -> None:
         """Move the static layout to the decoding device (once, not every step)."""
@@ -371,8 +382,8 @@ class MedusaProposer:
         if not all(isinstance(p, MedusaProposer) for p in rows):
             return None
         ps = cast("list[MedusaProposer]", list(rows))
-        same = (self.drafter, self.paths, self._cap, self.int8 is None)
-        if any((p.drafter, p.paths, p._cap, p.int8 is None) != same for p in ps):
+        same = (self._search, self.paths, self._cap, self.int8 is None)
+        if any((p._search, p.paths, p._cap, p.int8 is None) != same for p in ps):
             return None
         n, dev = self._cap, tokens[0].device
         self._layout_on(dev)

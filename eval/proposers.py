@@ -532,17 +532,20 @@ def _family_proposer(
 ):
     """The proposer `spec.proposer` names, built with `make_proposer`'s settings (prompt lookup aside)."""
     cfg = cast("PretrainedConfig", drafter.config)
+    # ReDrafter / Medusa: draft through an int8 view of the drafter's products (`eval/int8_clone.py`)
+    int8_layers = draft_block == "int8" or (draft_block == "auto" and spec.int8_draft_layer)
     if spec.proposer == "redrafter_beams":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1
-        int8_layers = draft_block == "int8" or (draft_block == "auto" and spec.int8_draft_layer)
         return ReDrafterProposer(
             drafter, int(w), int(length), int8_head, min_prob, static, graphs, int8_layers
         )
     if spec.proposer == "medusa_tree":
         from specdraft.eval.medusa_tree import MedusaProposer
 
-        return MedusaProposer(drafter, max_nodes=tree_nodes, int8_head=int8_head, graphs=graphs)
+        return MedusaProposer(
+            drafter, max_nodes=tree_nodes, int8_head=int8_head, graphs=graphs, int8_layers=int8_layers
+        )
     if spec.proposer == "eagle_tree":
         from specdraft.eval.eagle_tree import EagleTreeProposer
 

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=["auto"],
         choices=["auto", "hf", "fused", "int8"],
-        help="EAGLE heads' layer / ReDrafter's products while drafting (eval.draft_block); several: one row "
-        "per value (an A/B)",
+        help="EAGLE heads' layer / ReDrafter's and Medusa's products while drafting (eval.draft_block); "
+        "several: one row per value (an A/B)",
     )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import first_turns, load_bench, write_json
     from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
     from specdraft.eval.decode import ar_generate, speculative_generate
-    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.runner import precapture
     from specdraft.eval.static_decode import make_decoder
     from specdraft.models.linear_layout import apply_layout, match_target_layout
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 lambda d=d, b=b: make_proposer(d, int8_head=int8, draft_block=b),
             )
             for name, d in drafters
-            for b in (blocks if drafter_family(d) != "medusa" else blocks[:1])  # Medusa: no draft block
+            for b in blocks
         ]
         if (
             a.lookup_branch

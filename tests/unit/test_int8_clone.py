@@ -99,3 +99,20 @@ def test_int8_products_quantise_activations_to_8_bits_where_vnni_accumulates_in_
     assert not full.reduce_range and reduced.reduce_range
     err_full, err_reduced = ((q(x) - ref).norm() / ref.norm() for q in (full, reduced))
     assert err_full < 0.8 * err_reduced < 0.05
+
+
+def test_medusa_int8_layers_keep_the_vocabulary_and_root_products_and_decode_losslessly():
+    model = tiny_target("llama")
+    drafter = tiny_proposer("medusa_root", model).drafter
+    p = make_proposer(drafter, tree_nodes=12, draft_block="int8")
+    view = p._search
+    assert view is not drafter and view.root_input is drafter.root_input  # slices its weight per call
+    for (_, lin), (_, twin) in zip(drafter.vocab_heads(), view.vocab_heads(), strict=True):
+        assert twin is lin  # the vocabulary products follow int8_head, not the view
+    assert isinstance(view.heads[0][0].linear, Int8Product)
+    assert make_proposer(drafter, tree_nodes=12, draft_block="auto")._search is drafter  # not declared
+    prompt = torch.tensor(random_prompts([10], seed=6)[0])
+    dec = StaticDecoder(model, 128)
+    ar, _ = dec.ar_generate(None, prompt, 40, stop_ids=set())
+    out, _ = dec.speculative_generate(None, prompt, p, 40, stop_ids=set())
+    assert out == ar

@@ -37,8 +37,8 @@ class Int8Product(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in) -> (..., out) float32 (float64 for a float64 x); any number of leading dims (fbgemm takes
         2-D and up)."""
-        y = self.q(x.reshape(-1, x.shape[-1]))  # (N, out)
-        return y.reshape(*x.shape[:-1], y.shape[-1]).to(torch.promote_types(x.dtype, torch.float32))
+        y = self.q(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)  # (..., out) float32
+        return y.double() if x.dtype == torch.float64 else y
 
 
 def _kept(name: str, child: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> bool:

@@ -204,6 +204,28 @@ def mix_logits(logits: Tensor, cand: Tensor, lam: Tensor, chunk_rows: int | None
     return out.reshape(logits.shape)
 
 
+def mix_log_probs(logits: Tensor, cand: Tensor, lam: Tensor) -> Tensor:
+    """Log-probabilities of the mixture (1 - lam) * softmax(logits) + lam * onehot(cand), float32 (float64 stays),
+    at decode time: `log_softmax(mix_logits(logits, cand, lam))` without its logsumexp pass and copy (one
+    log-softmax, then every token shifted by log(1 - lam) and the candidate set to log(pi)). Not differentiable
+    in `lam` through the candidate's entry the way `mix_logits` is; training uses `mix_logits`.
+
+    Args:
+        logits: (..., V) float; cand: (...) long in [0, V); lam: (...) float in [0, 1).
+
+    Returns:
+        (..., V) log-probabilities; rows with lam == 0 equal log_softmax(logits).
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logp = torch.log_softmax(logits.to(dtype), dim=-1)  # (..., V)
+    info = torch.finfo(dtype)
+    lam = lam.to(dtype).clamp(0.0, 1 - info.eps)[..., None]  # (..., 1)
+    l_c = logp.gather(-1, cand[..., None])  # (..., 1)
+    pi = ((1 - lam) * l_c.exp() + lam).clamp(info.tiny, 1.0)  # (..., 1)
+    out = logp.add_(torch.log1p(-lam))  # (..., V): every other token keeps (1 - lam) of its probability
+    return out.scatter_(-1, cand[..., None], torch.where(lam > 0, pi.log(), l_c))
+
+
 def _mix_terms(l_c: Tensor, lse: Tensor, lam: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(p_c, pi, new candidate logit) (M,) each, in lse's float dtype, kept inside (0, 1) for the log-odds."""
     info = torch.finfo(lse.dtype)

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.models import redrafter_beam
-from specdraft.models.copy_lookup import CopyGate, mix_logits
+from specdraft.models.copy_lookup import CopyGate, mix_log_probs, mix_logits
 from specdraft.models.family import FamilySpec
 from specdraft.models.layers import (
     ResBlock,
@@ -183,9 +183,11 @@ class ReDrafter(PreTrainedModel):
         head: Callable[[Tensor], Tensor] | None = None,
         context: tuple | None = None,
         copy: tuple[Tensor, Tensor] | None = None,
+        log_probs: bool = False,
     ) -> Tensor:
         """state (..., n, E), feats (..., n, F) from `features` -> logits (..., n, Vd) over the draft vocabulary
-        for this state's slot.
+        for this state's slot (`log_probs`: their float32 log-softmax instead, the beam search's scores, with
+        the copy gate's mixture taken in log space: `copy_lookup.mix_log_probs`).
 
         `head` replaces the vocabulary head, (..., X) -> (..., Vd) (e.g. an int8 copy at decode time).
         `context` (prefix attention only): keys, values (..., 1 + M, A) from `context_memory`, a visibility mask
@@ -202,11 +204,13 @@ class ReDrafter(PreTrainedModel):
             g = block(g)
         logits = (self.head if head is None else head)(g)  # (..., Vd)
         if self.copy_gate is None or copy is None:
-            return logits
+            return torch.log_softmax(logits.float(), dim=-1) if log_probs else logits
         cand, length = copy
         draft = self.to_draft_ids(cand, missing=-1)  # (..., n); tokens outside the draft vocabulary: no copy
         length = length.to(draft.device).masked_fill(draft < 0, 0)
         lam = self.copy_gate(g, self.embed_tokens(cand), length)  # (..., n), 0 without a candidate
+        if log_probs:  # float32 scores, as without a candidate
+            return mix_log_probs(logits.float(), draft.clamp_min(0), lam)  # (..., Vd)
         return mix_logits(logits, draft.clamp_min(0), lam)  # (..., Vd)
 
     # ---- training ---------------------------------------------------------------------------------------

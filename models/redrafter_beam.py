@@ -104,10 +104,10 @@ def beam_search_rows(
             cands = (torch.stack([c for c, _ in looked]), torch.stack([m for _, m in looked]))
         if ctx is not None:  # the prefix attention reads (n, X) states: one row
             one = None if cands is None else (cands[0][0], cands[1][0])  # (W,) each
-            logits = drafter.state_logits(state[0], h[0].expand(w, -1), head, ctx, one)[None]  # (1, W, Vd)
+            one_row = drafter.state_logits(state[0], h[0].expand(w, -1), head, ctx, one, log_probs=True)
+            logp = one_row[None]  # (1, W, Vd)
         else:
-            logits = drafter.state_logits(state, h.expand(-1, w, -1), head, None, cands)  # (R, W, Vd)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (R, W, Vd)
+            logp = drafter.state_logits(state, h.expand(-1, w, -1), head, None, cands, True)  # (R, W, Vd)
         scores, parent, draft = _best(scores, logp, beam_width)  # (R, W') each
         token = drafter.to_target_ids(draft)  # (R, W') target ids
         beams = torch.cat([_rows(beams, parent), token[..., None]], dim=-1)  # (R, W, k + 2)
@@ -183,7 +183,7 @@ def beam_search_fixed(
         cands = (
             None if copy is None else lookup_fixed(copy[0], copy[1], beams[:, : k + 1], copy[2])
         )  # (W,) x2
-        logp = torch.log_softmax(drafter.state_logits(state, h, head, None, cands).float(), dim=-1)  # (W, Vd)
+        logp = drafter.state_logits(state, h, head, None, cands, log_probs=True)  # (W, Vd) float32
         scores, parent, draft = _best(scores, logp, w)  # (W,) each
         beams, cum, state = beams[parent], cum[parent], state[parent]
         beams[:, k + 1] = drafter.to_target_ids(draft)

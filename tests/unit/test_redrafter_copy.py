@@ -19,6 +19,7 @@ from specdraft.models.copy_lookup import (
     NO_CANDIDATE,
     NgramIndex,
     lookup_fixed,
+    mix_log_probs,
     mix_logits,
     ngram_candidates,
     slot_candidates,
@@ -84,6 +85,38 @@ def test_mix_logits_gives_the_mixture_distribution():
     assert torch.equal(out[other], logits[other])  # only the candidate's logit moves
     sure = mix_logits(torch.tensor([[0.0, 30.0, -30.0]]), torch.tensor([2]), torch.tensor([0.9]))
     assert sure.argmax(-1).item() == 2  # a copy the head scores 60 nats down still wins at lam = 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_mix_log_probs_are_the_log_softmax_of_mix_logits(dtype):
+    """The beam search's scores (`mix_log_probs`, decode time) equal log_softmax(mix_logits(...)) computed in
+    the float dtype they come out in; rows without a candidate are the plain log-softmax."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4, 6, 13, generator=g, dtype=torch.float64) * 4).to(dtype)  # (..., V)
+    cand = torch.randint(0, 13, (4, 6), generator=g)
+    lam = torch.rand(4, 6, generator=g, dtype=torch.float64).to(dtype)
+    lam[1] = 0.0
+    lam[2, :2] = torch.tensor([0.999, 1e-6], dtype=dtype)
+    out = mix_log_probs(logits, cand, lam)
+    wide = torch.promote_types(dtype, torch.float32)
+    assert out.dtype == wide
+    ref = torch.log_softmax(mix_logits(logits.to(wide), cand, lam.to(wide)), -1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 if wide == torch.float32 else 1e-12)
+    assert torch.equal(out[1], torch.log_softmax(logits[1].to(wide), -1))
+
+
+def test_state_log_probs_are_the_log_softmax_of_state_logits(target_and_drafter):
+    """`state_logits(..., log_probs=True)` (float32 scores), with and without a copy candidate."""
+    _, drafter = target_and_drafter
+    g = torch.Generator().manual_seed(5)
+    h = drafter.features(torch.randn(3, 32, generator=g, dtype=torch.float64))  # (3, F)
+    state = drafter.init_state(torch.tensor([5, 9, 17]))  # (3, E)
+    copy = (torch.tensor([41, 7, 3]), torch.tensor([3, 0, 1]))
+    for c in (None, copy):
+        ref = torch.log_softmax(drafter.state_logits(state, h, copy=c).float(), -1)
+        got = drafter.state_logits(state, h, copy=c, log_probs=True)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def _mix_reference(logits: torch.Tensor, cand: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,9 @@ from specdraft.hardware import cpu_model
 from specdraft.utils import cache_root
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
+# bumped when the decode code changes what a verify costs, so curves cached before are measured again
+# (2: one-token steps and batch-1 trees attend per key/value head, models/attention.py)
+COST_VERSION = 2
 FULL = 1 << 30  # `Proposer.fit_budget(FULL)`: no cap, draft full-size trees again (a refit)
 
 
@@ -69,7 +72,7 @@ def _cache_dir() -> Path:
 def machine_key(model: torch.nn.Module, path: str) -> str:
     """What a cost curve depends on: the model's config, device (CPU model / GPU name), dtype, threads,
     torch version, the decode path ("eager" | "fixed" | "graph"), the Linear weight layout
-    (`models.linear_layout`: the LM head's class tells) and the attention implementation."""
+    (`models.linear_layout`: the LM head's class tells), the attention implementation and `COST_VERSION`."""
     emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
     dev = emb.device
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
@@ -85,6 +88,7 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
         path,
         layout,
         str(getattr(cast(PreTrainedModel, model).config, "_attn_implementation", "")),
+        f"cost-v{COST_VERSION}",
     ]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 

@@ -8,14 +8,16 @@ masked attention over a 256-token cache costs 159 / 161 / 177 / 204 us with the 
 tokens, and 68 / 70 / 102 / 182 us with `enable_gqa=True`, the very same numbers (bit-identical outputs:
 torch's CPU flash kernel maps query head h to key/value head h // groups, as `repeat_kv` lays them out).
 
-Batched short queries (B > 1 rows of a few tree nodes each: the batched decoder's verify) go further: the
-`groups` query heads of a key/value head are packed into one head of groups x L query rows (the mask, shared
-by heads, tiled to match), so every key/value block is read once per key/value head rather than once per query
-head, as transformers already does for one query token. Masked attention at batch 16 over 300 positions,
-SmolLM2's heads, bf16 on a 2-core Zen 5: 0.58 / 0.68 / 0.77 of `enable_gqa`'s time at 2 / 4 / 8 query tokens
-(0.62-0.82 at batch 4; fp32 0.66-0.92); at batch 1, or past 8 tokens x 3 groups, no gain, so those keep
-`enable_gqa` (`PACK_MAX_ROWS`). The outputs equal `enable_gqa`'s to rounding (the kernel blocks the rows
-differently): within 1e-6 in fp32.
+Short queries (a few tree nodes, at any batch size, or one new token) go further: the `groups` query heads of
+a key/value head are packed into one head of groups x L query rows (the mask, shared by heads, tiled to
+match), so every key/value block is read once per key/value head rather than once per query head. Masked
+attention at batch 16 over 300 positions, SmolLM2's heads, bf16 on a 2-core Zen 5: 0.58 / 0.68 / 0.77 of
+`enable_gqa`'s time at 2 / 4 / 8 query tokens (0.62-0.82 at batch 4; fp32 0.66-0.92); at batch 1, 0.75 /
+0.80 / 0.71 in bf16 and 0.81 / 0.83 / 0.94 in fp32. One new token (a decode step, no mask) at batch 1 in bf16
+cost 127 us a layer through torch's kernel (transformers' path) and 28 us packed, bit-identical: ~3 ms of
+SmolLM2's ~23 ms step; in fp32 that kernel is the faster one (19 against 27 us), so a float32 single query
+at batch 1 keeps it. Past 8 tokens x 3 groups (`PACK_MAX_ROWS`) packing stops paying: `enable_gqa`. The
+outputs equal `enable_gqa`'s to rounding (the kernel blocks the rows differently): within 1e-6 in fp32.
 
 `use_gqa_sdpa(model)` switches an SDPA model to `gqa_sdpa_forward`, which takes that path for masked
 multi-token CPU queries and hands every other call to transformers' own function unchanged (CUDA keeps
@@ -52,8 +54,8 @@ def gqa_sdpa_forward(
     attention_mask: Tensor | None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers' SDPA attention, with masked multi-token CPU queries attending to the key/value heads
-    directly (see module docstring).
+    """transformers' SDPA attention, with masked CPU queries and single new tokens attending to the key/value
+    heads directly (see module docstring).
 
     Args:
         module: the attention layer (`num_key_value_groups`, `training`).
@@ -65,30 +67,39 @@ def gqa_sdpa_forward(
         ((B, L, heads, d) attention output, None).
     """
     groups = int(getattr(module, "num_key_value_groups", 1))
-    if (
+    b, heads, length, d = query.shape
+    ours = (
         query.device.type == "cpu"
-        and attention_mask is not None
-        and query.shape[2] > 1
         and groups > 1
         and not kwargs.get("dropout")
         and not kwargs.get("output_attentions")
         and set(kwargs) <= _PLAIN
-    ):
-        b, heads, length, d = query.shape
-        if b > 1 and length * groups <= PACK_MAX_ROWS and attention_mask.shape[1] == 1:
+    )
+    # masked queries (a tree verify, a padded batch, a fixed-shape step) or one new token (every cached
+    # position visible); an unmasked multi-token query is a causal prefill: transformers' function
+    if ours and (attention_mask is not None or length == 1):
+        fits = length * groups <= PACK_MAX_ROWS and (attention_mask is None or attention_mask.shape[1] == 1)
+        # one query token at batch 1 in float32: torch's kernel is faster per query head (19 vs 27 us)
+        full_one = b == 1 and length == 1 and query.dtype in (torch.float32, torch.float64)
+        if fits and not full_one:
             # every key/value head attends once for its `groups` query heads x L tokens (mask shared by heads)
             packed = query.reshape(b, heads // groups, groups * length, d)  # (B, kv_heads, groups * L, d)
-            mask = attention_mask.expand(-1, groups, -1, -1).reshape(
-                attention_mask.shape[0], 1, -1, key.shape[2]
+            mask = (
+                None
+                if attention_mask is None
+                else attention_mask.expand(-1, groups, -1, -1).reshape(
+                    attention_mask.shape[0], 1, -1, key.shape[2]
+                )
             )
             out = F.scaled_dot_product_attention(
                 packed, key, value, attn_mask=mask, scale=kwargs.get("scaling")
             )
             return out.reshape(b, heads, length, d).transpose(1, 2).contiguous(), None
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
-        )  # (B, heads, L, d)
-        return out.transpose(1, 2).contiguous(), None
+        if attention_mask is not None:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
+            )  # (B, heads, L, d)
+            return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

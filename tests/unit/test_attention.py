@@ -74,7 +74,7 @@ def test_other_attention_implementations_are_left_alone():
 @pytest.mark.parametrize("batch, length, mask_batch", [(3, 2, 3), (4, 8, 4), (2, 3, 1), (1, 4, 1), (3, 9, 3)])
 def test_batched_short_queries_packed_per_kv_head(batch, length, mask_batch, monkeypatch):
     """Rows of a few query tokens are packed per key/value head (groups x L query rows, the mask tiled):
-    the same attention as repeating K/V (fp64 reference); batch 1 and long queries keep `enable_gqa`."""
+    the same attention as repeating K/V (fp64 reference); long queries keep `enable_gqa`."""
     heads, kv_heads, keys, d = 6, 2, 11, 8
     g = torch.Generator().manual_seed(length)
     q = torch.randn(batch, heads, length, d, generator=g, dtype=torch.float64)
@@ -96,5 +96,39 @@ def test_batched_short_queries_packed_per_kv_head(batch, length, mask_batch, mon
     reps = heads // kv_heads
     ref = sdpa(q, k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1), attn_mask=mask).transpose(1, 2)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    packs = batch > 1 and length * reps <= attention.PACK_MAX_ROWS
+    packs = length * reps <= attention.PACK_MAX_ROWS
+    assert seen == [kv_heads if packs else heads]
+
+
+@pytest.mark.parametrize("dtype, batch", [(torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 3)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_new_token_attends_per_kv_head(dtype, batch, masked, monkeypatch):
+    """A decode step's single query token (no mask: every cached position is visible; or a one-row mask) is
+    packed per key/value head too (bf16 at batch 1: ~5x cheaper than torch's per-query-head kernel on a CPU),
+    except at batch 1 in float32, where that kernel is faster. Same values as repeating K/V."""
+    heads, kv_heads, keys, d = 6, 2, 13, 8
+    g = torch.Generator().manual_seed(batch)
+    q = torch.randn(batch, heads, 1, d, generator=g).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, keys, d, generator=g).to(dtype) for _ in range(2))
+    mask = None
+    if masked:
+        mask = torch.ones(1, 1, 1, keys, dtype=torch.bool)
+        mask[..., 3] = False
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads  # type: ignore[assignment]
+    seen: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *a, **kw):
+        seen.append(query.shape[1])
+        return sdpa(query, *a, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    out, _ = attention.gqa_sdpa_forward(module, q, k, v, mask, scaling=d**-0.5)  # (B, 1, heads, d)
+    reps = heads // kv_heads
+    wide = [x.double() for x in (q, k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1))]
+    ref = sdpa(*wide, attn_mask=mask, scale=d**-0.5).transpose(1, 2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    packs = not (batch == 1 and dtype == torch.float32)
     assert seen == [kv_heads if packs else heads]

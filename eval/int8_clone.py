@@ -3,12 +3,12 @@
 ReDrafter's beam search and Medusa's heads make a dozen or more small products per draft (ReDrafter: the
 recurrence's U s and W e, the residual blocks and the copy gate at W beams per slot; at 8 rows a bf16
 576 x 576 product costs ~34 us on a 2-core Zen 5, its dynamic-int8 copy ~16 us, and in a decode step the
-weights are cold, so halving their bytes counts twice). `int8_clone(module, keep)` returns a shallow copy of
-`module` that shares every parameter and buffer, with each `nn.Linear` below it (except the attribute names in
-`keep`, e.g. the vocabulary head, which the proposers already swap for their own int8 copy) replaced by
-`Int8Product`: the same product through `proposers.Int8Linear`, in float32. The original is
-untouched (training and exports never see the clone). Only the drafts change, slightly; the output never does
-(verification decides every token).
+weights are cold, so halving their bytes counts twice). `int8_clone(module, keep, skip)` returns a shallow copy
+of `module` that shares every parameter and buffer, with each `nn.Linear` below it replaced by `Int8Product`
+(the same product through `proposers.Int8Linear`, in float32), except the children named in `keep` (e.g. the
+vocabulary head, which the proposers already swap for their own int8 copy) and the modules in `skip`. The
+original is untouched (training and exports never see the clone). Only the drafts change, slightly; the output
+never does (verification decides every token).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from specdraft.models.layers import weights_key
 
 class Int8Product(nn.Module):
     """`linear`'s product as a dynamic-int8 fbgemm product (`Int8Linear`: int8 weights per output channel,
-    activations quantised per call), returned in float32 (or float64): the small ops after it then run in float32 too
-    (type promotion), so the next product needs no cast (on a CPU each cast of a few rows costs about as much
-    as the elementwise op itself)."""
+    activations quantised per call), returned in float32 (float64 for float64 inputs): the small ops after it
+    then run in float32 too (type promotion), so the next product needs no cast (on a CPU a cast of a few rows
+    costs about as much as the elementwise op itself)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -20,13 +20,17 @@ layer keeps the HF modules (`draft_block` returns None).
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
+
+from specdraft.models.layers import CopyCache, weights_key
+
+if TYPE_CHECKING:
+    from specdraft.models.family import FamilySpec
 
 # decoder layers whose structure `FastBlock` reproduces (attention without q/k norms, gated MLP, RMSNorm)
 SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
@@ -162,7 +166,15 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
 
 
-_BLOCKS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], FastBlock]] = weakref.WeakKeyDictionary()
+_BLOCKS: CopyCache[FastBlock] = CopyCache()
+
+
+def resolve_kind(kind: str, spec: FamilySpec) -> str:
+    """`eval.draft_block` for a drafter of family `spec`: "auto" -> "int8" where the family declares
+    `int8_draft_layer`, else "fused"; any other kind as given."""
+    if kind != "auto":
+        return kind
+    return "int8" if spec.int8_draft_layer else "fused"
 
 
 def draft_block(
@@ -175,12 +187,6 @@ def draft_block(
     if not params or params[0].device.type != "cpu" or supported(layer) is not None:
         return None
     from specdraft.eval.proposers import int8_supported
-    from specdraft.models.layers import weights_key
 
     int8 = int8 and int8_supported()
-    key = (int8, weights_key(*params))
-    hit = _BLOCKS.get(drafter)
-    if hit is None or hit[0] != key:
-        hit = (key, FastBlock(layer, extra, int8))
-        _BLOCKS[drafter] = hit
-    return hit[1]
+    return _BLOCKS.get(drafter, (int8, weights_key(*params)), lambda: FastBlock(layer, extra, int8))

@@ -391,10 +391,9 @@ def _draft_block(drafter: torch.nn.Module, kind: str) -> DraftBlock | None:
         raise ValueError(f"draft_block={kind!r}: use one of {', '.join(DRAFT_BLOCKS)}")
     if kind == "hf":
         return None
-    from specdraft.eval.draft_block import draft_block
+    from specdraft.eval.draft_block import draft_block, resolve_kind
     from specdraft.models.registry import spec_of
 
-    if kind == "auto":
-        kind = "int8" if spec_of(drafter).int8_draft_layer else "fused"
+    kind = resolve_kind(kind, spec_of(drafter))
     layer, extra = cast("EagleDrafter | Eagle3Drafter", drafter).draft_layer()
     return draft_block(drafter, layer, extra, int8=kind == "int8")

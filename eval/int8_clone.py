@@ -14,13 +14,12 @@ never does (verification decides every token).
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 from torch import Tensor, nn
 
 from specdraft.eval.proposers import Int8Linear, int8_copy
-from specdraft.models.layers import weights_key
+from specdraft.models.layers import CopyCache, weights_key
 
 
 class Int8Product(nn.Module):
@@ -73,7 +72,7 @@ def _clone(module: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> nn.
     return twin
 
 
-_CLONES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
+_CLONES: CopyCache[nn.Module] = CopyCache()
 
 
 def int8_clone(
@@ -91,9 +90,4 @@ def int8_clone(
     if not linears or not int8_supported() or any(lin.weight.device.type != "cpu" for lin in linears):
         return module
     key = tuple(weights_key(lin.weight) for lin in linears)
-    hit = _CLONES.get(module)
-    if hit is None or hit[0] != key:
-        with torch.no_grad():
-            hit = (key, _clone(module, keys, skipped))
-        _CLONES[module] = hit
-    return hit[1]
+    return _CLONES.get(module, key, lambda: _clone(module, keys, skipped))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -20,7 +19,7 @@ from specdraft.eval.graphs import CudaGraph, capture_or_none
 from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams
 from specdraft.hardware import cpu_int8_full_range
 from specdraft.models.copy_lookup import NgramIndex
-from specdraft.models.layers import weights_key
+from specdraft.models.layers import CopyCache, weights_key
 from specdraft.models.redrafter_beam import beam_search_fixed, beam_search_rows
 
 if TYPE_CHECKING:
@@ -56,20 +55,13 @@ class Int8Linear(torch.nn.Module):
         return torch.ops.quantized.linear_dynamic(x.float(), self.packed, self.reduce_range)
 
 
-_INT8_COPIES: weakref.WeakKeyDictionary[
-    torch.nn.Linear, tuple[tuple[tuple[int, int, torch.dtype], ...], Int8Linear]
-] = weakref.WeakKeyDictionary()
+_INT8_COPIES: CopyCache[Int8Linear] = CopyCache()
 
 
 def int8_copy(linear: torch.nn.Linear) -> Int8Linear:
     """The `Int8Linear` of `linear`, quantised once and shared by every proposer of the same drafter (a batch
     of B rows makes B proposers); quantised again when the weights were changed (trained, moved or cast)."""
-    key = weights_key(linear.weight)
-    hit = _INT8_COPIES.get(linear)
-    if hit is None or hit[0] != key:
-        hit = (key, Int8Linear(linear))
-        _INT8_COPIES[linear] = hit
-    return hit[1]
+    return _INT8_COPIES.get(linear, weights_key(linear.weight), lambda: Int8Linear(linear))
 
 
 def int8_supported() -> bool:
@@ -532,8 +524,10 @@ def _family_proposer(
 ):
     """The proposer `spec.proposer` names, built with `make_proposer`'s settings (prompt lookup aside)."""
     cfg = cast("PretrainedConfig", drafter.config)
+    from specdraft.eval.draft_block import resolve_kind
+
     # ReDrafter / Medusa: draft through an int8 view of the drafter's products (`eval/int8_clone.py`)
-    int8_layers = draft_block == "int8" or (draft_block == "auto" and spec.int8_draft_layer)
+    int8_layers = resolve_kind(draft_block, spec) == "int8"
     if spec.proposer == "redrafter_beams":
         w = beam_width or getattr(cfg, "beam_width", None) or 8
         length = beam_length or getattr(cfg, "draft_len", 4) + 1

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+T = TypeVar("T")
 
 
 def rows_per_chunk(rows: int | None, logits: Tensor) -> int:
@@ -144,6 +148,23 @@ def weights_key(*weights: Tensor) -> tuple[tuple[int, int, torch.dtype], ...]:
     keyed by it is rebuilt after training, a move or a cast). Inference tensors (made under
     `inference_mode`) have no version counter and cannot change in place: version 0."""
     return tuple((w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype) for w in weights)
+
+
+class CopyCache(Generic[T]):
+    """Decode-time copies derived from modules' weights (int8 products, fused blocks), one per module, shared by
+    every proposer of it (a batch of B rows makes B proposers) and rebuilt when the copy's `key` (e.g.
+    `weights_key` of what it was built from) changes; a module that is freed drops its copy."""
+
+    def __init__(self) -> None:
+        self._hits: weakref.WeakKeyDictionary[nn.Module, tuple[Hashable, T]] = weakref.WeakKeyDictionary()
+
+    def get(self, owner: nn.Module, key: Hashable, build: Callable[[], T]) -> T:
+        """The copy of `owner` built for `key`: the cached one, else `build()` (then cached)."""
+        hit = self._hits.get(owner)
+        if hit is None or hit[0] != key:
+            hit = (key, build())
+            self._hits[owner] = hit
+        return hit[1]
 
 
 def d2t_draft_ids(d2t: Tensor, reduced: bool) -> Tensor:

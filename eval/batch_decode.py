@@ -58,6 +58,7 @@ from specdraft.eval.graphs import CudaGraph, graphs_wanted, replay_or_run
 from specdraft.eval.static_decode import budget_for
 from specdraft.eval.tree import DraftTree
 from specdraft.eval.verify import greedy_verify_rows, sample_token, sample_verify
+from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 Sampling = tuple[float, int, float, torch.Generator | None]  # (temperature, top_k, top_p, generator)
@@ -180,16 +181,19 @@ class BatchDecoder:
         visible = (ancestors.gather(2, col) & in_tree[:, None]) | (rel < 0)[:, None]  # (R, L, S)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         mask = torch.where(visible, zero, torch.finfo(self.dtype).min)[:, None]  # (R, 1, L, S)
-        out = forward_with_hidden(
-            cast(PreTrainedModel, self.model),
-            tokens,
-            attention_mask=mask,
-            position_ids=lengths[:, None] + depth,  # (R, L)
-            past_key_values=c,
-            layers=layers,
-            use_cache=True,
-            logits=False,
-        )
+        with varying_shape_sdpa(
+            self.device
+        ):  # eager spans and prefills vary (a capture keeps torch's choice)
+            out = forward_with_hidden(
+                cast(PreTrainedModel, self.model),
+                tokens,
+                attention_mask=mask,
+                position_ids=lengths[:, None] + depth,  # (R, L)
+                past_key_values=c,
+                layers=layers,
+                use_cache=True,
+                logits=False,
+            )
         hidden = out.hidden  # (R, L, H)
         logits = lm_logits(cast(PreTrainedModel, self.model), hidden)  # (R, L, V)
         if layers:

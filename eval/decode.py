@@ -31,6 +31,7 @@ from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import cache_len, check_supported, keep_accepted, new_cache
 from specdraft.eval.tree import DraftTree, ProposerSpec, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify, sample_token, sample_verify
+from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 
@@ -176,16 +177,17 @@ def target_forward(
         requested layers concatenated when `layers` is given ((L, (1+m)*H) with the last layer first when
         `keep_last`).
     """
-    out = forward_with_hidden(
-        cast(PreTrainedModel, model),
-        input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        layers=layers,
-        use_cache=True,
-        logits=False,
-    )
+    with varying_shape_sdpa(input_ids.device):  # no cuDNN graph per new length on CUDA (outside captures)
+        out = forward_with_hidden(
+            cast(PreTrainedModel, model),
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            layers=layers,
+            use_cache=True,
+            logits=False,
+        )
     hidden = out.hidden[0]  # (L, H)
     rows = hidden if logits_rows is None else hidden[logits_rows]
     logits = lm_logits(cast(PreTrainedModel, model), rows)  # (L', V)

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.eval.tree import DraftTree
+from specdraft.models.attention import varying_shape_sdpa
 
 if TYPE_CHECKING:
     from specdraft.eval.eagle_tree import EagleTreeProposer
@@ -169,7 +170,8 @@ class RowGroup:
         """One head pass over slots `rows`: feats (R, n, F'), toks (R, n), positions (R, n), writes at (R, n),
         mask (R, 1, n, S) bool over each slot's first S positions (S <= capacity, past every write) -> (R, n, H)."""
         self.cache.rows, self.cache.write_pos, self.cache.span = rows, write, mask.shape[-1]
-        return self.drafter.step(feats, toks, cast(DynamicCache, self.cache), pos, mask, self.block)
+        with varying_shape_sdpa(feats.device):  # the rows' caches grow every call
+            return self.drafter.step(feats, toks, cast(DynamicCache, self.cache), pos, mask, self.block)
 
     def _append(self, rows: slice, hidden: Tensor, toks: Tensor, lengths: Tensor, longest: int) -> Tensor:
         """Commit n positions in each slot of `rows` after its `lengths` committed ones (causal among them).

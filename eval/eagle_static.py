@@ -25,6 +25,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.eval.graphs import CudaGraph, replay_or_run
+from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 
 Expansion = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
@@ -213,7 +214,8 @@ class StaticHeadState:
         pos = torch.arange(c.length, c.length + n, device=dev)[None]  # (1, n)
         mask = causal_tree_mask(n, c.length + n, dev)  # (n, C + n)
         g = d.encode_target(hidden.to(dev), self.block)[None]  # (1, n, H)
-        out = d.step(g, tokens.to(dev)[None], c, pos, mask, self.block)[0]
+        with varying_shape_sdpa(dev):  # n and the cache length change every call
+            out = d.step(g, tokens.to(dev)[None], c, pos, mask, self.block)[0]
         c.set_length(c.length + n)
         return out
 

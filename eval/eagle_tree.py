@@ -37,6 +37,7 @@ from transformers import DynamicCache
 from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
+from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 
 if TYPE_CHECKING:
@@ -148,7 +149,13 @@ class EagleTreeProposer:
             self.int8 = (pre, int8_copy(head)) if int8_supported() else None
         self.block = _draft_block(drafter, draft_block)  # the head's layer as fused products (CPU) or None
         slots = (self.depth - 1) * self.top_k  # draft entries one expansion writes to the head cache
-        self.fixed = StaticHeadState(drafter, slots, self.top_k, graphs, block=self.block) if static else None
+        # under graphs the head cache starts with room for 2,048 positions: each growth recaptures every size
+        room = 2048 if graphs else 256
+        self.fixed = (
+            StaticHeadState(drafter, slots, self.top_k, graphs, capacity=room, block=self.block)
+            if static
+            else None
+        )
         self.static, self.graphs = static, self.fixed is not None and self.fixed.graphs
 
     def reset(self) -> None:
@@ -194,7 +201,8 @@ class EagleTreeProposer:
         pos = torch.arange(self.committed, self.committed + n, device=dev)[None]  # (1, n)
         mask = causal_tree_mask(n, self.committed + n, dev)  # (n, C + n)
         g = d.encode_target(hidden.to(dev), self.block)[None]  # (1, n, H)
-        out = d.step(g, tokens.to(dev)[None], self.cache, pos, mask, self.block)[0]
+        with varying_shape_sdpa(dev):  # n and the cache length change every call
+            out = d.step(g, tokens.to(dev)[None], self.cache, pos, mask, self.block)[0]
         self.committed += n
         return out
 
@@ -361,7 +369,8 @@ class EagleTreeProposer:
         c, m = self.committed, rows.shape[0]
         mask = torch.cat([torch.ones(m, c, dtype=torch.bool, device=rows.device), rows], dim=1)  # (k, C + s)
         pos = torch.full((1, m), c - 1 + level, device=rows.device)  # frontier nodes sit at depth `level`
-        return self.drafter.step(feats[None], toks[None], self.cache, pos, mask, self.block)[0]
+        with varying_shape_sdpa(feats.device):  # the dynamic cache grows every level
+            return self.drafter.step(feats[None], toks[None], self.cache, pos, mask, self.block)[0]
 
     def rerank(
         self, root: Tensor, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device

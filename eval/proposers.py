@@ -262,7 +262,9 @@ class ReDrafterProposer:
             self._hidden_in = torch.zeros(0, device=dev)  # (F,) graph input, sized at the first call
             self._root_in = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
             # copy gate: the committed tokens before the root (graph input; doubled when full: recapture)
-            self._ctx = torch.zeros(256 if self.copy_ngram else 1, dtype=torch.long, device=dev)  # (C,)
+            # room for 2,048 tokens under graphs (each doubling is a recapture; the lookup is cheap there)
+            room = (2048 if self.graphs else 256) if self.copy_ngram else 1
+            self._ctx = torch.zeros(room, dtype=torch.long, device=dev)  # (C,)
             self._ctx_n, self._ctx_len = 0, torch.zeros((), dtype=torch.long, device=dev)  # host, device
             self._ctx_root: Tensor | None = None  # (1,) the previous call's root, committed on the next
 

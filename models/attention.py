@@ -26,11 +26,13 @@ multi-token CPU queries and hands every other call to transformers' own function
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -112,3 +114,18 @@ def use_gqa_sdpa(model: PreTrainedModel) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
     return model.config._attn_implementation == NAME
+
+
+# SDPA backends for eager attention whose shapes change from call to call (see `varying_shape_sdpa`)
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def varying_shape_sdpa(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The SDPA backends for an eager forward on `device` whose shapes change from call to call (a prompt's
+    prefill, EAGLE's commit of the accepted tokens, the dynamic decode path): on CUDA every backend but
+    cuDNN's, which builds a graph for each new shape (torch 2.11 on an H100: EAGLE-3's commit, one layer over
+    a few new tokens and a cache one step longer each time, took a median 50 ms eagerly, its graph-replayed
+    expansion 2 ms). A CUDA graph capture (fixed shapes, built once) and CPU calls keep torch's choice."""
+    if device.type != "cuda" or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return contextlib.nullcontext()
+    return sdpa_kernel(_NOT_CUDNN)

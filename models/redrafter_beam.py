@@ -175,8 +175,10 @@ def beam_search_fixed(
     state = drafter.init_state(root.expand(w))  # (W, E)
     beams = root.expand(w)[:, None].repeat(1, 1 + draft_len)  # (W, 1 + D), column 0 = root
     cum = torch.zeros(w, 1 + draft_len, dtype=torch.float32, device=root.device)  # (W, 1 + D)
-    scores = torch.full((w,), float("-inf"), device=root.device)
-    scores[0] = 0.0  # only the root beam is alive
+    scores = torch.full((w,), float("-inf"), device=root.device)  # (W,)
+    scores[:1].fill_(
+        0.0
+    )  # only the root beam is alive (fill_, not item assignment: a host copy under capture)
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[:, k])  # (W, E)

@@ -76,6 +76,13 @@ def main(argv: list[str] | None = None) -> None:
         help="EAGLE heads' layer / ReDrafter's and Medusa's products while drafting (eval.draft_block); "
         "several: one row per value (an A/B)",
     )
+    p.add_argument(
+        "--dynamic",
+        default="all",
+        choices=["all", "ar"],
+        help="the dynamic (eager) reference path for every method, or for AR only (on a GPU, where eager drafting "
+        "is slow and says little)",
+    )
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     a = p.parse_args(argv)
@@ -96,15 +103,17 @@ def main(argv: list[str] | None = None) -> None:
     model, tok, stop = bench.model, bench.tokenizer, bench.stop_ids
     native = copy.deepcopy(model) if len(layouts) > 1 else model
 
-    def factories(drafters: list) -> list:
+    def factories(drafters: list, fixed: bool = False) -> list:
         """(name, proposer factory) per drafter, then prompt lookup: each method gets its own proposer (a
-        fitted budget may shrink the one it drives)."""
+        fitted budget may shrink the one it drives). `fixed`: fixed-shape draft steps, CUDA graphs where the
+        drafter is on CUDA (as evaluate.py builds them for a graph decoder)."""
         int8 = not a.float_heads  # as evaluate.py's eval.int8_draft_head (CPU only)
         blocks = a.draft_block
+        shape = dict(static=fixed, graphs=fixed)
         out = [
             (
                 name + (f"[{b}]" if len(blocks) > 1 else ""),
-                lambda d=d, b=b: make_proposer(d, int8_head=int8, draft_block=b),
+                lambda d=d, b=b: make_proposer(d, int8_head=int8, draft_block=b, **shape),
             )
             for name, d in drafters
             for b in blocks
@@ -116,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
             out += [
                 (
                     f"{name}+lookup",
-                    lambda d=d: make_proposer(d, int8_head=int8, lookup_tokens=n, draft_block=blocks[0]),
+                    lambda d=d: make_proposer(
+                        d, int8_head=int8, lookup_tokens=n, draft_block=blocks[0], **shape
+                    ),
                 )
                 for name, d in drafters
             ]
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         drafters = [(name, copy.deepcopy(d)) for name, d in bench.drafters]
         for _, d in drafters:
             match_target_layout(d, m)  # as evaluate.py does
-        paths.append(("static" + SUFFIX[layout], dec, cost, factories(drafters)))
+        paths.append(("static" + SUFFIX[layout], dec, cost, factories(drafters, fixed=dec.static)))
     del native
     proposers = factories(bench.drafters)  # the dynamic reference path: native target and drafters
     # (name, path, fn(ids) -> (tokens, stats))
@@ -154,16 +165,17 @@ def main(argv: list[str] | None = None) -> None:
     budgets: dict[tuple[str, str], NodeBudget] = {}  # (method, path) -> its fitted node budget
     warm: list[Callable[[list[int], int], None]] = []  # per budgeted method on a fixed-shape path: precapture
     for i, (name, new_proposer) in enumerate(proposers):
-        prop = new_proposer()
-        methods.append(
-            (
-                name,
-                "dynamic",
-                lambda ids, q=prop: speculative_generate(
-                    model, tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True
-                ),
+        if a.dynamic == "all":
+            prop = new_proposer()
+            methods.append(
+                (
+                    name,
+                    "dynamic",
+                    lambda ids, q=prop: speculative_generate(
+                        model, tok, ids, q, a.max_new_tokens, stop_ids=stop, profile=True
+                    ),
+                )
             )
-        )
         for label, d, c, path_factories in paths:
             new_proposer = path_factories[i][1]
             prop = new_proposer()

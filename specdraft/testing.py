@@ -397,9 +397,25 @@ class HostReads(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.count, self.active, self.sites = 0, True, Counter[str]()
+        # Python numbers assigned into indexed tensors (`t[0] = 0.0`): a host-to-device copy on a GPU, which a
+        # CUDA graph capture refuses (`t[:1].fill_(0.0)` is none); counted apart, with their sites
+        self.scalar_writes, self.write_sites = 0, Counter[str]()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if (
+            self.active
+            and func is torch.Tensor.__setitem__
+            and len(args) > 2
+            and isinstance(args[2], (int, float, bool))
+        ):
+            self.scalar_writes += 1
+            here = [
+                f
+                for f in traceback.extract_stack()[:-1]
+                if "specdraft" in f.filename or "/eval/" in f.filename
+            ]
+            self.write_sites[f"{here[-1].filename}:{here[-1].lineno}" if here else "?"] += 1
         if self.active and (func in self.READS or self._bool_index(func, args)):
             self.count += 1
             here = [

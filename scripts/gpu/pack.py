@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
             (root / f"p{i + 1}" / "p").write_bytes(chunk)
             parts.append(len(chunk))
     shutil.copy(root / "b" / "wheel_name", root / "wheel_name")
+    shutil.copy(
+        root / "b" / "wheel_name", root / "p1" / "wheel_name"
+    )  # travels with call 1 (s1.sh stashes it)
     # exports: the last model part's call first, then new calls, first fit
     calls: list[tuple[int, list[str]]] = [(room - parts[-1], [f".gpu/p{len(parts)}"])]
     for src in a.exports:

@@ -6,7 +6,7 @@ if [ ! -f /tmp/site/.smollm2 ]; then
   last=$(ls -d .gpu/p[0-9] 2>/dev/null | tail -1)
   [ -n "$last" ] && cp "$last/p" "/tmp/stash/$(basename "$last")"
   [ -f /tmp/stash/p1 ] || { echo "part 1 is gone: the machine was given back; start again with s1.sh"; exit 3; }
-  whl=/tmp/$(cat .gpu/wheel_name)
+  whl=/tmp/$(cat /tmp/stash/wheel_name)
   cat $(ls /tmp/stash/p[0-9] | sort) > "$whl"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl" && touch /tmp/site/.smollm2
 fi

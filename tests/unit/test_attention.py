@@ -132,3 +132,19 @@ def test_one_new_token_attends_per_kv_head(dtype, batch, masked, monkeypatch):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     packs = not (batch == 1 and dtype == torch.float32)
     assert seen == [kv_heads if packs else heads]
+
+
+def test_varying_shape_sdpa_leaves_out_cudnn_on_cuda_only():
+    """Eager forwards of changing shapes on CUDA avoid cuDNN's SDPA (a graph built per new shape: ~50 ms a call
+    on an H100); the other backends stay on, the flags come back afterwards, and a CPU call changes nothing."""
+    from specdraft.models.attention import varying_shape_sdpa
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with varying_shape_sdpa(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with varying_shape_sdpa(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

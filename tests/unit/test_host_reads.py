@@ -40,6 +40,9 @@ def test_fixed_shape_draft_steps_read_nothing_on_the_host(family):
         reads.active = False
         StaticDecoder(model, 96, static=True).speculative_generate(None, prompt, proposer, 30, stop_ids=set())
     assert len(calls) > 5 and reads.count == 0, dict(reads.sites)
+    # `t[0] = 0.0` copies a Python number from the host: a capture refuses it (the ReDrafter's beam scores
+    # did so on the H100, session 32); `fill_` does not
+    assert reads.scalar_writes == 0, dict(reads.write_sites)
 
 
 @pytest.mark.parametrize("family", ["ar", "redrafter", "redrafter_copy", "medusa", "eagle3"])

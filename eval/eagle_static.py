@@ -2,15 +2,20 @@
 
 The head's own KV cache is one preallocated buffer pair with a length counter, written in two ways:
 
-    buffer [ committed (length) | level-1 frontier | level-2 frontier | ... | stale ... ]
-            commit: append n at `length` (eager)   expansion: k slots per level at length_t + (level-1)*k
+    buffer [ committed (length) | newest m | level-1 frontier | level-2 frontier | ... | stale ... ]
+            eager commit: n - M at `length`     step: M rows, then k slots per level at length_t + ...
 
-  * the commit of the newly accepted positions (n varies per call) appends at the host counter `length`
-    and attention reads the views `[:length + n]`, as a `DynamicCache` would;
+  * a draft step commits the newest m <= M accepted positions itself, as M rows (the rest padding) written
+    at device positions from the committed length, under a whole-buffer causal mask (`commit_mask`), then
+    advances the device counter by m; positions beyond the newest M (a prompt, the steps a node budget left
+    undrafted) are committed first, eagerly, at the host counter `length` (attention reads the views
+    `[:length + n]`, as a `DynamicCache` would);
   * the expansion (`fixed = True`) writes each level's k frontier nodes at device positions `write_pos`
     computed from `length_t`, and attention reads the whole buffer under a (1, 1, k, capacity) mask built
-    on the device (`draft_mask`). Shapes never change between calls, so the expansion can be captured
-    once as a CUDA graph (`StaticHeadState.run`) and replayed for any committed length.
+    on the device (`draft_mask`).
+Shapes never change between calls, so the step (commit of the newest M + expansion) is captured once per
+size as a CUDA graph (`StaticHeadState.run`) and replayed for any committed length: on a GPU an eager commit
+cost ~2 ms of launches (H100, session 32), the graph-replayed expansion 1.5-2 ms.
 
 The next call's commit simply overwrites the previous call's draft entries (no rollback needed).
 """
@@ -147,6 +152,21 @@ def draft_mask(rows: Tensor, length_t: Tensor, capacity: int) -> Tensor:
     return (sees | (rel < 0))[None, None]
 
 
+def commit_mask(rows: int, length_t: Tensor, capacity: int) -> Tensor:
+    """Whole-buffer causal mask of `rows` new positions written at [length, length + rows) (True = attend).
+
+    Args:
+        rows: M, the new positions (padding rows included: they only see what a real row would).
+        length_t: () long, committed positions before them.
+        capacity: buffer length.
+
+    Returns:
+        (1, 1, M, capacity): row i sees the committed prefix and new rows 0..i.
+    """
+    rel = torch.arange(capacity, device=length_t.device) - length_t  # (capacity,)
+    return (rel[None, :] <= torch.arange(rows, device=length_t.device)[:, None])[None, None]
+
+
 def fixed_ancestors(parents: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
     """`tree.ancestor_matrix` in a fixed number of steps and without host checks (parents assumed valid).
 
@@ -177,6 +197,8 @@ class StaticHeadState:
         graphs: capture the expansion as a CUDA graph (head on CUDA; eager when capture fails).
         capacity: initial head-cache room in positions.
         block: the head's decode-time layer (`eval/draft_block.py`) passed to every `step`; None: HF modules.
+        commit_rows: M, the newest committed positions a draft step commits itself (inside its graph); a step
+            accepts at most depth + 1 new positions, more only after undrafted steps or a prompt.
     """
 
     def __init__(
@@ -187,16 +209,21 @@ class StaticHeadState:
         graphs: bool = False,
         capacity: int = 256,
         block: DraftBlock | None = None,
+        commit_rows: int = 8,
     ) -> None:
         self.drafter, self.draft_slots, self.block = drafter, int(draft_slots), block
+        self.commit_rows = max(int(commit_rows), 1)
         dev = next(drafter.parameters()).device
-        self.cache = HeadKVCache(dev, capacity, max_write)
+        self.cache = HeadKVCache(dev, capacity, max(max_write, self.commit_rows))
         self.graphs = graphs and dev.type == "cuda"
         # one CUDA graph per expansion size (a node budget picks among a few: `EagleTreeProposer.fit_budget`)
         self.captured: dict[tuple[int, int], CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]] | None] = {}
         self.graph: CudaGraph[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None  # the latest call's
-        self._last = torch.zeros(0, device=dev)  # (H,) graph input, sized at the first call
-        self._root = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
+        # graph inputs: the newest m <= M committed pairs (rows past m: padding), m, the length before them
+        self._hid = torch.zeros(0, device=dev)  # (M, F), sized at the first call
+        self._tok = torch.zeros(self.commit_rows, dtype=torch.long, device=dev)  # (M,)
+        self._n = torch.ones((), dtype=torch.long, device=dev)  # () m
+        self._base = torch.zeros((), dtype=torch.long, device=dev)  # () committed length before them
 
     def reset(self) -> None:
         """Forget the committed positions (buffers and graph are kept: the graph reads `length_t`)."""
@@ -236,37 +263,68 @@ class StaticHeadState:
         mask = draft_mask(rows, c.length_t, c.capacity)  # (1, 1, k, capacity)
         return self.drafter.step(feats[None], toks[None], c, pos, mask, self.block)[0]
 
+    def _commit_newest(self) -> tuple[Tensor, Tensor]:
+        """The staged newest m pairs through the head as M fixed rows at [base, base + M), then the device
+        length becomes base + m (idempotent: a capture's warm-up runs repeat it). Inside `run`'s step.
+
+        Returns:
+            last (H,): the head's output at the newest position; root (1,) long: its token.
+        """
+        d, c, rows = self.drafter, self.cache, self.commit_rows
+        c.length_t.copy_(self._base)
+        c.prepare_write(0, rows)
+        pos = (self._base + torch.arange(rows, device=self._base.device))[None]  # (1, M)
+        mask = commit_mask(rows, self._base, c.capacity)  # (1, 1, M, capacity)
+        g = d.encode_target(self._hid, self.block)[None]  # (1, M, H)
+        out = d.step(g, self._tok[None], c, pos, mask, self.block)[0]  # (M, H)
+        c.length_t.copy_(self._base + self._n)
+        newest = (self._n - 1).reshape(1)  # (1,)
+        return out.index_select(0, newest)[0], self._tok.index_select(0, newest)
+
     def run(
-        self, expand: Expansion, last: Tensor, root: Tensor, size: tuple[int, int] = (0, 0)
+        self, expand: Expansion, hidden: Tensor, tokens: Tensor, size: tuple[int, int] = (0, 0)
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """`expand(last, root)` on persistent inputs: replayed as a CUDA graph when `graphs`, else eager.
+        """Commit the new pairs and `expand(last, root)`: positions before the newest M eagerly (`commit`), the
+        newest m <= M and the expansion as one fixed-shape step, replayed as a CUDA graph when `graphs`.
 
         Args:
             expand: the fixed-shape expansion + reranking, (H,), (1,) -> tree tensors.
-            last: (H,) the newest committed output; root: (1,) long.
+            hidden: (n, F) target features of the newly committed positions, n >= 1.
+            tokens: (n,) long, the token each predicts; tokens[-1] is the root.
             size: the expansion's (total_tokens, depth): each size is captured once and replayed.
 
         Returns:
             expand's outputs (graph-owned when replayed: overwritten by the next call).
         """
-        if self._last.shape != last.shape or self._last.dtype != last.dtype:
-            self._last, self.captured = last.new_zeros(last.shape), {}
-        self._last.copy_(last)
-        self._root.copy_(root)
+        c, n = self.cache, hidden.shape[0]
+        m = min(self.commit_rows, n)
+        if n > m:
+            self.commit(hidden[: n - m], tokens[: n - m])
+        if c.reserve(c.length + self.commit_rows + self.draft_slots):
+            self.captured, self.graph = {}, None  # new buffers: recapture
+        if self._hid.shape[-1] != hidden.shape[-1] or self._hid.dtype != hidden.dtype:
+            self._hid, self.captured = (
+                hidden.new_zeros(self.commit_rows, hidden.shape[-1]).to(self._n.device),
+                {},
+            )
+        self._hid[:m].copy_(hidden[n - m :])
+        self._tok[:m].copy_(tokens[n - m :])
+        self._n.fill_(m)
+        self._base.fill_(c.length)
+        start = c.length
+
+        def step() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            return expand(*self._commit_newest())
+
         self.cache.fixed = True
         try:
             if not self.graphs:
                 self.graph = None
-                return expand(self._last, self._root)
-            out = replay_or_run(
-                self.captured,
-                size,
-                lambda: expand(self._last, self._root),
-                self._root.device,
-                "the EAGLE-2 tree expansion",
-            )
+                return step()
+            out = replay_or_run(self.captured, size, step, self._n.device, "the EAGLE-2 draft step")
             self.graph = self.captured[size]
             self.graphs = self.graph is not None  # a failed capture: eager from now on
             return out
         finally:
             self.cache.fixed = False
+            c.length = start + m  # the host mirror (the step set length_t)

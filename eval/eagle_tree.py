@@ -152,7 +152,15 @@ class EagleTreeProposer:
         # under graphs the head cache starts with room for 2,048 positions: each growth recaptures every size
         room = 2048 if graphs else 256
         self.fixed = (
-            StaticHeadState(drafter, slots, self.top_k, graphs, capacity=room, block=self.block)
+            StaticHeadState(
+                drafter,
+                slots,
+                self.top_k,
+                graphs,
+                capacity=room,
+                block=self.block,
+                commit_rows=self._full[1] + 1,
+            )
             if static
             else None
         )
@@ -217,13 +225,16 @@ class EagleTreeProposer:
         Returns:
             DraftTree of 1 + min(total_tokens, candidates) nodes, root = tokens[-1].
         """
-        out = self.commit(hidden, tokens)  # (n, H)
-        if self.fixed is not None:
+        if self.fixed is not None:  # commit + expansion in one fixed-shape step (a CUDA graph under graphs)
+            if self.group is not None:  # drafting alone again: its positions come back from the group
+                self.group.leave(self)
             size = (self.total_tokens, self.depth)
-            res = self.fixed.run(self._expand_fixed, out[-1], tokens[-1:].to(out.device), size)
+            res = self.fixed.run(self._expand_fixed, hidden, tokens, size)
+            self.committed = self.fixed.cache.length
             self.graphs = self.fixed.graph is not None
             tree_tok, parents, depth, anc = (t.clone() for t in res)  # graph outputs are overwritten
             return DraftTree(tree_tok, parents, depth, anc).to(tokens.device)
+        out = self.commit(hidden, tokens)  # (n, H)
         tok, par, score, depth = self.grow(out[-1])
         return self.rerank(tokens[-1:], tok, par, score, depth, tokens.device)
 

@@ -1,7 +1,8 @@
 """Per-call draft timings on the real target (docs/gpu.md): for each drafter, built as evaluate.py builds it on
 CUDA (fixed-shape draft steps, CUDA graphs), the distribution of `propose` times over a few MT-Bench prompts
-(median, mean, p90, max), EAGLE's eager commit and graph-replayed expansion apart, and the CUDA graph captures
-made while timing (each a one-off cost a mean includes).
+(median, mean, p90, max), EAGLE's eager commit (only the rows before the newest depth + 1: a prompt, an
+undrafted step) and its graph-replayed step (commit of the newest rows + expansion) apart, and the CUDA graph
+captures made while timing (each a one-off cost a mean includes).
 
     PYTHONPATH=/tmp/site python3 scripts/gpu/draft_timing.py /tmp/x/<export> [...]
 """
@@ -78,8 +79,8 @@ def main(paths: list[str]) -> None:
         print(f"##### {path}: {type(p).__name__} graphs={getattr(p, 'graphs', None)}")
         print(f"  {toks} tokens in {steps} steps ({toks / steps:.2f}/step), {toks / wall:.1f} tok/s")
         print("  " + summary("propose", props))
-        print("  " + summary("  commit (eager)", commits))
-        print("  " + summary("  expansion (graph)", runs))
+        print("  " + summary("  commit (eager, excess rows)", commits))
+        print("  " + summary("  run: excess commit + graph step", runs))
         print(f"  captures while timing: {len(captures) - n0} ({sum(captures[n0:]):.0f} ms)", flush=True)
 
 

@@ -11,7 +11,13 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.eval.decode import ar_generate
-from specdraft.eval.eagle_static import HeadKVCache, StaticHeadState, draft_mask, fixed_ancestors
+from specdraft.eval.eagle_static import (
+    HeadKVCache,
+    StaticHeadState,
+    commit_mask,
+    draft_mask,
+    fixed_ancestors,
+)
 from specdraft.eval.eagle_tree import EagleTreeProposer
 from specdraft.eval.proposers import make_proposer
 from specdraft.eval.static_decode import StaticDecoder
@@ -83,18 +89,19 @@ def test_static_proposer_is_lossless(arch, family, shape):
 
 @pytest.mark.parametrize("family", [eagle, eagle3])
 @pytest.mark.parametrize(
-    "total,depth,k,int8",
-    [(10, 4, 3, False), (100, 3, 2, False), (5, 2, 4, False), (7, 1, 3, False), (10, 4, 3, True)],
+    "total,depth,k,int8,rows",
+    [(10, 4, 3, False, 8), (100, 3, 2, False, 2), (5, 2, 4, False, 8), (7, 1, 3, False, 1), (10, 4, 3, True, 3)],
 )
-def test_static_tree_equals_the_dynamic_tree(family, total, depth, k, int8):
+def test_static_tree_equals_the_dynamic_tree(family, total, depth, k, int8, rows):
     """Same commits (prefill, then accepted paths of 1, 3 and 6 positions) -> the same tree, node for node.
 
     Both modes run the same expansion and reranking code on the same committed state; the only difference is
     how the head attends (whole preallocated buffer under a device mask vs `DynamicCache` views), so the pool
     scores agree to rounding and, with no top-k ties (random fp64 heads have none), the selected nodes, their
     best-first layout and topology are identical (also with the int8 vocabulary head). The static head cache starts too small (4 positions), so
-    growing it (and re-sizing the expansion) is exercised too. The tree size never changes:
-    1 + min(total, k + (depth - 1) * k * k)."""
+    growing it (and re-sizing the expansion) is exercised too. The draft step commits the newest `rows`
+    positions itself (the rest eagerly first): 1, 2 and 3 make the 6-position commits split. The tree size
+    never changes: 1 + min(total, k + (depth - 1) * k * k)."""
     target = tiny_llama(num_layers=8, dtype=torch.float64)
     head = _head(family, target, seed=3)
     ids = torch.randint(5, V, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -103,7 +110,7 @@ def test_static_tree_equals_the_dynamic_tree(family, total, depth, k, int8):
     dyn = EagleTreeProposer(head, total, depth, k, int8_head=int8)
     st = EagleTreeProposer(head, total, depth, k, int8_head=int8, static=True)
     assert (st.int8 is None) == (dyn.int8 is None)
-    st.fixed = StaticHeadState(head, (depth - 1) * k, k, capacity=4)
+    st.fixed = StaticHeadState(head, (depth - 1) * k, k, capacity=4, commit_rows=rows)
     n_nodes = 1 + min(total, k + (depth - 1) * k * k)
     for lo, hi in ((0, 6), (6, 7), (7, 10), (10, 16)):
         a, b = dyn.propose(feats[lo:hi], nxt[lo:hi]), st.propose(feats[lo:hi], nxt[lo:hi])
@@ -171,7 +178,7 @@ def test_head_cache_holds_the_committed_positions_in_place():
 
 def test_fixed_ancestors_and_draft_mask():
     """`fixed_ancestors` equals `ancestor_matrix` on random trees; `draft_mask` shows the committed prefix and each
-    query's drafted ancestors, never stale positions."""
+    query's drafted ancestors, never stale positions; `commit_mask` is causal over the new rows after the prefix."""
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
         n = int(torch.randint(1, 14, (1,), generator=g))
@@ -187,6 +194,9 @@ def test_fixed_ancestors_and_draft_mask():
     assert torch.equal(mask[:, 4:7], rows)
     cache.prepare_write(3, 2)
     assert cache.write_pos.tolist() == [7, 8]
+    cm = commit_mask(3, cache.length_t, 10)[0, 0]  # (3 new rows at [4, 7), 10)
+    assert cm[:, :4].all() and not cm[:, 7:].any()
+    assert torch.equal(cm[:, 4:7], torch.ones(3, 3, dtype=torch.bool).tril())
 
 
 def test_make_proposer_passes_static_and_graphs():

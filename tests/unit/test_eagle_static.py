@@ -90,7 +90,13 @@ def test_static_proposer_is_lossless(arch, family, shape):
 @pytest.mark.parametrize("family", [eagle, eagle3])
 @pytest.mark.parametrize(
     "total,depth,k,int8,rows",
-    [(10, 4, 3, False, 8), (100, 3, 2, False, 2), (5, 2, 4, False, 8), (7, 1, 3, False, 1), (10, 4, 3, True, 3)],
+    [
+        (10, 4, 3, False, 8),
+        (100, 3, 2, False, 2),
+        (5, 2, 4, False, 8),
+        (7, 1, 3, False, 1),
+        (10, 4, 3, True, 3),
+    ],
 )
 def test_static_tree_equals_the_dynamic_tree(family, total, depth, k, int8, rows):
     """Same commits (prefill, then accepted paths of 1, 3 and 6 positions) -> the same tree, node for node.

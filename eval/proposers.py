@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from specdraft.eval.decode import Proposer
+    from specdraft.eval.redrafter_rows import RowsState
     from specdraft.models.family import FamilySpec
     from specdraft.models.redrafter import ReDrafter
 
@@ -267,6 +268,7 @@ class ReDrafterProposer:
             self._ctx = torch.zeros(room, dtype=torch.long, device=dev)  # (C,)
             self._ctx_n, self._ctx_len = 0, torch.zeros((), dtype=torch.long, device=dev)  # host, device
             self._ctx_root: Tensor | None = None  # (1,) the previous call's root, committed on the next
+        self._rows_state: RowsState | None = None  # drafted with other rows (`eval/redrafter_rows.py`)
 
     def reset(self) -> None:
         """Forget the previous prompt."""
@@ -380,8 +382,10 @@ class ReDrafterProposer:
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
     ) -> list[DraftTree] | None:
         """Every row's `propose` in one beam search over all rows (`beam_search_rows`: R roots, then R * W beams
-        per slot), each row's copy-gate index advanced as `propose` does. None on the fixed-shape step, with
-        prefix attention (a memory per row), or when the rows' proposers differ (drafter or search size).
+        per slot), each row's copy-gate index advanced as `propose` does; on the fixed-shape step one
+        `beam_search_fixed_rows` for all rows (`eval/redrafter_rows.py`, one CUDA graph under `graphs`). None
+        with prefix attention (a memory per row), or when the rows' proposers differ (drafter, search size,
+        head, static or graphs).
 
         Args:
             rows: R `ReDrafterProposer`s (this one among them); hidden: R (n_i, F); tokens: R (n_i,).
@@ -391,13 +395,19 @@ class ReDrafterProposer:
             rows share one activation scale, so a draft may differ slightly; the output never does).
         """
         search = (self._search, self.beam_width, self.draft_len, self.min_logp)
-        if self.static or self.uses_context or self.draft_len == 0:
+        if self.uses_context or self.draft_len == 0:
             return None
         if not all(isinstance(p, ReDrafterProposer) for p in rows):
             return None
         ps = cast("list[ReDrafterProposer]", list(rows))
         if any((p._search, p.beam_width, p.draft_len, p.min_logp) != search for p in ps):
             return None
+        if self.static:  # one fixed-shape search (one CUDA graph under `graphs`) for every row
+            if any(not p.static or p.head is not self.head or p.graphs != self.graphs for p in ps):
+                return None
+            from specdraft.eval.redrafter_rows import propose_fixed_rows
+
+            return propose_fixed_rows(ps, hidden, tokens)
         copies = (
             [p._update_copy_index(t) for p, t in zip(ps, tokens, strict=True)] if self.copy_ngram else None
         )
@@ -415,14 +425,20 @@ class ReDrafterProposer:
         if self._ctx_root is not None:
             new = torch.cat([self._ctx_root, new])  # (n',)
         end = self._ctx_n + new.shape[0]
-        if end > self._ctx.shape[0]:  # double: the captured step read the old buffer, so capture again
-            grown = self._ctx.new_zeros(max(end, 2 * self._ctx.shape[0]))
-            grown[: self._ctx_n] = self._ctx[: self._ctx_n]
-            self._ctx, self._draft_graph = grown, None
+        self._reserve_ctx(end)
         self._ctx[self._ctx_n : end] = new
         self._ctx_n = end
         self._ctx_len.fill_(end)
         self._ctx_root = tokens[-1:].to(self._ctx.device).clone()
+
+    def _reserve_ctx(self, needed: int, exact: bool = False) -> None:
+        """Copy gate, fixed-shape step: room for `needed` committed tokens in the device buffer, doubled when
+        full (`exact`: grown to `needed` itself); the captured step read the old buffer, so capture again."""
+        if needed <= self._ctx.shape[0]:
+            return
+        grown = self._ctx.new_zeros(needed if exact else max(needed, 2 * self._ctx.shape[0]))
+        grown[: self._ctx_n] = self._ctx[: self._ctx_n]
+        self._ctx, self._draft_graph = grown, None
 
     def _propose_fixed(self, hidden: Tensor, root: Tensor) -> DraftTree:
         """The fixed-shape draft step (optionally a CUDA graph): W beams -> a (1 + W*D)-node tree whose

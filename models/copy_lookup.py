@@ -97,7 +97,7 @@ def lookup_fixed(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: int) ->
     The candidate is the token after the newest earlier occurrence of the longest suffix m-gram (m <= `max_ngram`)
     of committed + chain, as `NgramIndex.lookup` gives: the newest match over all end positions q < p (those inside
     the chain are newer than the indexed committed ones). O(W * (C + c) * max_ngram) on the device, against the
-    host index's O(1) dict lookups: for the graph-captured draft step only.
+    host index's O(1) dict lookups: for the graph-captured draft step only. One row of `lookup_fixed_rows`.
 
     Args:
         ctx: (C,) long committed tokens, the first `length` valid (the rest any value).
@@ -108,22 +108,45 @@ def lookup_fixed(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: int) ->
     Returns:
         candidates (W,) long (`NO_CANDIDATE` where nothing matches), match lengths (W,) long (0 there).
     """
-    w, c = chains.shape
-    cap = ctx.shape[0]
-    q = torch.arange(cap + c, device=ctx.device)  # (Q,) positions of committed + chain
-    rel = (q - length).clamp(0, c - 1)  # (Q,) chain index of positions >= n0
-    seq = torch.where(q < length, ctx[q.clamp_max(cap - 1)], chains[:, rel])  # (W, Q); valid up to p
-    p = length + c - 1  # () the newest position
-    cand = torch.full((w,), NO_CANDIDATE, dtype=torch.long, device=ctx.device)  # (W,)
-    size = torch.zeros(w, dtype=torch.long, device=ctx.device)  # (W,)
-    match = torch.ones(w, cap + c, dtype=torch.bool, device=ctx.device)  # (W, Q) grams ending at q so far
+    cand, size = lookup_fixed_rows(ctx[None], length.reshape(1), chains[None], max_ngram)
+    return cand[0], size[0]
+
+
+def lookup_fixed_rows(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: int) -> tuple[Tensor, Tensor]:
+    """`lookup_fixed` for S rows at once, each row's W chains on its own committed tokens (the batched
+    decoder's fixed-shape draft step: one lookup for every row).
+
+    Args:
+        ctx: (S, C) long, each row's committed tokens, the first `length[s]` valid (the rest any value).
+        length: (S,) long, each row's n0.
+        chains: (S, W, c) long, each row's beams after its committed tokens (root first), c >= 1.
+        max_ngram: the longest suffix matched.
+
+    Returns:
+        candidates (S, W) long (`NO_CANDIDATE` where nothing matches), match lengths (S, W) long (0 there).
+    """
+    s, w, c = chains.shape
+    cap, dev = ctx.shape[1], ctx.device
+    q = torch.arange(cap + c, device=dev)  # (Q,) positions of committed + chain
+    n0 = length[:, None]  # (S, 1)
+    rel = (q - n0).clamp(0, c - 1)  # (S, Q) chain index of positions >= n0
+    chain = chains.gather(2, rel[:, None, :].expand(s, w, -1))  # (S, W, Q)
+    committed = ctx[:, q.clamp_max(cap - 1)][:, None, :]  # (S, 1, Q)
+    seq = torch.where((q < n0)[:, None, :], committed, chain)  # (S, W, Q); valid up to p
+    p = n0 + c - 1  # (S, 1) the newest position
+    cand = torch.full((s, w), NO_CANDIDATE, dtype=torch.long, device=dev)  # (S, W)
+    size = torch.zeros(s, w, dtype=torch.long, device=dev)  # (S, W)
+    match = torch.ones(s, w, cap + c, dtype=torch.bool, device=dev)  # (S, W, Q) grams ending at q so far
+    earlier = (q < p)[:, None, :]  # (S, 1, Q)
     for m in range(1, max_ngram + 1):  # longer grams overwrite: the longest one found wins
-        back = (p - (m - 1)).clamp_min(0).reshape(1, 1).expand(w, 1)  # (W, 1) gram element m - 1
-        match = match & (seq[:, (q - (m - 1)).clamp_min(0)] == seq.gather(1, back)) & (q >= m - 1)
-        ok = match & (q < p) & (p >= m - 1)  # (W, Q) earlier occurrences of the m-gram
-        best = torch.where(ok, q, -1).amax(dim=1)  # (W,) the newest, -1 = none
+        back = (p - (m - 1)).clamp_min(0)[:, None, :].expand(s, w, 1)  # (S, W, 1) gram element m - 1
+        match = match & (seq[..., (q - (m - 1)).clamp_min(0)] == seq.gather(2, back)) & (q >= m - 1)
+        ok = match & earlier & (p >= m - 1)[:, None, :]  # (S, W, Q) earlier occurrences of the m-gram
+        best = torch.where(ok, q, -1).amax(dim=-1)  # (S, W) the newest, -1 = none
         found = best >= 0
-        after = seq.gather(1, (best + 1).clamp(0, cap + c - 1)[:, None])[:, 0]  # (W,) the token after it
+        after = seq.gather(2, (best + 1).clamp(0, cap + c - 1)[..., None])[
+            ..., 0
+        ]  # (S, W) the token after it
         cand = torch.where(found, after, cand)
         size = torch.where(found, torch.full_like(size, m), size)
     return cand, size

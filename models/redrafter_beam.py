@@ -147,13 +147,8 @@ def beam_search_fixed(
     head: Callable[[Tensor], Tensor] | None = None,
     copy: tuple[Tensor, Tensor, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`beam_search` with fixed shapes and no host sync, the form a CUDA graph captures.
-
-    All W beams exist from the first slot: the W - 1 copies of the root beam start at log-prob -inf (dead,
-    as apple/ml-recurrent-drafter does), so step 1 still expands the root only and the beams equal
-    `beam_search`'s (when the draft vocabulary has >= W tokens). Every step has the shapes of the last.
-    Prefix attention reads growing state and keeps the dynamic `beam_search`; the copy gate looks its
-    candidates up on the device (`copy_lookup.lookup_fixed`) in a committed-token buffer of fixed capacity.
+    """`beam_search` with fixed shapes and no host sync, the form a CUDA graph captures (one row of
+    `beam_search_fixed_rows`).
 
     Args:
         drafter: the ReDrafter.
@@ -161,33 +156,72 @@ def beam_search_fixed(
         root: (1,) long, the committed root token, on the drafter's device.
         beam_width: W.
         draft_len: D.
-        head: (W, X) -> (W, Vd) logits (None: the drafter's head).
+        head: (..., X) -> (..., Vd) logits (None: the drafter's head).
         copy: copy gate only: (committed tokens before the root (C,) long, their count () long, the gate's
             n-gram length); each beam's candidate is looked up on them + the beam, as `beam_search` does.
 
     Returns:
         beams (W, 1 + D) long sorted by score; cum (W, 1 + D) float32 cumulative log-probs.
     """
-    from specdraft.models.copy_lookup import lookup_fixed
+    rows = None if copy is None else (copy[0][None], copy[1].reshape(1), copy[2])
+    beams, cum = beam_search_fixed_rows(
+        drafter, hidden.reshape(1, -1), root.reshape(1), beam_width, draft_len, head, rows
+    )
+    return beams[0], cum[0]
 
-    w = beam_width
-    h = drafter.features(hidden.reshape(1, -1)).expand(w, -1)  # (W, F)
-    state = drafter.init_state(root.expand(w))  # (W, E)
-    beams = root.expand(w)[:, None].repeat(1, 1 + draft_len)  # (W, 1 + D), column 0 = root
-    cum = torch.zeros(w, 1 + draft_len, dtype=torch.float32, device=root.device)  # (W, 1 + D)
-    scores = torch.full((w,), float("-inf"), device=root.device)  # (W,)
-    scores[:1].fill_(
+
+@torch.no_grad()
+def beam_search_fixed_rows(
+    drafter: ReDrafter,
+    hidden: Tensor,
+    roots: Tensor,
+    beam_width: int,
+    draft_len: int,
+    head: Callable[[Tensor], Tensor] | None = None,
+    copy: tuple[Tensor, Tensor, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`beam_search_rows` with fixed shapes and no host sync: S rows, one drafter forward per slot over all
+    S * W beams, the form one CUDA graph captures for a whole batch.
+
+    All W beams of a row exist from the first slot: the W - 1 copies of the root beam start at log-prob -inf
+    (dead, as apple/ml-recurrent-drafter does), so step 1 still expands the root only and the beams equal
+    `beam_search`'s (when the draft vocabulary has >= W tokens). Every step has the shapes of the last.
+    Prefix attention reads growing state and keeps the dynamic `beam_search`; the copy gate looks its
+    candidates up on the device (`copy_lookup.lookup_fixed_rows`) in committed-token buffers of fixed capacity.
+
+    Args:
+        drafter: the ReDrafter.
+        hidden: (S, F) target features at each row's newest committed position.
+        roots: (S,) long, each row's committed root token, on the drafter's device.
+        beam_width: W.
+        draft_len: D.
+        head: (..., X) -> (..., Vd) logits (None: the drafter's head).
+        copy: copy gate only: (each row's committed tokens before its root (S, C) long, their counts (S,) long,
+            the gate's n-gram length).
+
+    Returns:
+        beams (S, W, 1 + D) long, each row's sorted by score; cum (S, W, 1 + D) float32 cumulative log-probs.
+    """
+    from specdraft.models.copy_lookup import lookup_fixed_rows
+
+    s, w, dev = hidden.shape[0], beam_width, roots.device
+    h = drafter.features(hidden)[:, None].expand(s, w, -1)  # (S, W, F')
+    state = drafter.init_state(roots[:, None].expand(s, w))  # (S, W, E)
+    beams = roots[:, None, None].expand(s, w, 1 + draft_len).clone()  # (S, W, 1 + D), column 0 = root
+    cum = torch.zeros(s, w, 1 + draft_len, dtype=torch.float32, device=dev)  # (S, W, 1 + D)
+    scores = torch.full((s, w), float("-inf"), device=dev)  # (S, W)
+    scores[:, :1].fill_(
         0.0
-    )  # only the root beam is alive (fill_, not item assignment: a host copy under capture)
+    )  # only the root beam is alive (fill_: item assignment is a host copy under capture)
     for k in range(draft_len):
         if k > 0:
-            state = drafter.next_state(state, beams[:, k])  # (W, E)
+            state = drafter.next_state(state, beams[..., k])  # (S, W, E)
         cands = (
-            None if copy is None else lookup_fixed(copy[0], copy[1], beams[:, : k + 1], copy[2])
-        )  # (W,) x2
-        logp = drafter.state_logits(state, h, head, None, cands, log_probs=True)  # (W, Vd) float32
-        scores, parent, draft = _best(scores, logp, w)  # (W,) each
-        beams, cum, state = beams[parent], cum[parent], state[parent]
-        beams[:, k + 1] = drafter.to_target_ids(draft)
-        cum[:, k + 1] = scores
+            None if copy is None else lookup_fixed_rows(copy[0], copy[1], beams[..., : k + 1], copy[2])
+        )  # (S, W) x2
+        logp = drafter.state_logits(state, h, head, None, cands, log_probs=True)  # (S, W, Vd) float32
+        scores, parent, draft = _best(scores, logp, w)  # (S, W) each
+        beams, cum, state = _rows(beams, parent), _rows(cum, parent), _rows(state, parent)
+        beams[..., k + 1] = drafter.to_target_ids(draft)
+        cum[..., k + 1] = scores
     return beams, cum

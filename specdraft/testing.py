@@ -288,10 +288,13 @@ def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, gr
     raise ValueError(f"tiny_proposer: family={family!r}, expected one of {', '.join(FAMILIES)}")
 
 
-def tiny_proposer_factory(family: str, target: torch.nn.Module) -> Callable[[], Any]:
+def tiny_proposer_factory(
+    family: str, target: torch.nn.Module, static: bool = False, graphs: bool = False
+) -> Callable[[], Any]:
     """Fresh proposers around ONE tiny drafter of `family` (as `tiny_proposer`), one per call, as evaluate.py
     makes one per batch row (`partial(make_proposer, drafter, ...)`), so rows can be drafted together
-    (`eval.decode.RowBatchedProposer`); "+lookup" suffix: each behind a 4-token `LookupBranch`."""
+    (`eval.decode.RowBatchedProposer`); "+lookup" suffix: each behind a 4-token `LookupBranch`. `static` /
+    `graphs`: the fixed-shape draft steps (and CUDA graphs), as the batched decoder's graph path builds them."""
     from specdraft.eval.hybrid import LookupBranch
     from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer, make_proposer
 
@@ -303,11 +306,15 @@ def tiny_proposer_factory(family: str, target: torch.nn.Module) -> Callable[[], 
         drafter = tiny_proposer(name, target).drafter
         if name.startswith("redrafter"):
             int8 = name == "redrafter_int8"
-            inner = lambda: ReDrafterProposer(drafter, beam_width=4, beam_length=4, int8_layers=int8)  # noqa: E731
+            inner = lambda: ReDrafterProposer(  # noqa: E731
+                drafter, beam_width=4, beam_length=4, int8_layers=int8, static=static, graphs=graphs
+            )
         else:
             nodes = 12 if name.startswith("medusa") else 10
             block = name.rpartition("_")[2] if name.endswith(("_int8", "_fused")) else "hf"
-            inner = lambda: make_proposer(drafter, tree_nodes=nodes, draft_block=block)  # noqa: E731
+            inner = lambda: make_proposer(  # noqa: E731
+                drafter, tree_nodes=nodes, draft_block=block, static=static, graphs=graphs
+            )
     return (lambda: LookupBranch(inner(), 4)) if lookup else inner
 
 

@@ -22,6 +22,7 @@ from specdraft.testing import (
     RandomTreeProposer,
     random_prompts,
     tiny_proposer,
+    tiny_proposer_factory,
     tiny_target,
 )
 
@@ -341,13 +342,14 @@ def test_every_family_batched_equals_batch1_ar(family, shape):
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s != "eager"])
 @pytest.mark.parametrize("family", ["redrafter", "redrafter_copy", "medusa", "eagle", "eagle3"])
 def test_fixed_shape_proposers_batched_equal_batch1_ar(family, shape):
-    """The batched decoder with each row's fixed-shape draft step (what evaluate.py's throughput table and
-    bench_batch.py build when the batch runs with graphs; on CUDA each row's step is a CUDA graph)."""
+    """The batched decoder with fixed-shape draft steps around one drafter (what evaluate.py's throughput table
+    and bench_batch.py build when the batch runs with graphs): the ReDrafter's rows in one fixed-shape search
+    (on CUDA one graph per padded row count), EAGLE's each its own step, Medusa's heads once for all rows."""
     model = tiny_target("llama", _device(shape))
     prompts = random_prompts(LENGTHS, seed=5)
     stops, refs = _references(model, prompts, BUDGETS)
     graphs = shape == "graph"
-    factory = lambda: tiny_proposer(family, model, static=True, graphs=graphs)  # noqa: E731
+    factory = tiny_proposer_factory(family, model, static=True, graphs=graphs)
     res = _decoder(model, 3, shape).generate(prompts, BUDGETS, stops, factory)
     assert [out for out, _ in res] == refs
     assert max(n for _, s in res for n in s.tree_sizes) > 1

@@ -83,11 +83,14 @@ def test_draft_block_selects_the_int8_search_for_the_redrafter():
 
 
 def test_int8_products_quantise_activations_to_8_bits_where_vnni_accumulates_in_32(monkeypatch):
-    """`Int8Linear` uses 7-bit activations (fbgemm's `reduce_range`) only without VNNI/AMX dot products; the
-    8-bit ones halve the error (what made EAGLE-1's int8 layer draft as well as its float one)."""
+    """`Int8Linear` uses 7-bit activations (fbgemm's `reduce_range`) only without VNNI/AMX dot products; there
+    the 8-bit ones halve the error (what made EAGLE-1's int8 layer draft as well as its float one). On a CPU
+    without VNNI (AVX2's pairwise sums saturate in 16 bits) 8-bit activations are the worse ones, which is why
+    the rule keeps 7 bits there: the test checks whichever the machine can show."""
     from specdraft import hardware
     from specdraft.eval.proposers import Int8Linear
 
+    vnni = hardware.cpu_int8_full_range()  # this machine's real dot products
     torch.manual_seed(0)
     lin = nn.Linear(64, 96)
     x = torch.randn(8, 64) * 3
@@ -98,7 +101,10 @@ def test_int8_products_quantise_activations_to_8_bits_where_vnni_accumulates_in_
     reduced = Int8Linear(lin)
     assert not full.reduce_range and reduced.reduce_range
     err_full, err_reduced = ((q(x) - ref).norm() / ref.norm() for q in (full, reduced))
-    assert err_full < 0.8 * err_reduced < 0.05
+    if vnni:
+        assert err_full < 0.8 * err_reduced < 0.05
+    else:
+        assert err_reduced < 0.05 < err_full, (err_full, err_reduced)
 
 
 def test_medusa_int8_layers_keep_the_vocabulary_and_root_products_and_decode_losslessly():

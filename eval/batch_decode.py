@@ -3,7 +3,8 @@
 Every row r of a `BatchKVCache` decodes its own request with its own proposer; a step verifies all rows'
 trees in ONE target forward:
 
-    refill free rows from the queue: prefill row r alone, root_r = argmax, emit root_r, proposer_r.reset()
+    refill free rows from the queue: prefill the admitted rows' prompts (contiguous rows in one padded
+        forward, `prefill_rows`), root_r = argmax, emit root_r, proposer_r.reset()
     repeat while a row is active:
         tree_r = proposer_r.propose(new states of row r)          # (AR mode: the root alone)
         pad every tree to b = max_r N_r nodes (dummy nodes see only their row's root, never accepted)
@@ -62,6 +63,7 @@ from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 Sampling = tuple[float, int, float, torch.Generator | None]  # (temperature, top_k, top_p, generator)
+PREFILL_TOKENS = 16384  # most padded prompt tokens one batched prefill forward takes (rows x longest prompt)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class BatchStats:
     rows: int = 0  # B
     requests: int = 0  # requests served
     steps: int = 0  # batched verify forwards
-    prefills: int = 0  # single-row prompt forwards
+    prefills: int = 0  # prompts prefilled (up to `prefill_rows` of them per forward)
     new_tokens: int = 0  # emitted tokens over all requests
     time_s: float = 0.0  # wall time of the call
     idle_row_steps: int = 0  # rows without a request summed over steps (the forward still runs them)
@@ -119,6 +121,8 @@ class BatchDecoder:
             rows are emptied), so attention and GQA key expansion cost what is filled, not max_len.
         static: fixed-shape verify (power-of-two trees, whole-cache attention, device-side mask and positions).
         graphs: capture each budget's verify forward as a CUDA graph (needs `static` and a CUDA model).
+        prefill_rows: most rows admitted together whose prompts are prefilled in one forward (contiguous rows,
+            padded to the longest prompt, at most `PREFILL_TOKENS` padded tokens); 1: one forward per prompt.
     """
 
     def __init__(
@@ -128,12 +132,16 @@ class BatchDecoder:
         max_len: int = 1024,
         static: bool = False,
         graphs: bool = False,
+        prefill_rows: int = 1,
     ) -> None:
         emb = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
         self.model, self.device, self.dtype = model, emb.device, emb.dtype
         if graphs and (not static or self.device.type != "cuda"):
             raise ValueError("graphs=True needs static=True and a model on a CUDA device")
+        if prefill_rows < 1:
+            raise ValueError(f"prefill_rows={prefill_rows}: must be >= 1")
         self.batch_size, self.static, self.graphs = batch_size, static, graphs
+        self.prefill_rows = prefill_rows
         self.cache = BatchKVCache(model, batch_size, max_len)
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
         self._inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # static: b -> (tokens, ancestors, depth)
@@ -157,6 +165,7 @@ class BatchDecoder:
         layers: tuple[int, ...],
         keep_last: bool,
         span: int | None = None,
+        logits_at: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One target forward of R rows over L new positions each, written after each row's committed ones.
 
@@ -166,9 +175,12 @@ class BatchDecoder:
             layers, keep_last: the proposer's features (as `decode.target_forward`).
             span: positions attention reads per row; None: the longest of these rows' filled prefixes + L
                 (read from the host lengths); the fixed shape passes `max_len` (nothing read on the host).
+            logits_at: (R,) long, the one position per row whose logits are wanted (a prefill's last prompt
+                token: the LM head is ~a fifth of a small model's FLOPs per position); None: all L.
 
         Returns:
-            logits (R, L, V); hidden (R, L, H') last-layer states or the requested layers.
+            logits (R, L, V), or (R, 1, V) with `logits_at`; hidden (R, L, H') last-layer states or the
+            requested layers.
         """
         c, (r, n) = self.cache, tokens.shape
         lengths = c.lengths_t[rows]  # (R,)
@@ -195,7 +207,10 @@ class BatchDecoder:
                 logits=False,
             )
         hidden = out.hidden  # (R, L, H)
-        logits = lm_logits(cast(PreTrainedModel, self.model), hidden)  # (R, L, V)
+        head_in = (
+            hidden if logits_at is None else hidden[torch.arange(r, device=self.device), logits_at][:, None]
+        )
+        logits = lm_logits(cast(PreTrainedModel, self.model), head_in)  # (R, L, V) | (R, 1, V)
         if layers:
             assert out.layers is not None
             extra = out.layers.flatten(-2)  # (R, L, m*H)
@@ -291,32 +306,59 @@ class BatchDecoder:
         self.cache.set_length(row, 0)
         self.committed[row] = []
 
-    def _start(
+    def _prefill(
         self,
-        row: int,
-        request: int,
-        prompt: list[int],
-        st: _Row,
+        starts: list[tuple[int, _Row]],
+        prompts: list[list[int]],
         layers: tuple[int, ...],
         keep_last: bool,
         sampling: Sampling | None,
     ) -> None:
-        """Prefill `prompt` (P,) into `row` alone (the other rows keep their caches); set `st`'s root (argmax,
-        or drawn with `sampling`) and the proposer inputs: hidden (P, H') and next tokens (P,)."""
-        p = len(prompt)
-        if p == 0:
-            raise ValueError(f"request {request}: empty prompt")
-        self.cache.set_length(row, 0)
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # (1, P)
-        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None]  # (1, P, P)
-        depth = torch.arange(p, device=self.device)[None]  # (1, P)
-        logits, hidden = self._forward(slice(row, row + 1), ids, causal, depth, layers, keep_last)
-        self.cache.set_length(row, p)
-        self.committed[row] = list(prompt)
-        st.root = sample_token(logits[0, -1], *sampling) if sampling else int(logits[0, -1].float().argmax())
-        st.stats.prefill_s = time.perf_counter() - st.t0
-        st.new_hidden = hidden[0]  # (P, H')
-        st.new_tokens = torch.tensor([*prompt[1:], st.root], device=self.device)  # (P,)
+        """Prefill each started row's prompt (the other rows keep their caches), `prefill_rows` contiguous rows
+        per forward (their prompts padded to the longest; the padding's K/V land past each row's length and
+        are overwritten later); set each state's root (argmax, or drawn with `sampling`, in row order) and its
+        proposer inputs: hidden (P, H') and next tokens (P,).
+
+        Args:
+            starts: (row, state) of the rows admitted this round, rows ascending.
+            prompts: their prompts (P_i,) each, in the same order.
+        """
+        groups: list[list[int]] = []  # indices into `starts`: contiguous rows, at most `prefill_rows`
+        for k, (row, _) in enumerate(starts):
+            g = groups[-1] if groups else None
+            widest = max([len(prompts[j]) for j in g] + [len(prompts[k])]) if g else 0
+            fits = g is not None and len(g) < self.prefill_rows and widest * (len(g) + 1) <= PREFILL_TOKENS
+            if g is not None and fits and starts[g[-1]][0] == row - 1:
+                g.append(k)
+            else:
+                groups.append([k])
+        for g in groups:
+            lens = [len(prompts[k]) for k in g]
+            if min(lens) == 0:
+                raise ValueError(f"request {starts[g[lens.index(0)]][1].request}: empty prompt")
+            r0, n, p = starts[g[0]][0], len(g), max(lens)
+            for k in g:
+                self.cache.set_length(starts[k][0], 0)
+            padded = [prompts[k] + [prompts[k][-1]] * (p - len(prompts[k])) for k in g]
+            ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # (n, P)
+            causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None].expand(n, -1, -1)
+            depth = torch.arange(p, device=self.device)[None].expand(n, -1)  # (n, P)
+            last = torch.tensor([x - 1 for x in lens], device=self.device)  # (n,)
+            logits, hidden = self._forward(
+                slice(r0, r0 + n), ids, causal, depth, layers, keep_last, logits_at=last
+            )  # (n, 1, V), (n, P, H')
+            if sampling is None:
+                roots = logits[:, 0].float().argmax(-1).tolist()
+            else:
+                roots = [sample_token(logits[i, 0], *sampling) for i in range(n)]
+            for i, k in enumerate(g):
+                row, st = starts[k]
+                self.cache.set_length(row, lens[i])
+                self.committed[row] = list(prompts[k])
+                st.root = int(roots[i])
+                st.stats.prefill_s = time.perf_counter() - st.t0
+                st.new_hidden = hidden[i, : lens[i]]  # (P_i, H')
+                st.new_tokens = torch.tensor([*prompts[k][1:], st.root], device=self.device)  # (P_i,)
 
     @torch.inference_mode()
     def generate(
@@ -391,24 +433,32 @@ class BatchDecoder:
             results[st.request] = (st.out, st.stats)
 
         while True:
-            for r in range(B):  # refill free rows; a request may finish at its first token
-                while rows[r] is None and queue:
-                    i = queue.popleft()
-                    st = _Row(
-                        i,
-                        budgets[i],
-                        RequestStats(prompt_tokens=len(requests[i]), batch=batch),
-                        time.perf_counter(),
-                    )
-                    if st.max_new > 0:
-                        self._start(r, i, requests[i], st, layers, keep_last, sampling)
-                        batch.prefills += 1
-                        if proposers:
-                            proposers[r].reset()
-                    if st.max_new <= 0 or _emit(st.out, [st.root], stops, st.max_new):
-                        finish(st, r)
-                    else:
+            while queue:  # refill free rows, prefilled together; a request may finish at its first token
+                starts: list[tuple[int, _Row]] = []
+                for r in range(B):
+                    while rows[r] is None and queue:
+                        i = queue.popleft()
+                        st = _Row(
+                            i,
+                            budgets[i],
+                            RequestStats(prompt_tokens=len(requests[i]), batch=batch),
+                            time.perf_counter(),
+                        )
+                        if st.max_new <= 0:
+                            finish(st, r)
+                            continue
                         rows[r] = st
+                        starts.append((r, st))
+                if not starts:
+                    break
+                self._prefill(starts, [requests[st.request] for _, st in starts], layers, keep_last, sampling)
+                batch.prefills += len(starts)
+                for r, st in starts:
+                    if proposers:
+                        proposers[r].reset()
+                    if _emit(st.out, [st.root], stops, st.max_new):
+                        finish(st, r)
+                        rows[r] = None
             active = [r for r in range(B) if rows[r] is not None]
             if not active:
                 break

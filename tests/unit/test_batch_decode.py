@@ -365,10 +365,10 @@ def test_fixed_shape_steps_never_change_shape():
     seen: list[tuple[int, int, int]] = []
     forward = dec._forward
 
-    def spy(rows, tokens, ancestors, depth, layers, keep_last, span=None):
-        if rows == slice(0, 3):  # the batched verify (prefills run one row, eagerly)
+    def spy(rows, tokens, ancestors, depth, layers, keep_last, span=None, logits_at=None):
+        if logits_at is None:  # the batched verify (prefills ask for their last logits, eagerly)
             seen.append((*tokens.shape, span))
-        return forward(rows, tokens, ancestors, depth, layers, keep_last, span)
+        return forward(rows, tokens, ancestors, depth, layers, keep_last, span, logits_at)
 
     dec._forward = spy  # type: ignore[method-assign]
     res = dec.generate(prompts, BUDGETS, stops, _factory("random", prompts, refs))
@@ -390,3 +390,62 @@ def test_make_batch_decoder_follows_cuda_graphs():
         make_batch_decoder(model, 2, "sometimes")
     with pytest.raises(ValueError, match="graphs=True needs"):
         BatchDecoder(model, 2, static=False, graphs=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", ["ar", "redrafter_copy", "eagle3"])
+def test_batched_prefills_equal_batch1_ar(family, shape):
+    """Rows admitted together are prefilled in one forward (`prefill_rows`: contiguous rows, prompts of 1-25
+    tokens padded to the longest, logits at each row's last prompt token only); a request done at its first
+    token is refilled in the next round. Every request still gets its batch-1 AR output, and the drafters,
+    which read the prompt's hidden states (EAGLE-3 three layers), draft from the real positions."""
+    model = tiny_target("llama", _device(shape))
+    prompts = random_prompts(LENGTHS, seed=6)
+    stops, refs = _references(model, prompts, BUDGETS)
+    dec = BatchDecoder(model, 3, static=shape != "eager", graphs=shape == "graph", prefill_rows=3)
+    prefills: list[int] = []
+    forward = dec._forward
+
+    def spy(rows, tokens, ancestors, depth, layers, keep_last, span=None, logits_at=None):
+        if logits_at is not None:
+            prefills.append(tokens.shape[0])
+        return forward(rows, tokens, ancestors, depth, layers, keep_last, span, logits_at)
+
+    dec._forward = spy  # type: ignore[method-assign]
+    graphs = shape == "graph"
+    factory = (
+        None
+        if family == "ar"
+        else tiny_proposer_factory(family, model, static=shape != "eager", graphs=graphs)
+    )
+    res = dec.generate(prompts, BUDGETS, stops, factory)
+    assert [out for out, _ in res] == refs
+    assert prefills[0] == 3 and sum(prefills) == res[0][1].batch.prefills == len(prompts)
+
+
+def test_prefill_groups_follow_rows_and_the_token_cap(monkeypatch):
+    """A prefill forward takes contiguous rows only, at most `prefill_rows` of them and at most
+    `PREFILL_TOKENS` padded tokens; `prefill_rows=0` is refused."""
+    import specdraft.eval.batch_decode as bd
+
+    model = tiny_target("llama", CPU)
+    with pytest.raises(ValueError, match="prefill_rows=0"):
+        BatchDecoder(model, 2, prefill_rows=0)
+    dec = BatchDecoder(model, 4, 256, prefill_rows=2)
+    seen: list[tuple[int, int]] = []
+    forward = dec._forward
+
+    def spy(rows, tokens, ancestors, depth, layers, keep_last, span=None, logits_at=None):
+        seen.append((rows.start, tokens.shape[0]))
+        return forward(rows, tokens, ancestors, depth, layers, keep_last, span, logits_at)
+
+    dec._forward = spy  # type: ignore[method-assign]
+    st = [bd._Row(i, 5, bd.RequestStats(), 0.0) for i in range(4)]
+    prompts = random_prompts([3, 9, 4, 2], seed=1)
+    dec._prefill([(0, st[0]), (1, st[1]), (3, st[3])], [prompts[0], prompts[1], prompts[3]], (), False, None)
+    assert seen == [(0, 2), (3, 1)]  # rows 0-1 together (prefill_rows=2), row 3 alone (not contiguous)
+    monkeypatch.setattr(bd, "PREFILL_TOKENS", 12)
+    seen.clear()
+    dec._prefill([(0, st[0]), (1, st[1])], [prompts[0], prompts[1]], (), False, None)
+    assert seen == [(0, 1), (1, 1)]  # 2 rows x 9 tokens > 12
+    assert [dec.cache.lengths[r] for r in (0, 1)] == [3, 9] and st[1].new_hidden.shape[0] == 9

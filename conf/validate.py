@@ -327,6 +327,7 @@ EVAL: Table = {
     "node_budget_refit_scale": COUNT,
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),
+    "prefill_rows": COUNT,
     "scheduler": one_of("fifo", "length", "both", "groups", "all"),
     "length_predictor": ANY,  # a file path, checked when the throughput table loads it
     "reserve_quantile": DECAY,  # (0, 1]

@@ -53,6 +53,9 @@ class EvalConfig:
         4  # a refit drafts <= this x the settled cap, >= 8 nodes (0: full-size trees)
     )
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
+    prefill_rows: int = (
+        0  # throughput: admitted rows prefilled per forward (0: auto, all on CUDA, 1 on a CPU)
+    )
     scheduler: str = "fifo"  # throughput: fifo | length (longest predicted first) | both | groups (S3) | all
     reserve_quantile: float = (
         0.9  # groups: reserve each response's predicted-bucket bound at this quantile (0, 1]

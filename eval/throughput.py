@@ -48,6 +48,7 @@ def throughput_rows(
     budget_refit_scale: int = 4,
     cuda_graphs: str = "auto",
     node_cap: int | None = None,
+    prefill_rows: int = 0,
 ) -> list[dict[str, Any]]:
     """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
 
@@ -77,6 +78,7 @@ def throughput_rows(
             a generator seeded with `seed`, and `identical` is then None (outputs are samples, not AR's).
         cuda_graphs: `eval.cuda_graphs` (auto | on | off): the batch decoders' fixed-shape, graph-captured
             verify (`batch_decode.make_batch_decoder`; auto: on exactly when the target is on CUDA).
+        prefill_rows: admitted rows prefilled per forward (`eval.prefill_rows`; 0: all on CUDA, 1 on a CPU).
     """
     for s in schedulers:
         if s not in SCHEDULERS:
@@ -93,7 +95,9 @@ def throughput_rows(
     batch1_ar: float | None = None
     fitted: dict[str, NodeBudget] = {}  # per method: its budget at the previous batch size (gains carry over)
     for b in batch_sizes:
-        dec = make_batch_decoder(model, b, cuda_graphs)  # sized by the first call (a snug cache)
+        dec = make_batch_decoder(
+            model, b, cuda_graphs, prefill_rows=prefill_rows
+        )  # a snug cache: sized by the first call
         dec.generate(prompts[:b], 4, stop_ids)  # warm-up (allocator, kernels)
         ar_rate: dict[str, float] = {}
         curve = dec.row_cost_curve(log=log) if node_budget and any(f for _, f in methods) else None

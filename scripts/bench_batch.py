@@ -149,7 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--graphs", default="auto", help="auto | on | off: fixed-shape batched verify as CUDA graphs"
     )
+    p.add_argument(
+        "--prefill-rows",
+        type=int,
+        default=0,
+        help="admitted rows prefilled per forward (eval.prefill_rows; 0: all on CUDA, 1 on a CPU)",
+    )
     a = p.parse_args(argv)
+    if a.prefill_rows < 0:
+        p.error(f"--prefill-rows {a.prefill_rows}: use 0 (auto) or a row count >= 1")
     if a.cap is not None and (a.budget or a.cap < 1):
         p.error("--cap takes a node count >= 1 and replaces --budget")
 
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = throughput_rows(
             model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
             schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
-            node_budget=a.budget, cuda_graphs=a.graphs, node_cap=a.cap,
+            node_budget=a.budget, cuda_graphs=a.graphs, node_cap=a.cap, prefill_rows=a.prefill_rows,
         )  # fmt: skip
         for r in rows:
             r["repeat"] = rep

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specdraft.eval.batch_decode import BatchDecoder, make_batch_decoder
+from specdraft.eval.batch_decode import BatchDecoder, auto_prefill_rows, make_batch_decoder
 from specdraft.eval.decode import ar_generate, target_forward
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_kv import StaticKVCache
@@ -383,6 +383,9 @@ def test_make_batch_decoder_follows_cuda_graphs():
     model = tiny_target("llama", CPU)
     dec = make_batch_decoder(model, 2, "auto")
     assert not dec.static and not dec.graphs and dec.path_name() == "eager"
+    # eval.prefill_rows: auto is one prompt per forward on a CPU, every admitted row on a GPU
+    assert dec.prefill_rows == 1 and make_batch_decoder(model, 4, prefill_rows=3).prefill_rows == 3
+    assert auto_prefill_rows(torch.device("cuda"), 8) == 8 and auto_prefill_rows(CPU, 8) == 1
     assert not make_batch_decoder(model, 2, "off").graphs
     with pytest.raises(ValueError, match="base_model.device=cuda"):
         make_batch_decoder(model, 2, "on")

@@ -127,29 +127,45 @@ def lookup_fixed_rows(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: in
     """
     s, w, c = chains.shape
     cap, dev = ctx.shape[1], ctx.device
-    q = torch.arange(cap + c, device=dev)  # (Q,) positions of committed + chain
+    q, j, back, started, inside = _grid(cap, c, max_ngram, dev)
     n0 = length[:, None]  # (S, 1)
     rel = (q - n0).clamp(0, c - 1)  # (S, Q) chain index of positions >= n0
     chain = chains.gather(2, rel[:, None, :].expand(s, w, -1))  # (S, W, Q)
-    committed = ctx[:, q.clamp_max(cap - 1)][:, None, :]  # (S, 1, Q)
+    committed = ctx[:, inside][:, None, :]  # (S, 1, Q); positions past the buffer read its last entry
     seq = torch.where((q < n0)[:, None, :], committed, chain)  # (S, W, Q); valid up to p
     p = n0 + c - 1  # (S, 1) the newest position
-    cand = torch.full((s, w), NO_CANDIDATE, dtype=torch.long, device=dev)  # (S, W)
-    size = torch.zeros(s, w, dtype=torch.long, device=dev)  # (S, W)
-    match = torch.ones(s, w, cap + c, dtype=torch.bool, device=dev)  # (S, W, Q) grams ending at q so far
-    earlier = (q < p)[:, None, :]  # (S, 1, Q)
-    for m in range(1, max_ngram + 1):  # longer grams overwrite: the longest one found wins
-        back = (p - (m - 1)).clamp_min(0)[:, None, :].expand(s, w, 1)  # (S, W, 1) gram element m - 1
-        match = match & (seq[..., (q - (m - 1)).clamp_min(0)] == seq.gather(2, back)) & (q >= m - 1)
-        ok = match & earlier & (p >= m - 1)[:, None, :]  # (S, W, Q) earlier occurrences of the m-gram
-        best = torch.where(ok, q, -1).amax(dim=-1)  # (S, W) the newest, -1 = none
-        found = best >= 0
-        after = seq.gather(2, (best + 1).clamp(0, cap + c - 1)[..., None])[
-            ..., 0
-        ]  # (S, W) the token after it
-        cand = torch.where(found, after, cand)
-        size = torch.where(found, torch.full_like(size, m), size)
+    # every gram length at once (a few kernels, not a dozen per length: the draft step is launch-bound on a
+    # GPU): element j of the m-gram ending at q is seq[q - j]; of the suffix, seq[p - j]
+    shifted = seq[..., back]  # (S, W, N, Q)
+    tail = seq.gather(2, (p - j).clamp_min(0)[:, None, :].expand(s, w, -1))  # (S, W, N)
+    eq = (shifted == tail[..., None]) & started  # (S, W, N, Q)
+    match = eq.to(torch.uint8).cummin(dim=2).values.bool()  # m = j + 1 grams ending at q match the suffix
+    earlier = (q < p)[:, None, None, :] & (p >= j)[:, None, :, None]  # (S, 1, N, Q)
+    best = torch.where(match & earlier, q, -1).amax(dim=-1)  # (S, W, N) the newest occurrence, -1 = none
+    # a longer gram's occurrences are occurrences of the shorter ones: the lengths found are 1 .. size
+    size = (best >= 0).sum(dim=-1)  # (S, W) the longest suffix found (0: none)
+    newest = best.gather(2, (size - 1).clamp_min(0)[..., None])[..., 0]  # (S, W)
+    after = seq.gather(2, (newest + 1).clamp(0, cap + c - 1)[..., None])[..., 0]  # (S, W) the token after it
+    cand = torch.where(size > 0, after, torch.full_like(after, NO_CANDIDATE))
     return cand, size
+
+
+_GRIDS: dict[tuple[int, int, int, torch.device], tuple[Tensor, ...]] = {}
+
+
+def _grid(cap: int, c: int, n: int, device: torch.device) -> tuple[Tensor, ...]:
+    """Index tensors of `lookup_fixed_rows` that depend on shapes only, made once per shape (a CUDA graph's
+    warm-up makes them, so its replays launch nothing for them): q (Q,) positions, j (N,) gram offsets,
+    (q - j).clamp(0) (N, Q), q >= j (N, Q) and q.clamp(max=cap - 1) (Q,), with Q = cap + c."""
+    key = (cap, c, n, device)
+    if key not in _GRIDS:
+        if len(_GRIDS) > 64:  # a long run's buffer doublings: keep the table small
+            _GRIDS.clear()
+        with torch.inference_mode(False):
+            q, j = torch.arange(cap + c, device=device), torch.arange(n, device=device)
+            back, started = (q[None] - j[:, None]).clamp_min(0), q[None] >= j[:, None]
+            _GRIDS[key] = (q, j, back, started, q.clamp_max(cap - 1))
+    return _GRIDS[key]
 
 
 def slot_candidates(

@@ -211,6 +211,17 @@ def test_draft_vocab_id_maps(target):
     ]
     assert small.to_draft_ids(torch.tensor([3, 4]), missing=-1).tolist() == [-1, 2]
     assert "d2t" in small.state_dict() and "d2t" not in make_drafter(target).state_dict()
+    # the target -> draft table is cached per d2t and rebuilt when d2t changes in place
+    old = int(small.draft_ids()[1])  # draft id 1's target id
+    assert small.to_draft_ids(torch.tensor([old, old + 1])).tolist()[0] == 1
+    small.d2t[1] += 1  # draft id 1 now stands for the next target id
+    assert small.to_draft_ids(torch.tensor([old, old + 1])).tolist() == [-100, 1]
+    small.d2t[1] -= 1
+    assert small.to_draft_ids(torch.tensor([old])).tolist() == [1]
+    # the full vocabulary maps every id to itself without a table; negative ids -> missing
+    full = make_drafter(target)
+    v = int(full.config.vocab_size)
+    assert full.to_draft_ids(torch.tensor([[0, 5], [-100, v - 1]])).tolist() == [[0, 5], [-100, v - 1]]
 
 
 def test_draft_vocab_beam_search_equals_masked_full_vocab(target):

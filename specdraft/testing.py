@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
@@ -442,3 +443,34 @@ class HostReads(TorchFunctionMode):
             return False
         idx = args[1] if isinstance(args[1], tuple) else (args[1],)
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
+
+
+class KernelCount(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel (views, metadata ops and no-op casts excluded), by op: a CPU
+    stand-in for the kernel launches of a step on a GPU, where a small model's step (and a graph's replay) costs
+    a few microseconds per launch whatever the work (`scripts/gpu/kernel_counts.py`)."""
+
+    FREE = frozenset(
+        {
+            "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "select", "slice", "unsqueeze",
+            "squeeze", "alias", "permute", "t", "transpose", "detach", "as_strided", "flatten", "unbind",
+            "split", "lift_fresh", "empty", "empty_like", "unfold", "view_as",
+        }
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = Counter[str]()
+
+    @property
+    def count(self) -> int:
+        """Kernel launches counted so far."""
+        return sum(self.ops.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        no_op_cast = name in ("to", "_to_copy", "contiguous") and args and out is args[0]
+        if name not in self.FREE and not no_op_cast:
+            self.ops[name] += 1
+        return out

@@ -8,7 +8,7 @@ import torch
 
 from specdraft.eval.redrafter_rows import padded_rows
 from specdraft.models.copy_lookup import lookup_fixed, lookup_fixed_rows
-from specdraft.testing import HostReads, tiny_proposer_factory, tiny_target
+from specdraft.testing import HostReads, KernelCount, tiny_proposer_factory, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -129,3 +129,29 @@ def test_batched_draft_graph_equals_the_eager_rows(family):
     state = graph_rows[0]._rows_state
     assert state is not None and all(g is not None for g in state.graphs.values())
     assert {key[0] for key in state.graphs} <= {2, 4}
+
+
+def test_kernel_launches_of_the_lookup_and_of_batched_rows():
+    """What a GPU's draft graph pays per launch: the copy gate's lookup launches as many kernels for 6-grams as
+    for 1-grams (every length in one pass), and drafting 4 rows together launches about what one row does
+    (each row's buffer commit aside), where row by row it was 4x."""
+    g = torch.Generator().manual_seed(0)
+    ctx, length = torch.randint(0, 4, (2, 40), generator=g), torch.tensor([30, 12])
+    chains = torch.randint(0, 4, (2, 8, 3), generator=g)
+    counts = []
+    for n in (1, 6):
+        lookup_fixed_rows(ctx, length, chains, n)  # shape-only index tensors made on first use
+        with KernelCount() as k:
+            lookup_fixed_rows(ctx, length, chains, n)
+        counts.append(k.count)
+    assert counts[0] == counts[1] < 40
+    model = tiny_target("llama")
+    factory = tiny_proposer_factory("redrafter_copy", model, static=True)
+    launches = []
+    for r in (1, 4):
+        rows, step = [factory() for _ in range(r)], _spans(2, r, seed=3, device=torch.device("cpu"))
+        rows[0].propose_rows(rows, [h for h, _ in step[0]], [t for _, t in step[0]])
+        with KernelCount() as k:
+            rows[0].propose_rows(rows, [h for h, _ in step[1]], [t for _, t in step[1]])
+        launches.append(k.count)
+    assert launches[1] < 1.25 * launches[0], launches

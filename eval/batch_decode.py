@@ -524,6 +524,15 @@ class BatchDecoder:
             self.cache.commit(path_t, accepted, in_place)
             batch.steps += 1
             batch.idle_row_steps += B - len(active)
+            if (
+                proposers
+            ):  # every live row's next proposer inputs in a few kernels (not 2 per row): the states
+                # of its newly committed positions (a gather: graph outputs are overwritten) and the token each
+                # predicts, path tokens 1 .. a - 1 then the bonus at a - 1
+                lp = path_t[live]  # (R, b)
+                new_hs = hidden.gather(1, lp[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, b, H')
+                new_ts = torch.cat([packed[live, 3 + b : 2 + 2 * b], packed[live, :1]], dim=1)  # (R, b)
+                new_ts.scatter_(1, packed[live, :1].clamp_min(1) - 1, packed[live, 1:2])
             for r in active:
                 st, a, bonus = cast(_Row, rows[r]), accepted[r], int(vals[r][1])
                 path_tokens = [int(x) for x in vals[r][2 + b : 2 + b + a]]
@@ -538,8 +547,7 @@ class BatchDecoder:
                 if proposers and proposers[r].last_compression is not None:
                     st.stats.compression.append(float(cast(float, proposers[r].last_compression)))
                 if proposers:  # the proposer's next inputs: the newly committed positions
-                    new_h = hidden[r - lo, path_t[r, :a]]  # (a, H'), a copy (graph outputs are overwritten)
-                    new_t = torch.tensor([*path_tokens[1:], bonus], device=dev)  # (a,)
+                    new_h, new_t = new_hs[r - lo, :a], new_ts[r - lo, :a]  # (a, H'), (a,)
                     if off and not cast(NodeBudget, budget).off_for_good:  # kept for its next call
                         new_h = torch.cat([cast(Tensor, st.new_hidden), new_h])
                         new_t = torch.cat([cast(Tensor, st.new_tokens), new_t])

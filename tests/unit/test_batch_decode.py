@@ -452,3 +452,27 @@ def test_prefill_groups_follow_rows_and_the_token_cap(monkeypatch):
     dec._prefill([(0, st[0]), (1, st[1])], [prompts[0], prompts[1]], (), False, None)
     assert seen == [(0, 1), (1, 1)]  # 2 rows x 9 tokens > 12
     assert [dec.cache.lengths[r] for r in (0, 1)] == [3, 9] and st[1].new_hidden.shape[0] == 9
+
+
+@pytest.mark.parametrize("shape", ["eager", "fixed"])
+@pytest.mark.parametrize("family", ["redrafter_copy", "eagle3", "lookup"])
+def test_drafters_read_their_own_rows(family, shape):
+    """Each row's proposer gets its own row's newly committed hidden states and tokens: with one drafter, every
+    request's drafts accepted per step at batch 3 (beside others, after refills, rows drafted together) equal
+    its own at batch 1. Output equality alone would not show it (a wrong row only drafts worse)."""
+    model = tiny_target("llama", CPU)
+    prompts = random_prompts([11, 3, 20, 8, 5], seed=7)
+    budgets = [16, 9, 16, 12, 16]
+    static = shape == "fixed"
+    factory = (
+        tiny_proposer_factory(family, model, static=static)
+        if family != "lookup"
+        else _factory("lookup", prompts, [])
+    )
+    alone = [
+        BatchDecoder(model, 1, static=static).generate([p], m, set(), factory)[0][1].accepted
+        for p, m in zip(prompts, budgets, strict=True)
+    ]
+    together = BatchDecoder(model, 3, static=static).generate(prompts, budgets, set(), factory)
+    assert [s.accepted for _, s in together] == alone
+    assert sum(map(sum, alone)) > 0

@@ -187,3 +187,24 @@ def test_greedy_verify_rows_is_the_reference_rule_per_row():
             assert row[2 + b : 2 + b + a] == tree.tokens[path].tolist()
             gains = [greedy_verify(tree.truncated(k), logits[r, :k])[0].shape[0] for k in range(1, n + 1)]
             assert row[2 + 2 * b : 2 + 2 * b + n] == gains
+
+
+def test_pack_trees_of_one_size_equal_row_by_row():
+    """Trees of one size (the fixed-shape proposers) are packed for all rows at once; each row equals the row
+    packed alone (the per-row loop), idle rows keep the root-only layout."""
+    from specdraft.eval.batch_decode import _pack_trees
+
+    g = torch.Generator().manual_seed(1)
+    cpu = torch.device("cpu")
+    for n in (1, 5, 9):
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        trees = {
+            r: DraftTree(torch.randint(0, 50, (n,), generator=g), torch.tensor(parents)) for r in (0, 2, 3)
+        }
+        roots = [int(trees[r].tokens[0]) if r in trees else 7 for r in range(5)]
+        b = n + 3
+        got = _pack_trees(trees, roots, b, cpu)
+        for r in range(5):
+            ref = _pack_trees({r: trees[r]} if r in trees else {}, roots, b, cpu)
+            for x, y in zip(got, ref, strict=True):
+                assert torch.equal(x[r], y[r]), r

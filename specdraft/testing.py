@@ -460,7 +460,7 @@ class KernelCount(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = Counter[str]()
+        self.ops, self.active = Counter[str](), True  # `active` False: not counting (e.g. inside a forward)
 
     @property
     def count(self) -> int:
@@ -471,6 +471,6 @@ class KernelCount(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         no_op_cast = name in ("to", "_to_copy", "contiguous") and args and out is args[0]
-        if name not in self.FREE and not no_op_cast:
+        if self.active and name not in self.FREE and not no_op_cast:
             self.ops[name] += 1
         return out

@@ -69,6 +69,38 @@ def rows_kernels(make, rows: int, together: bool) -> int:
     return count.count
 
 
+def batch_step_kernels(family: str, batch: int, tokens: int = 24) -> tuple[float, int]:
+    """Kernels per batched step of the fixed-shape path outside the target's forwards (the verify is one CUDA
+    graph on a GPU; prefills are eager either way): drafting, packing the trees, the acceptance rule, the
+    cache commit and the next proposer inputs. `family` "ar" or a `tiny_proposer_factory` family.
+
+    Returns:
+        (kernels per step, steps).
+    """
+    from specdraft.eval.batch_decode import BatchDecoder
+    from specdraft.testing import random_prompts, tiny_proposer_factory
+
+    model = tiny_target("llama")
+    factory = None if family == "ar" else tiny_proposer_factory(family, model, static=True)
+    dec = BatchDecoder(model, batch, static=True)
+    count = KernelCount()
+    forward = dec._forward
+
+    def paused(*args, **kwargs):
+        count.active = False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            count.active = True
+
+    dec._forward = paused  # type: ignore[method-assign]
+    prompts = random_prompts([5 + (7 * i) % 23 for i in range(batch)], seed=2)
+    with count:
+        res = dec.generate(prompts, tokens, set(), factory)
+    steps = res[0][1].batch.steps
+    return count.count / max(steps, 1), steps
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--top", type=int, default=6, help="ops shown per method")
@@ -96,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in a.rows:
         both = rows_kernels(make, r, True), rows_kernels(make, r, False)
         print(f"R = {r:3d}: together {both[0]:6d}   row by row {both[1]:6d}")
+    print("== kernels per batched step outside the target's forwards (fixed-shape path, tiny target)")
+    for fam in ("ar", "redrafter_copy", "eagle", "medusa"):
+        per = [batch_step_kernels(fam, r)[0] for r in a.rows]
+        print(f"{fam:16s} " + "   ".join(f"B = {r}: {k:7.0f}" for r, k in zip(a.rows, per, strict=True)))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams
 from specdraft.hardware import cpu_int8_full_range
 from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.layers import CopyCache, weights_key
-from specdraft.models.redrafter_beam import beam_search_fixed, beam_search_rows
+from specdraft.models.redrafter_beam import beam_search_fixed_rows, beam_search_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -189,9 +189,9 @@ class ReDrafterProposer:
         min_prob: drop beam positions whose drafter probability (product along the beam) is below this
             (dynamic tree size; 0: keep all).
         static: fixed shapes for the static decode path: all W beams from the first slot
-            (`beam_search_fixed`) laid out as a tree of constant topology, 1 + W * D nodes without prefix
+            (`beam_search_fixed_rows`, one row) laid out as a tree of constant topology, 1 + W * D nodes without prefix
             dedup, so a draft step makes no host sync. The copy gate looks up on the device in a buffer of
-            the committed tokens (`copy_lookup.lookup_fixed`); prefix attention and `min_prob` keep the
+            the committed tokens (`copy_lookup.lookup_fixed_rows`); prefix attention and `min_prob` keep the
             dynamic step.
         graphs: with `static`, capture the draft step as a CUDA graph (drafter on CUDA).
         int8_layers: search through `int8_clone(drafter)`: the recurrence, blocks, input projection and copy
@@ -449,10 +449,17 @@ class ReDrafterProposer:
         self._root_in.copy_(root)
 
         def step() -> tuple[Tensor, Tensor]:
-            copy = (self._ctx, self._ctx_len, self.copy_ngram) if self.copy_ngram else None
-            return beam_search_fixed(
-                self._search, self._hidden_in, self._root_in, self.beam_width, self.draft_len, self.head, copy
-            )
+            copy = (self._ctx[None], self._ctx_len.reshape(1), self.copy_ngram) if self.copy_ngram else None
+            beams, cum = beam_search_fixed_rows(
+                self._search,
+                self._hidden_in[None],
+                self._root_in,
+                self.beam_width,
+                self.draft_len,
+                self.head,
+                copy,
+            )  # (1, W, 1 + D) each
+            return beams[0], cum[0]
 
         if self.graphs and self._draft_graph is None:
             self._draft_graph = capture_or_none(step, self._root_in.device, "the ReDrafter draft step")

@@ -138,39 +138,6 @@ def _rows(x: Tensor, parent: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def beam_search_fixed(
-    drafter: ReDrafter,
-    hidden: Tensor,
-    root: Tensor,
-    beam_width: int,
-    draft_len: int,
-    head: Callable[[Tensor], Tensor] | None = None,
-    copy: tuple[Tensor, Tensor, int] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`beam_search` with fixed shapes and no host sync, the form a CUDA graph captures (one row of
-    `beam_search_fixed_rows`).
-
-    Args:
-        drafter: the ReDrafter.
-        hidden: (F,) target features at the newest committed position.
-        root: (1,) long, the committed root token, on the drafter's device.
-        beam_width: W.
-        draft_len: D.
-        head: (..., X) -> (..., Vd) logits (None: the drafter's head).
-        copy: copy gate only: (committed tokens before the root (C,) long, their count () long, the gate's
-            n-gram length); each beam's candidate is looked up on them + the beam, as `beam_search` does.
-
-    Returns:
-        beams (W, 1 + D) long sorted by score; cum (W, 1 + D) float32 cumulative log-probs.
-    """
-    rows = None if copy is None else (copy[0][None], copy[1].reshape(1), copy[2])
-    beams, cum = beam_search_fixed_rows(
-        drafter, hidden.reshape(1, -1), root.reshape(1), beam_width, draft_len, head, rows
-    )
-    return beams[0], cum[0]
-
-
-@torch.no_grad()
 def beam_search_fixed_rows(
     drafter: ReDrafter,
     hidden: Tensor,

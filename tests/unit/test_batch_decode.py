@@ -340,7 +340,9 @@ def test_every_family_batched_equals_batch1_ar(family, shape):
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s != "eager"])
-@pytest.mark.parametrize("family", ["redrafter", "redrafter_copy", "medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize(
+    "family", ["redrafter", "redrafter_copy", "redrafter_copy+lookup", "medusa", "eagle", "eagle3"]
+)
 def test_fixed_shape_proposers_batched_equal_batch1_ar(family, shape):
     """The batched decoder with fixed-shape draft steps around one drafter (what evaluate.py's throughput table
     and bench_batch.py build when the batch runs with graphs): the ReDrafter's rows in one fixed-shape search

@@ -25,7 +25,7 @@ from specdraft.models.copy_lookup import (
     slot_candidates,
 )
 from specdraft.models.redrafter import ReDrafter
-from specdraft.models.redrafter_beam import beam_search, beam_search_fixed
+from specdraft.models.redrafter_beam import beam_search, beam_search_fixed_rows
 from specdraft.testing import tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 
@@ -304,10 +304,10 @@ def test_fixed_beam_search_with_the_copy_gate_equals_the_dynamic_one(target_and_
         buf = torch.tensor(ids[:n0] + [0] * 7)
         hidden = torch.randn(32, generator=g, dtype=torch.float64)
         beams, cum = beam_search(drafter, hidden, ids[n0], 4, D, copy=index)
-        fixed, fcum = beam_search_fixed(
-            drafter, hidden, torch.tensor([ids[n0]]), 4, D, copy=(buf, torch.tensor(n0), N)
-        )
-        assert torch.equal(beams, fixed) and torch.allclose(cum, fcum)
+        fixed, fcum = beam_search_fixed_rows(
+            drafter, hidden[None], torch.tensor([ids[n0]]), 4, D, copy=(buf[None], torch.tensor([n0]), N)
+        )  # one row
+        assert torch.equal(beams, fixed[0]) and torch.allclose(cum, fcum[0])
 
 
 @pytest.mark.parametrize("prompt_len", [1, 20])

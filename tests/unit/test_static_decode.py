@@ -276,7 +276,7 @@ def test_pack_beams_trees_verify_in_every_shape():
 @pytest.mark.parametrize("vocab_cut", [None, 64])
 def test_fixed_beam_search_equals_the_dynamic_one(vocab_cut):
     """All W beams from slot 0 (dead ones at -inf) give the same beams and scores as widening from 1."""
-    from specdraft.models.redrafter_beam import beam_search, beam_search_fixed
+    from specdraft.models.redrafter_beam import beam_search, beam_search_fixed_rows
 
     target = tiny_llama(num_layers=2, dtype=torch.float64)
     fp = target_fingerprint(target, tiny_tokenizer())
@@ -288,8 +288,8 @@ def test_fixed_beam_search_equals_the_dynamic_one(vocab_cut):
         hidden = torch.randn(H, generator=g, dtype=torch.float64)
         root = int(torch.randint(0, V, (1,), generator=g))
         beams, cum = beam_search(d, hidden, root, 4, 4)
-        fixed, fcum = beam_search_fixed(d, hidden, torch.tensor([root]), 4, 4)
-        assert torch.equal(beams, fixed) and torch.allclose(cum, fcum)
+        fixed, fcum = beam_search_fixed_rows(d, hidden[None], torch.tensor([root]), 4, 4)  # one row
+        assert torch.equal(beams, fixed[0]) and torch.allclose(cum, fcum[0])
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -226,8 +226,6 @@ class EagleTreeProposer:
             DraftTree of 1 + min(total_tokens, candidates) nodes, root = tokens[-1].
         """
         if self.fixed is not None:  # commit + expansion in one fixed-shape step (a CUDA graph under graphs)
-            if self.group is not None:  # drafting alone again: its positions come back from the group
-                self.group.leave(self)
             size = (self.total_tokens, self.depth)
             res = self.fixed.run(self._expand_fixed, hidden, tokens, size)
             self.committed = self.fixed.cache.length

@@ -91,30 +91,14 @@ class NgramIndex:
         return cand, torch.tensor([m for _, m in out], dtype=torch.long, device=beams.device)
 
 
-def lookup_fixed(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: int) -> tuple[Tensor, Tensor]:
-    """`NgramIndex.lookup` of W chains at once, with fixed shapes and no host sync (a CUDA graph captures it).
+def lookup_fixed_rows(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: int) -> tuple[Tensor, Tensor]:
+    """`NgramIndex.lookup` of S rows x W chains at once, with fixed shapes and no host sync (a CUDA graph
+    captures it), each row's chains on its own committed tokens.
 
     The candidate is the token after the newest earlier occurrence of the longest suffix m-gram (m <= `max_ngram`)
     of committed + chain, as `NgramIndex.lookup` gives: the newest match over all end positions q < p (those inside
-    the chain are newer than the indexed committed ones). O(W * (C + c) * max_ngram) on the device, against the
-    host index's O(1) dict lookups: for the graph-captured draft step only. One row of `lookup_fixed_rows`.
-
-    Args:
-        ctx: (C,) long committed tokens, the first `length` valid (the rest any value).
-        length: () long n0, on `ctx`'s device.
-        chains: (W, c) long, each beam's tokens after the committed ones (root first), c >= 1.
-        max_ngram: the longest suffix matched.
-
-    Returns:
-        candidates (W,) long (`NO_CANDIDATE` where nothing matches), match lengths (W,) long (0 there).
-    """
-    cand, size = lookup_fixed_rows(ctx[None], length.reshape(1), chains[None], max_ngram)
-    return cand[0], size[0]
-
-
-def lookup_fixed_rows(ctx: Tensor, length: Tensor, chains: Tensor, max_ngram: int) -> tuple[Tensor, Tensor]:
-    """`lookup_fixed` for S rows at once, each row's W chains on its own committed tokens (the batched
-    decoder's fixed-shape draft step: one lookup for every row).
+    the chain are newer than the indexed committed ones). O(S * W * (C + c) * max_ngram) on the device, against
+    the host index's O(1) dict lookups: for the graph-captured draft step only.
 
     Args:
         ctx: (S, C) long, each row's committed tokens, the first `length[s]` valid (the rest any value).

@@ -173,35 +173,37 @@ def d2t_draft_ids(d2t: Tensor, reduced: bool) -> Tensor:
     return d2t + ar if reduced else ar
 
 
-# id(d2t) -> (a weak reference to that d2t, (its version, V, missing), the (V,) table); tensors compare by value,
-# so they cannot key a WeakKeyDictionary
-_LUTS: dict[int, tuple[weakref.ref[Tensor], tuple[int, int, int], Tensor]] = {}
+_D2T_TABLES: CopyCache[Tensor] = CopyCache()
 
 
-def d2t_to_draft_ids(ids: Tensor, d2t: Tensor, reduced: bool, vocab_size: int, missing: int = -100) -> Tensor:
+def d2t_to_draft_ids(
+    ids: Tensor,
+    d2t: Tensor,
+    reduced: bool,
+    vocab_size: int,
+    missing: int = -100,
+    owner: nn.Module | None = None,
+) -> Tensor:
     """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`.
 
-    Without a reduced vocabulary a draft id is its target id (no table); with one, the (V,) target -> draft table
-    is built once per `d2t` (and rebuilt when `d2t` changes in place), so a decode step (the ReDrafter's copy
-    gate maps its candidates every slot) costs a lookup, not a V-sized fill and scatter."""
+    Without a reduced vocabulary a draft id is its target id (no table). With one, the (V,) target -> draft
+    table is built per call, or once per `owner` (the drafter holding `d2t`; rebuilt when `d2t` changes), so a
+    decode step (the ReDrafter's copy gate maps its candidates every slot) costs a lookup, not a V-sized fill
+    and scatter."""
     dev, vd = d2t.device, d2t.shape[0]
     clamped = ids.clamp(0, vocab_size - 1).to(dev)
     if not reduced:  # d2t_draft_ids is arange: the first Vd target ids are their own draft ids
         keep = (ids.to(dev) >= 0) & (clamped < vd)
         return torch.where(keep, clamped, missing).to(ids.device)
-    key = (0 if d2t.is_inference() else d2t._version, vocab_size, missing)  # inference tensors: no version
-    hit = _LUTS.get(id(d2t))
-    if hit is None or hit[0]() is not d2t or hit[1] != key:
-        if len(_LUTS) > 32:  # forget the tables of freed drafters
-            for k in [k for k, v in _LUTS.items() if v[0]() is None]:
-                del _LUTS[k]
+
+    def table() -> Tensor:
         with torch.inference_mode(False):  # an ordinary tensor, usable in training and decoding alike
             lut = torch.full((vocab_size,), missing, dtype=torch.long, device=dev)
             lut[d2t_draft_ids(d2t, reduced)] = torch.arange(vd, device=dev)
-        hit = (weakref.ref(d2t), key, lut)
-        _LUTS[id(d2t)] = hit
-    out = hit[2][clamped]
-    return torch.where(ids.to(dev) < 0, missing, out).to(ids.device)
+        return lut
+
+    lut = table() if owner is None else _D2T_TABLES.get(owner, (weights_key(d2t), vocab_size, missing), table)
+    return torch.where(ids.to(dev) < 0, missing, lut[clamped]).to(ids.device)
 
 
 def replace_linears(

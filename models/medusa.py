@@ -114,7 +114,7 @@ class Medusa(PreTrainedModel):
 
     def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
         """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
-        return d2t_to_draft_ids(ids, self.d2t, self.reduced_vocab, int(self.config.vocab_size), missing)
+        return d2t_to_draft_ids(ids, self.d2t, self.reduced_vocab, int(self.config.vocab_size), missing, self)
 
     def vocab_head_names(self) -> list[str]:
         """State-dict names of the K (Vd, H) vocabulary projections (rows remapped by `hub.warm_start`)."""

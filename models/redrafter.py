@@ -141,7 +141,7 @@ class ReDrafter(PreTrainedModel):
 
     def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
         """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
-        return d2t_to_draft_ids(ids, self.d2t, self.reduced_vocab, int(self.config.vocab_size), missing)
+        return d2t_to_draft_ids(ids, self.d2t, self.reduced_vocab, int(self.config.vocab_size), missing, self)
 
     # ---- step-level helpers (used by forward, beam_search and decoders) ---------------------------------
     def init_state(self, root: Tensor) -> Tensor:

@@ -177,9 +177,8 @@ def beam_search_fixed_rows(
     beams = roots[:, None, None].expand(s, w, 1 + draft_len).clone()  # (S, W, 1 + D), column 0 = root
     cum = torch.zeros(s, w, 1 + draft_len, dtype=torch.float32, device=dev)  # (S, W, 1 + D)
     scores = torch.full((s, w), float("-inf"), device=dev)  # (S, W)
-    scores[:, :1].fill_(
-        0.0
-    )  # only the root beam is alive (fill_: item assignment is a host copy under capture)
+    # only the root beam is alive (fill_: an item assignment is a host-to-device copy, which a capture refuses)
+    scores[:, :1].fill_(0.0)
     for k in range(draft_len):
         if k > 0:
             state = drafter.next_state(state, beams[..., k])  # (S, W, E)

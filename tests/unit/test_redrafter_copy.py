@@ -18,7 +18,7 @@ from specdraft.models.base_llm import target_fingerprint
 from specdraft.models.copy_lookup import (
     NO_CANDIDATE,
     NgramIndex,
-    lookup_fixed,
+    lookup_fixed_rows,
     mix_log_probs,
     mix_logits,
     ngram_candidates,
@@ -278,7 +278,7 @@ def test_warm_start_adds_the_copy_gate_at_its_init(target_and_drafter, tmp_path)
 
 
 def test_device_lookup_equals_the_index():
-    """`lookup_fixed` (fixed shapes, the form a CUDA graph captures) gives `NgramIndex.lookup` for every beam,
+    """`lookup_fixed_rows` (fixed shapes, the form a CUDA graph captures) gives `NgramIndex.lookup` for every beam,
     whatever the buffer holds past the committed tokens."""
     rng = random.Random(1)
     for _ in range(400):
@@ -289,7 +289,9 @@ def test_device_lookup_equals_the_index():
         index = NgramIndex(n)
         index.extend(committed)
         buf = torch.tensor(committed + [rng.randrange(vocab) for _ in range(rng.randint(1, 9))])  # stale tail
-        cand, size = lookup_fixed(buf, torch.tensor(n0), torch.tensor(chains), n)
+        cand, size = (
+            x[0] for x in lookup_fixed_rows(buf[None], torch.tensor([n0]), torch.tensor(chains)[None], n)
+        )
         assert list(zip(cand.tolist(), size.tolist())) == [index.lookup(ch) for ch in chains]
 
 

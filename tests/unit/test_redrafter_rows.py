@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdraft.eval.redrafter_rows import padded_rows
-from specdraft.models.copy_lookup import lookup_fixed, lookup_fixed_rows
+from specdraft.models.copy_lookup import lookup_fixed_rows
 from specdraft.testing import HostReads, KernelCount, tiny_proposer_factory, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -93,7 +93,7 @@ def test_batched_fixed_step_reads_nothing_on_the_host(family):
 
 def test_padded_rows_and_the_row_lookup():
     """Under graphs the row count rounds up to a power of two (at most log2(B) + 1 captures for a batch of B);
-    `lookup_fixed_rows` is `lookup_fixed` row by row."""
+    `lookup_fixed_rows` of several rows is each row's own lookup."""
     assert [padded_rows(r, True) for r in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
     assert [padded_rows(r, False) for r in (1, 3, 5)] == [1, 3, 5]
     g = torch.Generator().manual_seed(0)
@@ -102,8 +102,8 @@ def test_padded_rows_and_the_row_lookup():
     chains = torch.randint(0, 4, (3, 5, 3), generator=g)
     cand, size = lookup_fixed_rows(ctx, length, chains, 3)
     for s in range(3):
-        one = lookup_fixed(ctx[s], length[s], chains[s], 3)
-        assert torch.equal(cand[s], one[0]) and torch.equal(size[s], one[1])
+        one = lookup_fixed_rows(ctx[s : s + 1], length[s : s + 1], chains[s : s + 1], 3)
+        assert torch.equal(cand[s], one[0][0]) and torch.equal(size[s], one[1][0])
     assert bool((size > 0).any())
 
 

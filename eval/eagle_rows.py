@@ -239,16 +239,35 @@ class RowGroup:
         Returns:
             (G, k, H) head outputs.
         """
-        c, dev, lengths = self.cache, self.device, self.lengths_t
-        g, k, s = rows.shape
-        span = max(c.lengths) + s  # every slot's committed positions and its s draft entries
-        write = lengths[:, None] + (s - k) + torch.arange(k, device=dev)  # (G, k)
-        pos = (lengths - 1 + level)[:, None].expand(g, k)  # (G, k)
-        rel = torch.arange(span, device=dev)[None] - lengths[:, None]  # (G, S)
-        drafted = (rel >= 0) & (rel < s)
-        sees = rows.gather(2, rel.clamp(0, s - 1)[:, None, :].expand(g, k, span))  # (G, k, S)
-        mask = ((sees & drafted[:, None]) | (rel < 0)[:, None])[:, None]  # (G, 1, k, S)
-        return self._forward(slice(0, g), feats, toks, pos, write, mask)
+        span = (
+            max(self.cache.lengths) + rows.shape[2]
+        )  # every slot's committed positions and its draft entries
+        pos, write, mask = level_inputs(level, rows, self.lengths_t, span)
+        return self._forward(slice(0, rows.shape[0]), feats, toks, pos, write, mask)
+
+
+def level_inputs(level: int, rows: Tensor, lengths: Tensor, span: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Positions, write positions and mask of one expansion level over G slots (no host reads).
+
+    Args:
+        level: depth of the frontier nodes (1 .. depth - 1).
+        rows: (G, k, s) bool, each frontier node's ancestors-or-self among the s draft entries (its own last k).
+        lengths: (G,) long, each slot's committed positions (the draft entries follow them).
+        span: S, the positions attention reads per slot (>= every slot's length + s).
+
+    Returns:
+        pos (G, k) rotary positions, write (G, k) where the frontier's entries go, mask (G, 1, k, S) bool: each
+        node sees its slot's committed prefix and its own drafted ancestors.
+    """
+    g, k, s = rows.shape
+    dev = rows.device
+    write = lengths[:, None] + (s - k) + torch.arange(k, device=dev)  # (G, k)
+    pos = (lengths - 1 + level)[:, None].expand(g, k)  # (G, k) every frontier node sits at depth `level`
+    rel = torch.arange(span, device=dev)[None] - lengths[:, None]  # (G, S) offset from the draft region
+    drafted = (rel >= 0) & (rel < s)
+    sees = rows.gather(2, rel.clamp(0, s - 1)[:, None, :].expand(g, k, span))  # (G, k, S)
+    mask = ((sees & drafted[:, None]) | (rel < 0)[:, None])[:, None]  # (G, 1, k, S)
+    return pos, write, mask
 
 
 def _committed_kv(p: EagleTreeProposer) -> tuple[Tensor, Tensor] | None:

@@ -168,23 +168,24 @@ def commit_mask(rows: int, length_t: Tensor, capacity: int) -> Tensor:
 
 
 def fixed_ancestors(parents: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
-    """`tree.ancestor_matrix` in a fixed number of steps and without host checks (parents assumed valid).
+    """`tree.ancestor_matrix` in a fixed number of steps and without host checks (parents assumed valid), for
+    one tree or a batch of them (leading dimensions `...`).
 
     Args:
-        parents: (N,) long, `parents[0] == -1`, `parents[i] < i`, depth <= max_depth.
+        parents: (..., N) long, `parents[..., 0] == -1`, `parents[..., i] < i`, depth <= max_depth.
         max_depth: deepest node.
 
     Returns:
-        ancestors (N, N) bool (ancestor-or-self), depth (N,) long.
+        ancestors (..., N, N) bool (ancestor-or-self), depth (..., N) long.
     """
-    idx = torch.arange(parents.shape[0], device=parents.device)  # (N,)
+    idx = torch.arange(parents.shape[-1], device=parents.device)  # (N,)
     par = parents.clamp_min(0)  # the root points at itself
-    anc = idx[:, None] == idx[None, :]  # (N, N)
-    cur = idx
+    anc = (idx[:, None] == idx[None, :]).expand(*parents.shape, idx.shape[0])  # (..., N, N)
+    cur = idx.expand_as(par)  # (..., N)
     for _ in range(max_depth):
-        cur = par[cur]
-        anc = anc | (cur[:, None] == idx[None, :])
-    return anc, anc.sum(1) - 1
+        cur = par.gather(-1, cur)
+        anc = anc | (cur[..., :, None] == idx)
+    return anc, anc.sum(-1) - 1
 
 
 class StaticHeadState:

@@ -43,6 +43,7 @@ from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 if TYPE_CHECKING:
     from specdraft.eval.decode import Proposer
     from specdraft.eval.eagle_rows import RowGroup
+    from specdraft.eval.eagle_static_rows import StaticRows
     from specdraft.models.eagle import EagleDrafter
     from specdraft.models.eagle3 import Eagle3Drafter
 
@@ -57,29 +58,31 @@ DRAFT_BLOCKS = ("auto", "hf", "fused", "int8")
 def select_nodes(
     tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, total: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """EAGLE-2 reranking with fixed shapes: the `total` best candidates, best first.
+    """EAGLE-2 reranking with fixed shapes: the `total` best candidates, best first, of one pool or of a batch
+    of pools (leading dimensions `...`, one per row).
 
     Best first (score descending, ties shallower first) puts every parent before its children (a child never
     outscores its parent) and makes the first b nodes the tree EAGLE-2 keeps for a budget of b - 1
     (`DraftTree.truncated`: the decoder's node budget on the static path).
 
     Args:
-        tok, par, score, depth: (P,) the candidate pool (`grow`); par = pool index, -1 = root.
+        tok, par, score, depth: (..., P) the candidate pool (`grow`); par = pool index, -1 = root.
         total: nodes kept (root excluded).
 
     Returns:
-        tokens (N,) and parents (N,) of the kept nodes, N = min(total, P), and their pool indices (N,);
-        parents are tree node indices (0 = root, nodes numbered from 1), -1 where a parent was not kept
-        (impossible for monotone scores).
+        tokens (..., N) and parents (..., N) of the kept nodes, N = min(total, P), and their pool indices
+        (..., N); parents are tree node indices (0 = root, nodes numbered from 1), -1 where a parent was not
+        kept (impossible for monotone scores).
     """
-    p = tok.shape[0]
-    order = torch.sort(depth, stable=True).indices  # ties in score: shallower first, then pool order
-    order = order[torch.sort(score[order], descending=True, stable=True).indices]
-    keep = order[: min(total, p)]  # (N,) best first: parents before children
-    numbers = torch.arange(1, keep.shape[0] + 1, device=tok.device)  # (N,)
-    node = torch.full((p,), -1, dtype=torch.long, device=tok.device).scatter(0, keep, numbers)  # (P,)
-    kp = par[keep]
-    return tok[keep], torch.where(kp < 0, torch.zeros_like(kp), node[kp.clamp_min(0)]), keep
+    p = tok.shape[-1]
+    order = torch.sort(depth, dim=-1, stable=True).indices  # ties in score: shallower first, then pool order
+    by_score = torch.sort(score.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    keep = order.gather(-1, by_score)[..., : min(total, p)]  # (..., N) best first: parents before children
+    numbers = torch.arange(1, keep.shape[-1] + 1, device=tok.device).expand_as(keep)  # (..., N)
+    node = torch.full_like(tok, -1).scatter(-1, keep, numbers)  # (..., P)
+    kp = par.gather(-1, keep)
+    parents = torch.where(kp < 0, torch.zeros_like(kp), node.gather(-1, kp.clamp_min(0)))
+    return tok.gather(-1, keep), parents, keep
 
 
 class EagleTreeProposer:
@@ -140,6 +143,9 @@ class EagleTreeProposer:
         # rows drafted together (`propose_rows`): the group whose buffer holds this row's positions, its slot
         self.group: RowGroup | None = None
         self.slot = 0
+        # static rows drafted together (`eval/eagle_static_rows.py`): the batch's shared state, this row's slot
+        self.static_rows: StaticRows | None = None
+        self.rows_slot = 0
         # int8 copy of the draft vocabulary head (CPU): only the drafts change, never the output
         self.int8: tuple[torch.nn.Module, torch.nn.Module] | None = None
         if int8_head and next(drafter.parameters()).device.type == "cpu":
@@ -239,28 +245,37 @@ class EagleTreeProposer:
     def propose_rows(
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
     ) -> list[DraftTree] | None:
-        """Every row's `propose`, each expansion level one head pass for all rows (`eval/eagle_rows.py`); None
-        (nothing changed) unless every row is a dynamic-mode `EagleTreeProposer` of this head, tree size and
-        draft block. With int8 products (`draft_block="int8"`, `int8_head`) activations are quantised per
-        call, so a row's tree may differ at rounding level from its own `propose`'s (the output never does).
+        """Every row's `propose`: in the dynamic mode each expansion level one head pass for all rows
+        (`eval/eagle_rows.py`); in the static mode one fixed-shape step for all rows, one CUDA graph under
+        `graphs` (`eval/eagle_static_rows.py`). None (nothing changed) unless every row is an
+        `EagleTreeProposer` of this head, mode, tree size and draft block. With int8 products
+        (`draft_block="int8"`, `int8_head`) activations are quantised per call, so a row's tree may differ at
+        rounding level from its own `propose`'s (the output never does).
 
         Args:
             rows: R proposers (this one among them); hidden: R of (n_i, F); tokens: R of (n_i,).
         """
-        from specdraft.eval.eagle_rows import propose_rows
-
         same = all(
             isinstance(p, EagleTreeProposer)
-            and p.fixed is None
+            and (p.fixed is None) == (self.fixed is None)
+            and p.graphs == self.graphs
             and p.drafter is self.drafter
-            and (p.total_tokens, p.depth, p.top_k) == (self.total_tokens, self.depth, self.top_k)
+            and (p.total_tokens, p.depth, p.top_k, p._full)
+            == (self.total_tokens, self.depth, self.top_k, self._full)
             and (p.int8[1] if p.int8 else None) is (self.int8[1] if self.int8 else None)  # one int8 head
             and p.block is self.block
             for p in rows
         )
-        if not same or self.fixed is not None:
+        if not same:
             return None
-        return propose_rows(self, cast("list[EagleTreeProposer]", list(rows)), list(hidden), list(tokens))
+        ps = cast("list[EagleTreeProposer]", list(rows))
+        if self.fixed is not None:
+            from specdraft.eval.eagle_static_rows import propose_static_rows
+
+            return propose_static_rows(self, ps, list(hidden), list(tokens))
+        from specdraft.eval.eagle_rows import propose_rows
+
+        return propose_rows(self, ps, list(hidden), list(tokens))
 
     def _expand_fixed(self, last: Tensor, root: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Fixed-shape expansion + reranking (what the CUDA graph captures): last (H,), root (1,) ->

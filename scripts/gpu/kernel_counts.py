@@ -4,7 +4,7 @@ that launch a kernel, views excluded). On a GPU a small model's draft step is la
 diagnostic to run before a lent GPU (docs/gpu.md), on tiny random models with the long presets' search sizes
 (ReDrafter W = 8 beams, D = 4 slots, 2 blocks, copy gate up to 4-grams); kernel counts do not depend on widths.
 
-    python scripts/gpu/kernel_counts.py                 # per family, then the ReDrafter's batched rows
+    python scripts/gpu/kernel_counts.py                 # per family, then batched rows (ReDrafter, EAGLE)
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ import argparse
 import torch
 
 from specdraft.eval.proposers import ReDrafterProposer
-from specdraft.testing import KernelCount, jitter, tiny_proposer, tiny_target, tiny_tokenizer
+from specdraft.testing import (
+    KernelCount,
+    jitter,
+    tiny_proposer,
+    tiny_proposer_factory,
+    tiny_target,
+    tiny_tokenizer,
+)
 
 
 def _redrafter(model: torch.nn.Module, copy_ngram: int) -> torch.nn.Module:
@@ -51,10 +58,11 @@ def draft_kernels(proposer, steps: int = 3) -> KernelCount:
     return count
 
 
-def rows_kernels(make, rows: int, together: bool) -> int:
-    """Kernels of one batched draft of `rows` ReDrafter rows: in one fixed-shape search, or row by row."""
+def rows_kernels(make, rows: int, together: bool, width: int = 32) -> int:
+    """Kernels of one batched draft of `rows` rows (3 new positions each, after a 30-token prompt): in one
+    fixed-shape step for all rows (`propose_rows`), or row by row."""
     ps = [make() for _ in range(rows)]
-    ins = [_inputs(33, seed=r) for r in range(rows)]
+    ins = [_inputs(33, seed=r, width=width) for r in range(rows)]
     for p, (h, t) in zip(ps, ins, strict=True):  # each row's prompt
         p.propose(h[:30], t[:30]) if not together else None
     if together:
@@ -69,6 +77,17 @@ def rows_kernels(make, rows: int, together: bool) -> int:
     return count.count
 
 
+def _no_early_stop(factory):
+    """EAGLE proposers from `factory` with early stop off (as under CUDA graphs: its check reads the host)."""
+
+    def make():
+        p = factory()
+        p.early_stop = False
+        return p
+
+    return make
+
+
 def batch_step_kernels(family: str, batch: int, tokens: int = 24) -> tuple[float, int]:
     """Kernels per batched step of the fixed-shape path outside the target's forwards (the verify is one CUDA
     graph on a GPU; prefills are eager either way): drafting, packing the trees, the acceptance rule, the
@@ -78,7 +97,7 @@ def batch_step_kernels(family: str, batch: int, tokens: int = 24) -> tuple[float
         (kernels per step, steps).
     """
     from specdraft.eval.batch_decode import BatchDecoder
-    from specdraft.testing import random_prompts, tiny_proposer_factory
+    from specdraft.testing import random_prompts
 
     model = tiny_target("llama")
     factory = None if family == "ar" else tiny_proposer_factory(family, model, static=True)
@@ -122,14 +141,18 @@ def main(argv: list[str] | None = None) -> None:
         c = draft_kernels(p)
         top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(a.top))
         print(f"{name:34s} {c.count:5d}   {top}")
-    print("== the ReDrafter + copy gate drafting R batch rows (one search for all rows vs row by row)")
+    print("== drafting R batch rows: one fixed-shape step for all rows vs row by row")
     drafter = _redrafter(model, 4)
-    make = lambda: ReDrafterProposer(drafter, 8, 5, static=True)  # noqa: E731
-    for r in a.rows:
-        both = rows_kernels(make, r, True), rows_kernels(make, r, False)
-        print(f"R = {r:3d}: together {both[0]:6d}   row by row {both[1]:6d}")
+    makers = {
+        "redrafter + copy gate": lambda: ReDrafterProposer(drafter, 8, 5, static=True),
+        "eagle (tiny_proposer)": _no_early_stop(tiny_proposer_factory("eagle", model, static=True)),
+    }
+    for name, make in makers.items():
+        for r in a.rows:
+            both = rows_kernels(make, r, True), rows_kernels(make, r, False)
+            print(f"{name:22s} R = {r:3d}: together {both[0]:6d}   row by row {both[1]:6d}")
     print("== kernels per batched step outside the target's forwards (fixed-shape path, tiny target)")
-    for fam in ("ar", "redrafter_copy", "eagle", "medusa"):
+    for fam in ("ar", "redrafter_copy", "eagle", "eagle3", "medusa"):
         per = [batch_step_kernels(fam, r)[0] for r in a.rows]
         print(f"{fam:16s} " + "   ".join(f"B = {r}: {k:7.0f}" for r, k in zip(a.rows, per, strict=True)))
 

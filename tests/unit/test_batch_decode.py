@@ -341,12 +341,15 @@ def test_every_family_batched_equals_batch1_ar(family, shape):
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s != "eager"])
 @pytest.mark.parametrize(
-    "family", ["redrafter", "redrafter_copy", "redrafter_copy+lookup", "medusa", "eagle", "eagle3"]
+    "family",
+    ["redrafter", "redrafter_copy", "redrafter_copy+lookup", "medusa", "eagle", "eagle3", "eagle3+lookup"],
 )
 def test_fixed_shape_proposers_batched_equal_batch1_ar(family, shape):
     """The batched decoder with fixed-shape draft steps around one drafter (what evaluate.py's throughput table
     and bench_batch.py build when the batch runs with graphs): the ReDrafter's rows in one fixed-shape search
-    (on CUDA one graph per padded row count), EAGLE's each its own step, Medusa's heads once for all rows."""
+    (on CUDA one graph per padded row count), EAGLE's in one fixed-shape step over every row's slot (one
+    graph per tree size; behind the lookup branch the drafting rows change every step), Medusa's heads once
+    for all rows."""
     model = tiny_target("llama", _device(shape))
     prompts = random_prompts(LENGTHS, seed=5)
     stops, refs = _references(model, prompts, BUDGETS)

@@ -205,6 +205,7 @@ class BatchDecoder:
                 layers=layers,
                 use_cache=True,
                 logits=False,
+                fast=True,
             )
         hidden = out.hidden  # (R, L, H)
         head_in = (

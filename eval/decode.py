@@ -187,6 +187,7 @@ def target_forward(
             layers=layers,
             use_cache=True,
             logits=False,
+            fast=True,
         )
     hidden = out.hidden[0]  # (L, H)
     rows = hidden if logits_rows is None else hidden[logits_rows]

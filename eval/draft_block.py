@@ -27,30 +27,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
+from specdraft.models.fast_target import rms_norm, rotate, unsupported_layer
 from specdraft.models.layers import CopyCache, weights_key
 
 if TYPE_CHECKING:
     from specdraft.models.family import FamilySpec
 
-# decoder layers whose structure `FastBlock` reproduces (attention without q/k norms, gated MLP, RMSNorm)
-SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
-_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
-
 
 def supported(layer: nn.Module) -> str | None:
-    """None when `FastBlock` reproduces `layer`, else why not (one line)."""
-    kind = type(layer).__name__
-    if kind not in SUPPORTED:
-        return f"{kind} is not one of {', '.join(SUPPORTED)}"
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
-        return f"{kind}: attention with q/k norms or without self_attn/mlp"
-    norms = [m for n, m in layer.named_children() if n.endswith("norm")]
-    if any(type(m).__name__ not in _NORMS and not isinstance(m, nn.Identity) for m in norms):
-        return f"{kind}: a norm that is neither an RMSNorm nor dropped (Identity)"
-    if getattr(mlp, "down_proj", None) is None or getattr(mlp, "gate_proj", None) is None:
-        return f"{kind}: not a gated MLP"
-    return None
+    """None when `FastBlock` reproduces `layer`, else why not (one line): the layers the target's fast forward
+    runs (`models.fast_target.unsupported_layer`)."""
+    return unsupported_layer(layer)
 
 
 class _Product(nn.Module):
@@ -120,8 +107,7 @@ class FastBlock:
         norm = self.norms[name]
         if norm is None:
             return x
-        w, eps = norm
-        return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return rms_norm(x, *norm)
 
     def linear(self, name: str, x: Tensor) -> Tensor:
         """The head's extra Linear `name` (e.g. `fc`): (..., in) -> (..., out)."""
@@ -142,7 +128,7 @@ class FastBlock:
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, heads, n, d)
         cos, sin = (t[:, None].to(q.dtype) for t in rope)  # (B, 1, n, d)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         keys, values = cache.update(k, v, self.layer_idx)  # (B, kv_heads, S, d)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
@@ -158,12 +144,6 @@ class FastBlock:
         """The whole pre-norm decoder layer on x (B, n, H) -> (B, n, H), as the HF layer's forward."""
         h = x + self.attention(self.norm("input_layernorm", x), rope, mask, cache)
         return h + self.mlp(self.norm("post_attention_layernorm", h))
-
-
-def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of t (B, heads, n, d) with cos/sin (B, 1, n, d), halves rotated as transformers'."""
-    half = t.shape[-1] // 2
-    return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
 
 
 _BLOCKS: CopyCache[FastBlock] = CopyCache()

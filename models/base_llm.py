@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -22,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specdraft.hardware import resolve_placement
 from specdraft.models.attention import use_gqa_sdpa
+from specdraft.models.fast_target import fast_forward, unsupported, wanted
 from specdraft.utils import atomic_dir, cache_root, check_safetensors, hub_errors, local_or_hub, sha256_text
 
 log = logging.getLogger(__name__)
@@ -280,6 +282,7 @@ def forward_with_hidden(
     layers: tuple[int, ...] | list[int] = (),
     use_cache: bool = False,
     logits: bool = True,
+    fast: bool = False,
 ) -> TargetOutput:
     """One target forward returning logits, last-layer hidden states and chosen intermediate layers.
 
@@ -292,10 +295,17 @@ def forward_with_hidden(
         layers: indices into the decoder's hidden-state list (0 = embeddings, i = output of layer i).
         use_cache: return the updated cache.
         logits: compute the LM head (False saves the (B, L, V) matmul when only features are needed).
+        fast: a decode step: the lean forward of `models/fast_target.py` where it applies (the same outputs to
+            rounding, from fewer ops; the decoders' default), else transformers' forward.
 
     Returns:
         TargetOutput with logits (B, L, V) (or an empty tensor), hidden (B, L, H), layers (B, L, m, H) | None.
     """
+    if fast and past_key_values is not None and wanted() and fast_supported(model):
+        lean = fast_forward(model, input_ids, attention_mask, position_ids, past_key_values, layers)
+        if lean is not None:
+            logits_out = lm_logits(model, lean[0]) if logits else lean[0].new_empty(0)
+            return TargetOutput(logits_out, lean[0], lean[1], past_key_values if use_cache else None)
     decoder = model.get_decoder()
     out = decoder(
         input_ids=input_ids,
@@ -309,6 +319,16 @@ def forward_with_hidden(
     extra = torch.stack([out.hidden_states[i] for i in layers], dim=2) if layers else None  # (B, L, m, H)
     logits_out = lm_logits(model, hidden) if logits else hidden.new_empty(0)  # (B, L, V)
     return TargetOutput(logits_out, hidden, extra, out.past_key_values if use_cache else None)
+
+
+_FAST: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def fast_supported(model: torch.nn.Module) -> bool:
+    """Whether `fast_forward` runs `model`'s decoder (`fast_target.unsupported`, checked once per model)."""
+    if model not in _FAST:
+        _FAST[model] = unsupported(model) is None
+    return _FAST[model]
 
 
 def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:

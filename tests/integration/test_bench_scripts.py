@@ -192,3 +192,18 @@ def test_median_of_an_even_number_of_passes_is_the_mean_of_the_middle_two() -> N
     (m,) = mod.median_speedups(passes)
     assert m["speedup_median"] == pytest.approx(0.9) and m["tokens_per_s_median"] == pytest.approx(90.0)
     assert (m["speedup_min"], m["speedup_max"], m["passes"]) == (0.8, 1.0, 2)
+
+
+def test_bench_target_forward(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    """transformers' forward against the lean one: a ratio per node count, AR in both with equal outputs."""
+    out = tmp_path / "target_forward.json"
+    argv = [
+        "--target", str(eval_assets / "target"), "--dtype", "fp32", "--device", "cpu", "--threads", "1",
+        "--bench", str(eval_assets / "mini_mt.jsonl"), "--json", str(out), "--sizes", "1", "4",
+        "--rounds", "1", "--reps", "1", "--prompts", "2", "--max-new-tokens", "6",
+    ]  # fmt: skip
+    _main("bench_target_forward")(argv)
+    res = _load(out)
+    assert [r["nodes"] for r in res["verify"]] == [1, 4] and all(r["ratio"] > 0 for r in res["verify"])
+    assert res["ar_same"] == 2 and set(res["ar_tok_s"]) == {"hf", "fast"}
+    assert "lean / transformers" in capsys.readouterr().out

@@ -1,0 +1,161 @@
+"""A lean decode-time forward of a Llama-family target's decoder (Llama, Mistral, Qwen2), for the decoders.
+
+transformers' decoder forward pays, on every decode step, for what a decode step does not need: keyword
+plumbing and decorators on every module call, output-capture hooks for `output_hidden_states`, mask
+preprocessing, and an RMSNorm of nine small ops (cast, pow, mean = sum + div, add, rsqrt, mul, cast, mul).
+On a 2-core AMD EPYC (Zen 3, fp32, panel products) a SmolLM2-135M AR step spent ~40% of its time outside the
+210 Linear products (docs/experiments.md, "Session 34"); on a GPU every small op is a kernel launch, inside
+a CUDA graph too. `fast_forward` computes the same layers:
+
+    x = embed(ids);  cos, sin = rotary(x, positions)                         transformers' own modules
+    per layer:  h = x + o(attn(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))    the layer's own Linears
+                x = h + down(act(gate(n2(h))) * up(n2(h)))                   (any weight layout)
+    n(x) = w * F.rms_norm(x in fp32)                                        one fused op
+    attn: the model's configured attention function (transformers' SDPA, or `models/attention.py`'s)
+
+so outputs equal transformers' to rounding (exactly the same products and attention; the norm fused), and
+the weights are the model's own (no copy). Where it does not apply (`fast_forward` returns None) the
+caller runs transformers' forward: another layer type (`unsupported`), no explicit 4D mask over several new
+tokens (a causal prefill, a padding mask: transformers builds the mask), or a sliding window the keys would
+exceed.
+`SPECDRAFT_TARGET_FORWARD=hf` turns it off (`wanted`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+ENV = (
+    "SPECDRAFT_TARGET_FORWARD"  # "hf": the decoders run transformers' forward everywhere (an A/B, a way out)
+)
+# decoder layers whose forward `fast_forward` reproduces (attention without q/k norms, gated MLP, RMSNorms)
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+
+def unsupported_layer(layer: nn.Module) -> str | None:
+    """None when `layer` is a pre-norm decoder layer these fast forwards reproduce, else why not (one line)."""
+    kind = type(layer).__name__
+    if kind not in LAYERS:
+        return f"{kind} is not one of {', '.join(LAYERS)}"
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+        return f"{kind}: attention with q/k norms or without self_attn/mlp"
+    norms = [m for n, m in layer.named_children() if n.endswith("norm")]
+    if any(type(m).__name__ not in NORMS and not isinstance(m, nn.Identity) for m in norms):
+        return f"{kind}: a norm that is neither an RMSNorm nor dropped (Identity)"
+    if getattr(mlp, "down_proj", None) is None or getattr(mlp, "gate_proj", None) is None:
+        return f"{kind}: not a gated MLP"
+    return None
+
+
+def wanted() -> bool:
+    """Whether the decoders use `fast_forward` (unless `SPECDRAFT_TARGET_FORWARD=hf`)."""
+    return os.environ.get(ENV, "fast") != "hf"
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """None when `fast_forward` runs `model`'s decoder, else why not (one line)."""
+    decoder: Any = cast(Any, model).get_decoder()
+    for name in ("embed_tokens", "rotary_emb", "norm", "layers"):
+        if getattr(decoder, name, None) is None:
+            return f"{type(decoder).__name__} has no {name}"
+    if type(decoder.norm).__name__ not in NORMS:
+        return f"final norm {type(decoder.norm).__name__} is not an RMSNorm"
+    return next((why for why in map(unsupported_layer, decoder.layers) if why is not None), None)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm of x (..., H) with `weight` (H,): statistics in fp32, one fused op where the device
+    has one (CUDA; a CPU runs its composite)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _norm(norm: Any, x: Tensor) -> Tensor:
+    """An HF RMSNorm module's output on x (..., H)."""
+    return rms_norm(x, norm.weight, float(norm.variance_epsilon))
+
+
+def rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of t (B, heads, n, d) with cos/sin (B, 1, n, d), halves rotated as transformers'."""
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+
+
+def _layer(layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: Any) -> Tensor:
+    """One pre-norm decoder layer on x (B, n, H) appending n positions to `cache` -> (B, n, H)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    b, n, _ = x.shape
+    h = _norm(layer.input_layernorm, x)
+    shape = (b, n, -1, attn.head_dim)
+    q = attn.q_proj(h).view(shape).transpose(1, 2)  # (B, heads, n, d)
+    k = attn.k_proj(h).view(shape).transpose(1, 2)  # (B, kv_heads, n, d)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)
+    q, k = rotate(q, *rope), rotate(k, *rope)
+    k, v = cache.update(k, v, attn.layer_idx)  # (B, kv_heads, S, d)
+    fn = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]  # `fast_forward` checked it is there
+    out, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)  # (B, n, heads, d)
+    x = x + attn.o_proj(out.reshape(b, n, -1))
+    h = _norm(layer.post_attention_layernorm, x)
+    return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+
+def fast_forward(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    cache: Any,
+    layers: tuple[int, ...] | list[int] = (),
+) -> tuple[Tensor, Tensor | None] | None:
+    """The decoder forward of a decode step (module docstring); None where transformers' forward must run.
+
+    Args:
+        model: an HF causal LM that `unsupported` accepts (the caller checks once).
+        input_ids: (B, L) new tokens.
+        attention_mask: (B or 1, 1, L, S) additive or boolean mask over the keys `cache.update` returns, or
+            None for one new token per row seeing every cached position.
+        position_ids: (B, L) rotary positions, or None (consecutive after the cache).
+        cache: the decoder's KV cache (`update(k, v, layer_idx)`, `get_seq_length()`).
+        layers: `hidden_states` indices to return as transformers numbers them (0 = embeddings, i = output of
+            layer i, num_layers = the final normed states).
+
+    Returns:
+        (hidden (B, L, H) after the final norm, (B, L, m, H) the requested layers | None), or None.
+    """
+    decoder: Any = cast(Any, model).get_decoder()
+    if decoder.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+        return None  # transformers' eager attention: its own function per model
+    if attention_mask is not None and attention_mask.ndim != 4:
+        return None  # a (B, S) padding mask: transformers turns it into the 4D mask
+    n = input_ids.shape[1]
+    past = None
+    if attention_mask is None or position_ids is None:
+        past = int(cache.get_seq_length())
+    if attention_mask is None and n > 1:
+        return None  # a causal prefill: transformers builds the mask
+    window = getattr(decoder.config, "sliding_window", None)
+    if attention_mask is None and window is not None and past is not None and past + n > int(window):
+        return None  # transformers' mask would hide the keys past the window
+    x = decoder.embed_tokens(input_ids)  # (B, L, H)
+    if position_ids is None:
+        position_ids = torch.arange(past or 0, (past or 0) + n, device=x.device)[None]  # (1, L)
+    cos, sin = decoder.rotary_emb(x, position_ids)  # (B, L, d) each
+    rope = (cos[:, None], sin[:, None])  # (B, 1, L, d)
+    keep: dict[int, Tensor] = {0: x} if 0 in layers else {}
+    count = len(decoder.layers)
+    for i, layer in enumerate(decoder.layers):
+        x = _layer(layer, x, rope, attention_mask, cache)
+        if i + 1 in layers:
+            keep[i + 1] = x
+    x = _norm(decoder.norm, x)
+    if count in layers:
+        keep[count] = x  # transformers numbers the final normed states as the last layer's
+    extra = torch.stack([keep[i] for i in layers], dim=2) if layers else None  # (B, L, m, H)
+    return x, extra

@@ -1,0 +1,108 @@
+"""The decoders' target forward: transformers' own against the lean one (`models/fast_target.py`), in one run.
+
+    # verify forwards of 1-16 nodes after a 256-token prefix, then greedy AR over 4 MT-Bench first turns
+    python scripts/bench_target_forward.py --prompts 4 --max-new-tokens 64
+    # on a GPU, with the verify forwards replayed as CUDA graphs (fewer kernels per graph with the lean forward)
+    python scripts/bench_target_forward.py --device cuda --dtype bf16 --json $OUT/target_forward_gpu.json
+
+Both forwards run on the same decoder, alternated round by round (`SPECDRAFT_TARGET_FORWARD` switched in the
+process), so the machine's drift hits both alike. Prints per node count the median verify ms of each and
+their ratio, then AR tok/s of each on the same prompts, with every AR output checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdraft.eval.bench_common import add_target_args, first_turns, load_bench, write_json
+    from specdraft.eval.graphs import graphs_wanted
+    from specdraft.eval.static_decode import StaticDecoder
+    from specdraft.models.fast_target import ENV, unsupported
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(p)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="verify node counts")
+    p.add_argument(
+        "--rounds", type=int, default=6, help="alternated rounds (each: every size, both forwards)"
+    )
+    p.add_argument("--reps", type=int, default=5, help="forwards per size, forward and round")
+    p.add_argument(
+        "--prompts", type=int, default=4, help="MT-Bench first turns decoded by AR with each forward"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs for the fixed-shape verify")
+    a = p.parse_args(argv)
+    b = load_bench(a)
+    model = b.model
+    why = unsupported(model)
+    if why is not None:
+        raise SystemExit(f"bench_target_forward: the lean forward does not run this target ({why})")
+    device = next(model.parameters()).device
+    graphs = graphs_wanted(device, a.graphs)
+    kinds = ("hf", "fast")
+    # a decoder per forward: under graphs each captures (and replays) its own forward's kernels
+    decs = {k: StaticDecoder(model, 2048, static=graphs, graphs=graphs) for k in kinds}
+    ms: dict[str, dict[int, list[float]]] = {k: {s: [] for s in a.sizes} for k in kinds}
+    with torch.inference_mode():
+        run = {}
+        for k in kinds:
+            os.environ[ENV] = k
+            run[k] = decs[k].cost_probe(tuple(a.sizes))
+            for s in a.sizes:
+                run[k](s)  # warm-up (and capture)
+        for _ in range(a.rounds):
+            for k in kinds:
+                os.environ[ENV] = k
+                for s in a.sizes:
+                    for _ in range(a.reps):
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        t0 = time.perf_counter()
+                        run[k](s)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        ms[k][s].append(1e3 * (time.perf_counter() - t0))
+    prompts = first_turns(b.tokenizer, a.bench, a.prompts)
+    ar: dict[str, list[float]] = {k: [] for k in kinds}
+    outs: dict[str, list[list[int]]] = {k: [] for k in kinds}
+    for prompt in prompts:
+        for k in kinds:
+            os.environ[ENV] = k
+            decs[k].ar_generate(None, prompt, 4, stop_ids=b.stop_ids)  # warm-up
+            t0 = time.perf_counter()
+            out, _ = decs[k].ar_generate(None, prompt, a.max_new_tokens, stop_ids=b.stop_ids)
+            ar[k].append(time.perf_counter() - t0)
+            outs[k].append(out)
+    os.environ.pop(ENV, None)
+    path = decs["hf"].path_name()
+    table = Table(title=f"target forward on {device} ({next(model.parameters()).dtype}), {path} path")
+    for col in ("nodes", "transformers ms", "lean ms", "lean / transformers"):
+        table.add_column(col)
+    rows = []
+    for s in a.sizes:
+        hf, fast = statistics.median(ms["hf"][s]), statistics.median(ms["fast"][s])
+        rows.append({"nodes": s, "hf_ms": hf, "fast_ms": fast, "ratio": fast / hf})
+        table.add_row(str(s), f"{hf:.2f}", f"{fast:.2f}", f"{fast / hf:.3f}")
+    tokens = sum(len(o) for o in outs["hf"])
+    tok_s = {k: tokens / sum(ar[k]) for k in kinds}
+    same = sum(x == y for x, y in zip(outs["hf"], outs["fast"], strict=True))
+    table.add_row(
+        "AR tok/s", f"{tok_s['hf']:.1f}", f"{tok_s['fast']:.1f}", f"{tok_s['fast'] / tok_s['hf']:.3f}x"
+    )
+    Console().print(table)
+    print(f"AR outputs equal: {same}/{len(prompts)} ({tokens} tokens each way)")
+    write_json(a.json, model, {"path": path, "verify": rows, "ar_tok_s": tok_s, "ar_same": same})
+
+
+if __name__ == "__main__":
+    main()

@@ -319,6 +319,34 @@ def tiny_proposer_factory(
     return (lambda: LookupBranch(inner(), 4)) if lookup else inner
 
 
+def graph_rows_match_eager(
+    family: str,
+    model: torch.nn.Module,
+    steps: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    same: Callable[[Any, Any], None],
+    eager_early_stop: bool = True,
+) -> list[Any]:
+    """Three batch rows of `family`'s static proposers drafting with CUDA graphs and three eager ones, fed the
+    same `steps` (per step, per row: (hidden, tokens); each row sits out every fourth step): `same(graph_tree,
+    eager_tree)` for every tree of `propose_rows`. `eager_early_stop=False`: the eager rows' EAGLE expansion
+    without early stop (off under graphs too). Returns the graph rows (their shared state holds the graphs)."""
+    graph_rows = [tiny_proposer_factory(family, model, static=True, graphs=True)() for _ in range(3)]
+    eager_factory = tiny_proposer_factory(family, model, static=True)
+    eager_rows = [eager_factory() for _ in range(3)]
+    for p in eager_rows if not eager_early_stop else []:
+        p.early_stop = False
+    assert all(p.graphs for p in graph_rows) and not any(p.graphs for p in eager_rows)
+    for s, step in enumerate(steps):
+        rows = [r for r in range(3) if (s + r) % 4 != 3]
+        h, t = [step[r][0] for r in rows], [step[r][1] for r in rows]
+        got = graph_rows[rows[0]].propose_rows([graph_rows[r] for r in rows], h, t)
+        want = eager_rows[rows[0]].propose_rows([eager_rows[r] for r in rows], h, t)
+        assert got is not None and want is not None
+        for a, b in zip(got, want, strict=True):
+            same(a, b)
+    return graph_rows
+
+
 class RandomTreeProposer:
     """Random trees of random size over the whole vocabulary (mostly rejected drafts)."""
 

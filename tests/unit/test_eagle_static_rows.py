@@ -8,7 +8,13 @@ import torch
 
 from specdraft.eval.eagle_static import fixed_ancestors
 from specdraft.eval.eagle_tree import select_nodes
-from specdraft.testing import HostReads, KernelCount, tiny_proposer_factory, tiny_target
+from specdraft.testing import (
+    HostReads,
+    KernelCount,
+    graph_rows_match_eager,
+    tiny_proposer_factory,
+    tiny_target,
+)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -178,20 +184,9 @@ def test_batched_draft_graph_equals_the_eager_rows(family):
     """On CUDA the batched step is one graph per tree size: the trees equal the eager batched step's."""
     dev = torch.device("cuda")
     model = tiny_target("llama", dev)
-    graph_rows = [tiny_proposer_factory(family, model, static=True, graphs=True)() for _ in range(3)]
-    eager_factory = tiny_proposer_factory(family, model, static=True)
-    eager_rows = [eager_factory() for _ in range(3)]
-    for p in eager_rows:
-        p.early_stop = False
-    assert all(p.graphs for p in graph_rows) and not any(p.graphs for p in eager_rows)
-    for s, step in enumerate(_spans(8, 3, _width(graph_rows[0]), seed=2, device=dev)):
-        rows = [r for r in range(3) if (s + r) % 4 != 3]
-        h, t = [step[r][0] for r in rows], [step[r][1] for r in rows]
-        got = graph_rows[rows[0]].propose_rows([graph_rows[r] for r in rows], h, t)
-        want = eager_rows[rows[0]].propose_rows([eager_rows[r] for r in rows], h, t)
-        assert got is not None and want is not None
-        for a, b in zip(got, want, strict=True):
-            _same(a, b)
+    width = 32 * (3 if family == "eagle3" else 1)
+    steps = _spans(8, 3, width, seed=2, device=dev)
+    graph_rows = graph_rows_match_eager(family, model, steps, _same, eager_early_stop=False)
     state = graph_rows[0].static_rows
     assert state is not None and len(state.graphs) >= 1
     assert all(g is not None for g in state.graphs.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdraft import testing
 from specdraft.eval.redrafter_rows import padded_rows
 from specdraft.models.copy_lookup import lookup_fixed_rows
 from specdraft.testing import HostReads, KernelCount, tiny_proposer_factory, tiny_target
@@ -113,19 +114,7 @@ def test_batched_draft_graph_equals_the_eager_rows(family):
     """On CUDA the batched step is one graph per padded row count: the trees equal the eager batched step's."""
     dev = torch.device("cuda")
     model = tiny_target("llama", dev)
-    factory = tiny_proposer_factory(family, model, static=True, graphs=True)
-    graph_rows = [factory() for _ in range(3)]
-    eager_factory = tiny_proposer_factory(family, model, static=True)
-    eager_rows = [eager_factory() for _ in range(3)]
-    assert all(p.graphs for p in graph_rows) and not any(p.graphs for p in eager_rows)
-    for s, step in enumerate(_spans(8, 3, seed=2, device=dev)):
-        rows = [r for r in range(3) if (s + r) % 4 != 3]
-        h, t = [step[r][0] for r in rows], [step[r][1] for r in rows]
-        got = graph_rows[rows[0]].propose_rows([graph_rows[r] for r in rows], h, t)
-        want = eager_rows[rows[0]].propose_rows([eager_rows[r] for r in rows], h, t)
-        assert got is not None and want is not None
-        for a, b in zip(got, want, strict=True):
-            _same(a, b)
+    graph_rows = testing.graph_rows_match_eager(family, model, _spans(8, 3, seed=2, device=dev), _same)
     state = graph_rows[0]._rows_state
     assert state is not None and all(g is not None for g in state.graphs.values())
     assert {key[0] for key in state.graphs} <= {2, 4}

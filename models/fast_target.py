@@ -15,10 +15,9 @@ a CUDA graph too. `fast_forward` computes the same layers:
 
 so outputs equal transformers' to rounding (exactly the same products and attention; the norm fused), and
 the weights are the model's own (no copy). Where it does not apply (`fast_forward` returns None) the
-caller runs transformers' forward: another layer type (`unsupported`), no explicit 4D mask over several new
-tokens (a causal prefill, a padding mask: transformers builds the mask), or a sliding window the keys would
-exceed.
-`SPECDRAFT_TARGET_FORWARD=hf` turns it off (`wanted`).
+caller runs transformers' forward: another layer type (`unsupported`) or attention than SDPA's, no explicit
+4D mask over several new tokens (a causal prefill, a padding mask: transformers builds the mask), or a
+sliding window the keys would exceed. `SPECDRAFT_TARGET_FORWARD=hf` turns it off (`wanted`).
 """
 
 from __future__ import annotations
@@ -31,9 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from specdraft.models.attention import NAME
+
 ENV = (
     "SPECDRAFT_TARGET_FORWARD"  # "hf": the decoders run transformers' forward everywhere (an A/B, a way out)
 )
+SDPA = ("sdpa", NAME)  # attention implementations the lean forward calls (transformers' SDPA and ours)
 # decoder layers whose forward `fast_forward` reproduces (attention without q/k norms, gated MLP, RMSNorms)
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
@@ -99,8 +101,11 @@ def _layer(layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | No
     v = attn.v_proj(h).view(shape).transpose(1, 2)
     q, k = rotate(q, *rope), rotate(k, *rope)
     k, v = cache.update(k, v, attn.layer_idx)  # (B, kv_heads, S, d)
-    fn = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]  # `fast_forward` checked it is there
-    out, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)  # (B, n, heads, d)
+    fn = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]  # an SDPA one (`fast_forward` checks)
+    # Mistral / Qwen2 attention layers hand their window to the function as transformers does (SDPA: the mask
+    # already encodes it); Llama layers have none
+    window = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    out, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **window)  # (B, n, heads, d)
     x = x + attn.o_proj(out.reshape(b, n, -1))
     h = _norm(layer.post_attention_layernorm, x)
     return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
@@ -130,8 +135,8 @@ def fast_forward(
         (hidden (B, L, H) after the final norm, (B, L, m, H) the requested layers | None), or None.
     """
     decoder: Any = cast(Any, model).get_decoder()
-    if decoder.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
-        return None  # transformers' eager attention: its own function per model
+    if decoder.config._attn_implementation not in SDPA:
+        return None  # eager attention (a function per model), flash attention (its own mask handling)
     if attention_mask is not None and attention_mask.ndim != 4:
         return None  # a (B, S) padding mask: transformers turns it into the 4D mask
     n = input_ids.shape[1]

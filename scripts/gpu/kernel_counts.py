@@ -120,6 +120,28 @@ def batch_step_kernels(family: str, batch: int, tokens: int = 24) -> tuple[float
     return count.count / max(steps, 1), steps
 
 
+def target_forward_kernels(nodes: int) -> dict[str, int]:
+    """Kernels of one fixed-shape verify forward of `nodes` nodes on the tiny target (3 layers): transformers'
+    forward against the lean one (`models/fast_target.py`). On this CPU `F.rms_norm` counts as one op, as the
+    fused kernel it is on CUDA."""
+    import os
+
+    from specdraft.eval.static_decode import StaticDecoder
+    from specdraft.models.fast_target import ENV
+
+    model, out = tiny_target("llama"), {}
+    for kind in ("hf", "fast"):
+        os.environ[ENV] = kind
+        with torch.inference_mode():
+            run = StaticDecoder(model, 128, static=True).cost_probe((nodes,))
+            run(nodes)
+            with KernelCount() as k:
+                run(nodes)
+        out[kind] = k.count
+    os.environ.pop(ENV, None)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--top", type=int, default=6, help="ops shown per method")
@@ -151,6 +173,12 @@ def main(argv: list[str] | None = None) -> None:
         for r in a.rows:
             both = rows_kernels(make, r, True), rows_kernels(make, r, False)
             print(f"{name:22s} R = {r:3d}: together {both[0]:6d}   row by row {both[1]:6d}")
+    print(
+        "== kernels per verify forward of the tiny target (3 layers): transformers' forward vs the lean one"
+    )
+    for nodes in (1, 8):
+        k = target_forward_kernels(nodes)
+        print(f"{nodes} node(s): transformers {k['hf']:5d}   lean {k['fast']:5d}")
     print("== kernels per batched step outside the target's forwards (fixed-shape path, tiny target)")
     for fam in ("ar", "redrafter_copy", "eagle", "eagle3", "medusa"):
         per = [batch_step_kernels(fam, r)[0] for r in a.rows]

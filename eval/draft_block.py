@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from specdraft.models.fast_target import rms_norm, rotate, unsupported_layer
+from specdraft.models.fast_target import rms_norm, rotary_tables, rotate, unsupported_layer
 from specdraft.models.layers import CopyCache, weights_key
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class FastBlock:
         b, n, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, heads, n, d)
-        cos, sin = (t[:, None].to(q.dtype) for t in rope)  # (B, 1, n, d)
+        cos, sin = rotary_tables(*(t[:, None].to(q.dtype) for t in rope))  # (B, 1, n, d) each
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         keys, values = cache.update(k, v, self.layer_idx)  # (B, kv_heads, S, d)
         out = F.scaled_dot_product_attention(

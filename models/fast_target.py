@@ -84,10 +84,17 @@ def _norm(norm: Any, x: Tensor) -> Tensor:
     return rms_norm(x, norm.weight, float(norm.variance_epsilon))
 
 
-def rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of t (B, heads, n, d) with cos/sin (B, 1, n, d), halves rotated as transformers'."""
-    half = t.shape[-1] // 2
-    return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+def rotary_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers' (cos, sin) (..., d) -> (cos, sin with its first half negated), the tables `rotate` takes:
+    the sign of rotate_half folded in once per forward instead of a negation per tensor and layer."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate(t: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary embedding of t (B, heads, n, d) with `rotary_tables` (B, 1, n, d): transformers'
+    t * cos + rotate_half(t) * sin, bit for bit (a sign moved between the factors of a product)."""
+    return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _layer(layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: Any) -> Tensor:
@@ -152,7 +159,7 @@ def fast_forward(
     if position_ids is None:
         position_ids = torch.arange(past or 0, (past or 0) + n, device=x.device)[None]  # (1, L)
     cos, sin = decoder.rotary_emb(x, position_ids)  # (B, L, d) each
-    rope = (cos[:, None], sin[:, None])  # (B, 1, L, d)
+    rope = rotary_tables(cos[:, None], sin[:, None])  # (B, 1, L, d) each
     keep: dict[int, Tensor] = {0: x} if 0 in layers else {}
     count = len(decoder.layers)
     for i, layer in enumerate(decoder.layers):

@@ -138,3 +138,17 @@ def test_the_decoders_take_it_and_the_switch_turns_it_off(family, monkeypatch):
         outs.append(out)
         assert (sum(calls) > 5) if switch == "fast" else not calls
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_transformers_bit_for_bit(dtype):
+    """`rotate` with the sign folded into the sin table gives transformers' `apply_rotary_pos_emb` exactly."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, h, 5, 16, generator=g).to(dtype) for h in (4, 2))
+    cos, sin = (torch.randn(2, 5, 16, generator=g).to(dtype) for _ in range(2))
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    tables = fast_target.rotary_tables(cos[:, None], sin[:, None])
+    assert torch.equal(fast_target.rotate(q, *tables), want[0])
+    assert torch.equal(fast_target.rotate(k, *tables), want[1])

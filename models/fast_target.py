@@ -23,6 +23,7 @@ sliding window the keys would exceed. `SPECDRAFT_TARGET_FORWARD=hf` turns it off
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, cast
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdraft.models.attention import NAME
+from specdraft.models.panel_linear import StackedPanels
 
 ENV = (
     "SPECDRAFT_TARGET_FORWARD"  # "hf": the decoders run transformers' forward everywhere (an A/B, a way out)
@@ -97,15 +99,33 @@ def rotate(t: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * signed_sin
 
 
+# per decoder layer: (its q/k/v and gate/up modules when last seen, their stacked products or None)
+_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _stacks(layer: Any) -> tuple[StackedPanels, StackedPanels] | None:
+    """The layer's q/k/v and gate/up products as one panel-kernel call each (`StackedPanels`, on the CPU's
+    panel layout: the same bits, ~1.7x / ~1.3x less time for the few rows of a decode step on a 2-core EPYC);
+    None for any other layout. Built on first use, again when a layout replaced the modules."""
+    attn, mlp = layer.self_attn, layer.mlp
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    seen = _STACKS.get(layer)
+    if seen is None or any(a is not b for a, b in zip(seen[0], mods, strict=True)):
+        qkv, gate_up = list(mods[:3]), list(mods[3:])
+        ok = StackedPanels.stackable(qkv) and StackedPanels.stackable(gate_up)
+        seen = _STACKS[layer] = (mods, (StackedPanels(qkv), StackedPanels(gate_up)) if ok else None)
+    return seen[1]
+
+
 def _layer(layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: Any) -> Tensor:
     """One pre-norm decoder layer on x (B, n, H) appending n positions to `cache` -> (B, n, H)."""
     attn, mlp = layer.self_attn, layer.mlp
     b, n, _ = x.shape
+    stacks = _stacks(layer)
     h = _norm(layer.input_layernorm, x)
     shape = (b, n, -1, attn.head_dim)
-    q = attn.q_proj(h).view(shape).transpose(1, 2)  # (B, heads, n, d)
-    k = attn.k_proj(h).view(shape).transpose(1, 2)  # (B, kv_heads, n, d)
-    v = attn.v_proj(h).view(shape).transpose(1, 2)
+    qkv = stacks[0](h) if stacks is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+    q, k, v = (t.view(shape).transpose(1, 2) for t in qkv)  # (B, heads | kv_heads, n, d)
     q, k = rotate(q, *rope), rotate(k, *rope)
     k, v = cache.update(k, v, attn.layer_idx)  # (B, kv_heads, S, d)
     fn = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]  # an SDPA one (`fast_forward` checks)
@@ -115,7 +135,8 @@ def _layer(layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | No
     out, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **window)  # (B, n, heads, d)
     x = x + attn.o_proj(out.reshape(b, n, -1))
     h = _norm(layer.post_attention_layernorm, x)
-    return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+    gate, up = stacks[1](h) if stacks is not None else (mlp.gate_proj(h), mlp.up_proj(h))
+    return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def fast_forward(

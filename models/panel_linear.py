@@ -150,27 +150,77 @@ class PanelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) fp32 -> (..., out)."""
-        if x.dtype != torch.float32:
-            raise TypeError(f"PanelLinear computes in fp32, got {x.dtype} input")
-        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, in)
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # (M, out)
-        bias = self.bias.data_ptr() if self.bias is not None else None
-        fn = panel_status()[0]
-        if x2.shape[0] and fn is not None:
-            fn(
-                x2.data_ptr(),
-                x2.shape[0],
-                self.in_features,
-                self.panels.data_ptr(),
-                self.out_features,
-                bias,
-                y.data_ptr(),
-                torch.get_num_threads(),
-            )
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return panel_product(x, self.panels, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout=panels of {PANEL}"
+
+
+def panel_product(x: Tensor, panels: Tensor, out_features: int, bias: Tensor | None) -> Tensor:
+    """x @ W.T + bias through the panel kernel: x (..., in) fp32, panels (ceil(out / PANEL), in, PANEL) of W ->
+    (..., out)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"PanelLinear computes in fp32, got {x.dtype} input")
+    k = panels.shape[1]
+    x2 = x.reshape(-1, k).contiguous()  # (M, in)
+    y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)  # (M, out)
+    fn = panel_status()[0]
+    if x2.shape[0] and fn is not None:
+        b = bias.data_ptr() if bias is not None else None
+        fn(
+            x2.data_ptr(),
+            x2.shape[0],
+            k,
+            panels.data_ptr(),
+            out_features,
+            b,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+class StackedPanels:
+    """Several `PanelLinear`s of one input as ONE kernel call (a decoder layer's q/k/v, its gate/up): their
+    panels moved into one buffer, of which each keeps a view (no extra memory; each still runs alone). Every
+    output column is summed as before, so the outputs are bit for bit the separate calls'.
+
+    Args:
+        linears: PanelLinears of the same input width, each `out_features` a multiple of PANEL (no padding
+            between them: `stackable`).
+    """
+
+    def __init__(self, linears: list[PanelLinear]) -> None:
+        self.members = list(linears)
+        self.panels = torch.cat([m.panels for m in linears])  # (sum panels, in, PANEL)
+        start = 0
+        for m in linears:  # each member reads its slice of the one buffer from now on
+            n = m.panels.shape[0]
+            m.panels, start = self.panels[start : start + n], start + n
+        self.sizes = [m.out_features for m in linears]
+        biases = [m.bias for m in linears]
+        self.bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat(
+                [
+                    b.detach() if b is not None else self.panels.new_zeros(n)
+                    for b, n in zip(biases, self.sizes, strict=True)
+                ]
+            )
+        )
+
+    @staticmethod
+    def stackable(linears: list[nn.Module]) -> bool:
+        """Whether `linears` can be stacked: PanelLinears of one input width, every output width a multiple of
+        PANEL."""
+        return all(isinstance(m, PanelLinear) for m in linears) and (
+            len({m.in_features for m in linears}) == 1 and all(m.out_features % PANEL == 0 for m in linears)
+        )
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        """x (..., in) -> each member's output (..., out_i), from one kernel call."""
+        return panel_product(x, self.panels, sum(self.sizes), self.bias).split(self.sizes, dim=-1)
 
 
 def panel_linears(model: nn.Module) -> int:

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from specdraft.models import fast_target
 from specdraft.models.base_llm import forward_with_hidden
+from specdraft.models.panel_linear import panel_available, panel_linears
 from specdraft.testing import random_prompts, tiny_proposer, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -152,3 +153,25 @@ def test_rotary_equals_transformers_bit_for_bit(dtype):
     tables = fast_target.rotary_tables(cos[:, None], sin[:, None])
     assert torch.equal(fast_target.rotate(q, *tables), want[0])
     assert torch.equal(fast_target.rotate(k, *tables), want[1])
+
+
+@pytest.mark.skipif(not panel_available(), reason="the panel kernel does not build here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_panel_layout_runs_qkv_and_gate_up_as_one_call_each(arch):
+    """On the CPU's panel layout each layer's q/k/v and gate/up run as one kernel call each (`StackedPanels`),
+    and the step still equals transformers' forward on the same weights (fp32: rounding of the fused norm)."""
+    model = tiny_target(arch).float()
+    panel_linears(model)
+    cache, _ = _prefix(model, 2, 7, seed=6)
+    hf, lean, hf_cache, fast_cache = _both(model, cache, torch.tensor([[9], [10]]), None, None, (1,))
+    torch.testing.assert_close(lean[0], hf.hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lean[1], hf.layers, rtol=1e-5, atol=1e-5)
+    for layer in model.get_decoder().layers:
+        stacks = fast_target._stacks(layer)
+        assert stacks is not None and stacks[0].members[0] is layer.self_attn.q_proj
+    again = copy.deepcopy(model)  # new modules: stacked anew for them
+    layer = again.get_decoder().layers[0]
+    assert (
+        fast_target._stacks(layer) is not None
+        and fast_target._stacks(layer)[1].members[1] is layer.mlp.up_proj
+    )

@@ -16,6 +16,7 @@ from specdraft.models.linear_layout import resolve_layout, weight_bytes
 from specdraft.models.panel_linear import (
     PANEL,
     PanelLinear,
+    StackedPanels,
     pack_panels,
     panel_available,
     panel_bytes,
@@ -102,6 +103,30 @@ def test_panel_target_decodes_losslessly_on_both_paths(arch: str) -> None:
     check_trees_lossless(model)
     for static in (False, True):
         check_static_equals_ar(StaticDecoder(model, 64, static=static), model, PromptLookupProposer(4))
+
+
+@needs_panel
+def test_stacked_panels_equal_the_separate_products() -> None:
+    """q/k/v (Qwen2-style: biased, one without a bias) as one kernel call give each product's bits; each member
+    still runs alone from its view of the one buffer (no extra memory); widths not a multiple of PANEL, another
+    input width or another layout do not stack."""
+    g = torch.Generator().manual_seed(0)
+    lins = [torch.nn.Linear(24, out, bias=bias) for out, bias in ((32, True), (16, False), (48, True))]
+    for lin in lins:
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g)
+    panels = [PanelLinear(lin) for lin in lins]
+    x = torch.randn(2, 3, 24, generator=g)
+    alone = [m(x) for m in panels]
+    before = sum(m.panels.numel() for m in panels)
+    stacked = StackedPanels(panels)
+    for got, want, m in zip(stacked(x), alone, panels, strict=True):
+        assert torch.equal(got, want) and torch.equal(m(x), want)
+        assert m.panels.untyped_storage().data_ptr() == stacked.panels.untyped_storage().data_ptr()
+    assert stacked.panels.numel() == before
+    assert StackedPanels.stackable(panels)
+    assert not StackedPanels.stackable([PanelLinear(torch.nn.Linear(24, 20)), panels[0]])  # 20 % PANEL
+    assert not StackedPanels.stackable([PanelLinear(torch.nn.Linear(16, 32)), panels[0]])  # input widths
+    assert not StackedPanels.stackable([lins[0], panels[1]])  # a plain Linear
 
 
 @needs_panel

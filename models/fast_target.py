@@ -34,9 +34,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from specdraft.models.attention import NAME
 from specdraft.models.panel_linear import StackedPanels
 
-ENV = (
-    "SPECDRAFT_TARGET_FORWARD"  # "hf": the decoders run transformers' forward everywhere (an A/B, a way out)
-)
+# "hf": the decoders run transformers' forward everywhere (an A/B, a way out)
+ENV = "SPECDRAFT_TARGET_FORWARD"
 SDPA = ("sdpa", NAME)  # attention implementations the lean forward calls (transformers' SDPA and ours)
 # decoder layers whose forward `fast_forward` reproduces (attention without q/k norms, gated MLP, RMSNorms)
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")

@@ -214,8 +214,9 @@ class StackedPanels:
     def stackable(linears: list[nn.Module]) -> bool:
         """Whether `linears` can be stacked: PanelLinears of one input width, every output width a multiple of
         PANEL."""
-        return all(isinstance(m, PanelLinear) for m in linears) and (
-            len({m.in_features for m in linears}) == 1 and all(m.out_features % PANEL == 0 for m in linears)
+        panels = [m for m in linears if isinstance(m, PanelLinear)]
+        return len(panels) == len(linears) and (
+            len({m.in_features for m in panels}) == 1 and all(m.out_features % PANEL == 0 for m in panels)
         )
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:

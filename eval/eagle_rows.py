@@ -239,9 +239,8 @@ class RowGroup:
         Returns:
             (G, k, H) head outputs.
         """
-        span = (
-            max(self.cache.lengths) + rows.shape[2]
-        )  # every slot's committed positions and its draft entries
+        # every slot's committed positions and its draft entries
+        span = max(self.cache.lengths) + rows.shape[2]
         pos, write, mask = level_inputs(level, rows, self.lengths_t, span)
         return self._forward(slice(0, rows.shape[0]), feats, toks, pos, write, mask)
 

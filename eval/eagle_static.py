@@ -153,18 +153,19 @@ def draft_mask(rows: Tensor, length_t: Tensor, capacity: int) -> Tensor:
 
 
 def commit_mask(rows: int, length_t: Tensor, capacity: int) -> Tensor:
-    """Whole-buffer causal mask of `rows` new positions written at [length, length + rows) (True = attend).
+    """Whole-buffer causal mask of `rows` new positions written at [length, length + rows) (True = attend), of
+    one buffer or of G slots (`eval/eagle_static_rows.py`).
 
     Args:
         rows: M, the new positions (padding rows included: they only see what a real row would).
-        length_t: () long, committed positions before them.
+        length_t: () or (G,) long, committed positions before them (per slot).
         capacity: buffer length.
 
     Returns:
-        (1, 1, M, capacity): row i sees the committed prefix and new rows 0..i.
+        (1 or G, 1, M, capacity): row i sees the committed prefix and new rows 0..i.
     """
-    rel = torch.arange(capacity, device=length_t.device) - length_t  # (capacity,)
-    return (rel[None, :] <= torch.arange(rows, device=length_t.device)[:, None])[None, None]
+    rel = torch.arange(capacity, device=length_t.device)[None] - length_t.reshape(-1, 1)  # (1 or G, capacity)
+    return (rel[:, None, :] <= torch.arange(rows, device=length_t.device)[None, :, None])[:, None]
 
 
 def fixed_ancestors(parents: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:

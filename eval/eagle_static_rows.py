@@ -34,7 +34,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdraft.eval.eagle_rows import RowsKVCache, level_inputs
-from specdraft.eval.eagle_static import fixed_ancestors
+from specdraft.eval.eagle_static import commit_mask, fixed_ancestors
 from specdraft.eval.eagle_tree import select_nodes
 from specdraft.eval.graphs import CudaGraph, replay_or_run
 from specdraft.eval.tree import DraftTree
@@ -43,9 +43,8 @@ if TYPE_CHECKING:
     from specdraft.eval.eagle_static import StaticHeadState
     from specdraft.eval.eagle_tree import EagleTreeProposer
 
-TreeTensors = tuple[
-    Tensor, Tensor, Tensor, Tensor
-]  # tokens (G, N), parents (G, N), depth (G, N), anc (G, N, N)
+# tokens (G, N), parents (G, N), depth (G, N), ancestors (G, N, N)
+TreeTensors = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 @dataclass(eq=False)
@@ -182,17 +181,14 @@ def propose_static_rows(
     drafting = [p.rows_slot for p in rows]
 
     def attend(level: int, anc: Tensor, feats: Tensor, toks: Tensor) -> Tensor:
-        pos, write, mask = level_inputs(
-            level, anc, state.lengths, rc.capacity
-        )  # (G, k), (G, k), (G, 1, k, C)
+        # (G, k) positions, (G, k) writes, (G, 1, k, C) mask
+        pos, write, mask = level_inputs(level, anc, state.lengths, rc.capacity)
         return _forward(state, feats, toks, pos, write, mask)
 
     def step() -> TreeTensors:
         start, new = state.sizes[0], state.sizes[1]  # (G,) each
-        j = torch.arange(m_rows, device=dev)  # (M,)
-        pos = start[:, None] + j  # (G, M)
-        rel = torch.arange(rc.capacity, device=dev)[None] - start[:, None]  # (G, C)
-        mask = (rel[:, None, :] <= j[None, :, None])[:, None]  # (G, 1, M, C): row j sees its prefix and 0..j
+        pos = start[:, None] + torch.arange(m_rows, device=dev)  # (G, M)
+        mask = commit_mask(m_rows, start, rc.capacity)  # (G, 1, M, C): row j sees its prefix and 0..j
         out = _forward(state, lead.drafter.encode_target(state.hid, lead.block), state.tok, pos, pos, mask)
         state.lengths.copy_(start + new)  # (G,) the members' device lengths (views)
         newest = (new - 1).clamp_min(0)[:, None]  # (G, 1); idle slots: anything
@@ -205,13 +201,15 @@ def propose_static_rows(
         anc, depth = fixed_ancestors(parents, lead.depth)  # (G, N, N), (G, N)
         return toks, parents, depth, anc
 
+    fresh = not rc.layer.is_initialized  # no member has positions yet: the step allocates the buffers
     key = (lead.total_tokens, lead.depth, g, rc.capacity, feat.shape[-1], feat.dtype)
     if lead.graphs:
         out = replay_or_run(state.graphs, key, step, dev, f"the EAGLE-2 draft step of {g} rows")
     else:
         out = step()
     toks, parents, depth, anc = (t.clone() for t in out)  # graph outputs are overwritten by the next replay
-    _link(state, rc.capacity)  # members whose first positions the step wrote (a fresh buffer) become views
+    if fresh:  # the members whose first positions the step wrote become views of the new buffers
+        _link(state, rc.capacity)
     trees = []
     for p, t in zip(rows, tokens, strict=True):
         s, c = p.rows_slot, _fixed(p).cache

@@ -167,17 +167,15 @@ def fast_forward(
     if attention_mask is not None and attention_mask.ndim != 4:
         return None  # a (B, S) padding mask: transformers turns it into the 4D mask
     n = input_ids.shape[1]
-    past = None
-    if attention_mask is None or position_ids is None:
-        past = int(cache.get_seq_length())
     if attention_mask is None and n > 1:
         return None  # a causal prefill: transformers builds the mask
+    past = int(cache.get_seq_length()) if attention_mask is None or position_ids is None else 0
     window = getattr(decoder.config, "sliding_window", None)
-    if attention_mask is None and window is not None and past is not None and past + n > int(window):
+    if attention_mask is None and window is not None and past + n > int(window):
         return None  # transformers' mask would hide the keys past the window
     x = decoder.embed_tokens(input_ids)  # (B, L, H)
     if position_ids is None:
-        position_ids = torch.arange(past or 0, (past or 0) + n, device=x.device)[None]  # (1, L)
+        position_ids = torch.arange(past, past + n, device=x.device)[None]  # (1, L)
     cos, sin = decoder.rotary_emb(x, position_ids)  # (B, L, d) each
     rope = rotary_tables(cos[:, None], sin[:, None])  # (B, 1, L, d) each
     keep: dict[int, Tensor] = {0: x} if 0 in layers else {}

@@ -116,6 +116,8 @@ def write_json(path: str | None, model: nn.Module, payload: dict[str, Any]) -> N
     if path is None:
         return
     from specdraft.eval.cli import machine_info
+    from specdraft.eval.graphs import capture_failures
     from specdraft.utils import atomic_write_json
 
-    atomic_write_json(path, {"command": " ".join(sys.argv), "machine": machine_info(model), **payload})
+    record = {"command": " ".join(sys.argv), "machine": machine_info(model), **payload}
+    atomic_write_json(path, {**record, "graph_capture_failures": capture_failures()})

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.validate import validate_config
+from specdraft.eval.graphs import capture_failures, report_captures
 from specdraft.hardware import host_info, log_environment, resolve_placement
 from specdraft.utils import atomic_write_json, seed_everything
 
@@ -409,6 +410,7 @@ def evaluate(cfg: DictConfig) -> Path:
             "reference's tokens/s on the same prompts (ar for drafters, hf_ar for transformers baselines)",
         },
         "machine": machine_info(model),
+        "graph_capture_failures": capture_failures(),  # steps that ran eagerly on the graph path
         "wall_time_s": time.time() - t0,
         "summary": summary,
         "categories": categories,
@@ -418,5 +420,6 @@ def evaluate(cfg: DictConfig) -> Path:
     path, plots = publish(out_dir, results, bool(e.plots))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
+    report_captures()  # steps whose CUDA graph capture failed ran eagerly
     print(f"results: {path}" + (f" (plots: {', '.join(p.name for p in plots)})" if plots else ""))
     return path

@@ -27,6 +27,8 @@ multi-token CPU queries and hands every other call to transformers' own function
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,6 +120,23 @@ def use_gqa_sdpa(model: PreTrainedModel) -> bool:
 
 # SDPA backends for eager attention whose shapes change from call to call (see `varying_shape_sdpa`)
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_FIXED = threading.local()  # .on: inside `fixed_shapes()` (per thread: a capture is per thread too)
+
+
+@contextlib.contextmanager
+def fixed_shapes() -> Iterator[None]:
+    """Mark the calls inside as one fixed-shape step about to be captured as a CUDA graph (its warm-up runs and
+    the capture itself, `eval.graphs.CudaGraph`): `varying_shape_sdpa` keeps torch's SDPA choice there, so the
+    warm-ups pick the backends the capture will. A backend that prepares per shape (cuDNN builds a graph for
+    each new one) then prepares in a warm-up, never inside the capture, which that preparation invalidates (an
+    H200, torch 2.11, bf16 SmolLM2: every verify capture of the first decoder failed and ran eagerly, 15 ms a
+    step instead of ~3.5, while its warm-ups ran without cuDNN and its captures with it)."""
+    before = getattr(_FIXED, "on", False)
+    _FIXED.on = True
+    try:
+        yield
+    finally:
+        _FIXED.on = before
 
 
 def varying_shape_sdpa(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -125,7 +144,10 @@ def varying_shape_sdpa(device: torch.device) -> contextlib.AbstractContextManage
     prefill, EAGLE's commit of the accepted tokens, the dynamic decode path): on CUDA every backend but
     cuDNN's, which builds a graph for each new shape (torch 2.11 on an H100: EAGLE-3's commit, one layer over
     a few new tokens and a cache one step longer each time, took a median 50 ms eagerly, its graph-replayed
-    expansion 2 ms). A CUDA graph capture (fixed shapes, built once) and CPU calls keep torch's choice."""
-    if device.type != "cuda" or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    expansion 2 ms). A fixed-shape step being captured (`fixed_shapes`, its warm-ups included, or any
+    capture in progress) and CPU calls keep torch's choice."""
+    if device.type != "cuda" or getattr(_FIXED, "on", False):
+        return contextlib.nullcontext()
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return contextlib.nullcontext()
     return sdpa_kernel(_NOT_CUDNN)

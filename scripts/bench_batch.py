@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from specdraft.eval.bench_common import first_turns, load_bench, write_json
     from specdraft.eval.decode import model_device
-    from specdraft.eval.graphs import graphs_wanted
+    from specdraft.eval.graphs import graphs_wanted, report_captures
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.throughput import Factory, print_throughput, throughput_rows
 
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         print_medians(medians, Console(width=160))
     if predicted is not None:
         report_predictions(predicted, passes[-1][0]["output_lengths"], predictor.edges, a.max_new_tokens)
+    report_captures()
     write_json(a.json, model, {"rows": [r for rows in passes for r in rows], "medians": medians})
 
 

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import first_turns, load_bench, write_json
     from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
     from specdraft.eval.decode import ar_generate, speculative_generate
+    from specdraft.eval.graphs import report_captures
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.runner import precapture
     from specdraft.eval.static_decode import make_decoder
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     Console(width=200).print(table)
     costs = {"cost_ms": paths[0][2].ms}
     costs.update({f"cost_ms_{layout}": c.ms for layout, (_, _, c, _) in list(zip(layouts, paths))[1:]})
+    report_captures()
     write_json(a.json, model, {"path": paths[0][1].path_name(), "layout": a.layout, **costs, "rows": rows})
 
 

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     from rich.table import Table
 
     from specdraft.eval.bench_common import add_target_args, first_turns, load_bench, write_json
-    from specdraft.eval.graphs import graphs_wanted
+    from specdraft.eval.graphs import graphs_wanted, report_captures
     from specdraft.eval.static_decode import StaticDecoder
     from specdraft.models.fast_target import ENV, unsupported
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     Console().print(table)
     print(f"AR outputs equal: {same}/{len(prompts)} ({tokens} tokens each way)")
+    report_captures()
     write_json(a.json, model, {"path": path, "verify": rows, "ar_tok_s": tok_s, "ar_same": same})
 
 

@@ -330,7 +330,8 @@ def graph_rows_match_eager(
     same `steps` (per step, per row: (hidden, tokens); each row sits out every fourth step): `same(graph_tree,
     eager_tree)` for every tree of `propose_rows`. `eager_early_stop=False`: the eager rows' EAGLE expansion
     without early stop (off under graphs too). Returns the graph rows (their shared state holds the graphs)."""
-    graph_rows = [tiny_proposer_factory(family, model, static=True, graphs=True)() for _ in range(3)]
+    graph_factory = tiny_proposer_factory(family, model, static=True, graphs=True)  # one drafter for the rows
+    graph_rows = [graph_factory() for _ in range(3)]  # (seed 1: the eager rows' drafter has its weights)
     eager_factory = tiny_proposer_factory(family, model, static=True)
     eager_rows = [eager_factory() for _ in range(3)]
     for p in eager_rows if not eager_early_stop else []:

@@ -6,6 +6,7 @@ after a call). See docs/gpu.md.
 
     bash ../shared/gpu/prepare.sh          # once: .gpu/whl, .gpu/a, .gpu/b
     python scripts/gpu/pack.py outputs/redrafter_smollm2_long/export outputs/eagle3_smollm2_long_stage4/export
+    python scripts/gpu/pack.py --data          # no exports yet: carry the prompts, train there (train_on_gpu.sh)
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def bf16_copy(src: Path, dst: Path) -> int:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="*", help="drafter export folders to carry (as bf16 copies)")
+    ap.add_argument(
+        "--data", action="store_true", help="carry the ShareGPT subset too (.gpu/d, for scripts/gpu/train_on_gpu.sh)"
+    )
     a = ap.parse_args(argv)
     root = Path(".gpu")
     if not (root / "whl" / ".done").is_file() or not (root / "b" / "smollm2.partB").is_file():
@@ -73,6 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     )  # travels with call 1 (s1.sh stashes it)
     # exports: the last model part's call first, then new calls, first fit
     calls: list[tuple[int, list[str]]] = [(room - parts[-1], [f".gpu/p{len(parts)}"])]
+    shutil.rmtree(root / "d", ignore_errors=True)
+    if a.data:  # the training prompts travel with the last model part (8.5 MB)
+        (root / "d").mkdir()
+        shutil.copy(root / "b" / "sharegpt8k.jsonl.xz", root / "d" / "sharegpt8k.jsonl.xz")
+        size = (root / "d" / "sharegpt8k.jsonl.xz").stat().st_size
+        calls[0] = (calls[0][0] - size, [*calls[0][1], ".gpu/d"])
     for src in a.exports:
         tmp = root / "x_tmp" / Path(src).parent.name
         size = bf16_copy(Path(src), tmp)

@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="*", help="drafter export folders to carry (as bf16 copies)")
     ap.add_argument(
-        "--data", action="store_true", help="carry the ShareGPT subset too (.gpu/d, for scripts/gpu/train_on_gpu.sh)"
+        "--data",
+        action="store_true",
+        help="carry the ShareGPT subset too (.gpu/d, for scripts/gpu/train_on_gpu.sh)",
     )
     a = ap.parse_args(argv)
     root = Path(".gpu")

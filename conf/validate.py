@@ -230,6 +230,7 @@ LOGGER: Table = {
 }
 TRAIN: Table = {
     "max_steps": POSITIVE,
+    "max_minutes": at_least(0),
     "batch_size": POSITIVE,
     "grad_accum": POSITIVE,
     "eval_every": POSITIVE,

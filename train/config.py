@@ -56,6 +56,7 @@ class TrainConfig:
     """The training loop."""
 
     max_steps: int = 200  # optimiser steps
+    max_minutes: float = 0.0  # stop earlier after this much loop wall time (eval, checkpoint, export); 0: off
     batch_size: int = 4  # sequences per device per micro-batch
     grad_accum: int = 1  # micro-batches per optimiser step
     eval_every: int = 50  # held-out evaluation every N steps

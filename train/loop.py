@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -235,6 +236,8 @@ def train(cfg: DictConfig) -> Path:
     bar = _progress(cfg, main, step)
     last_eval: dict[str, float] = {}
     tick, tick_step, tokens, positions = time.time(), step, 0, 0
+    out_of_time = time_limit(acc, cfg.train.max_minutes)
+    stopped = "max_steps"
 
     def held_out(at: int) -> dict[str, float]:
         """Evaluate on the held-out rows, log the metrics at step `at` and return them."""
@@ -279,7 +282,14 @@ def train(cfg: DictConfig) -> Path:
             if not acc.sync_gradients:
                 continue
             step += 1
-            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            last = step >= cfg.train.max_steps
+            if not last and out_of_time():  # every rank stops at this step (one decision, shared)
+                last, stopped = True, "max_minutes"
+                if main:
+                    log.info(
+                        "train.max_minutes=%g reached at step %d: finishing here", cfg.train.max_minutes, step
+                    )
+            if step % cfg.train.log_every == 0 or last:
                 dt = max(time.time() - tick, 1e-9)
                 acc1 = per_slot_accuracy(topk_hits(aux["logits"], aux["targets"]), aux["targets"] != -100)
                 rec = {
@@ -299,10 +309,10 @@ def train(cfg: DictConfig) -> Path:
                 )
                 tick, tick_step, tokens, positions = time.time(), step, 0, 0
             bar.update(1)
-            if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
+            if step % cfg.train.eval_every == 0 or last:
                 last_eval = held_out(step)
                 tick, tick_step, tokens, positions = time.time(), step, 0, 0  # rates exclude evaluation
-            if step % cfg.train.ckpt_every == 0 or step == cfg.train.max_steps:
+            if step % cfg.train.ckpt_every == 0 or last:
                 meta = {
                     "step": step,
                     "data": {"epoch": epoch, "batch_in_epoch": batch_in_epoch},
@@ -311,10 +321,12 @@ def train(cfg: DictConfig) -> Path:
                 ckpt.save_checkpoint(acc, ckpt_root, meta, cfg.train.keep_last)
             if cfg.train.crash_at_step is not None and step == cfg.train.crash_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # testing: die like `kill -9`, no cleanup
-            if step >= cfg.train.max_steps:
+            if last:
                 break
         else:
             epoch, batch_in_epoch = epoch + 1, 0
+            continue
+        break  # the last step (max_steps, or max_minutes reached)
     bar.close()
     logger.close()
 
@@ -322,6 +334,7 @@ def train(cfg: DictConfig) -> Path:
     export_dir = Path(cfg.train.export_dir or run_dir / "export")
     summary = {
         "steps": step,
+        "stopped_by": stopped,  # max_steps | max_minutes (train.resume=true goes on towards max_steps)
         "wall_time_s": round(time.time() - t0, 1),
         "data": data_info,
         "final_eval": last_eval,
@@ -342,6 +355,24 @@ def train(cfg: DictConfig) -> Path:
     acc.wait_for_everyone()
     acc.end_training()
     return export_dir
+
+
+def time_limit(acc: Accelerator, minutes: float) -> Callable[[], bool]:
+    """A check, called once per optimiser step by every rank, that turns True once `minutes` of wall time have
+    passed since it was made (0: never). The main process's clock decides and every rank gets its answer (one
+    tiny all-reduce per step under several processes), so all ranks stop at the same step."""
+    if minutes <= 0:
+        return lambda: False
+    deadline = time.time() + 60.0 * minutes
+
+    def out_of_time() -> bool:
+        late = time.time() >= deadline
+        if acc.num_processes == 1:
+            return late
+        flag = torch.tensor([1.0 if late and acc.is_main_process else 0.0], device=acc.device)
+        return bool(acc.reduce(flag, reduction="sum").item() > 0)
+
+    return out_of_time
 
 
 def _autocast_only(acc: Accelerator, model: torch.nn.Module) -> None:

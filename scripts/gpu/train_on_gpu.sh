@@ -8,7 +8,7 @@ source scripts/gpu/env.sh
 N=${1:-3000}
 TT=${2:-200}
 DEV=${DEV:-cuda}  # DEV=cpu NOTESTS=1 S1=2 S2=2 S3=2: a dry run of this script on a CPU
-S1=${S1:-1000} S2=${S2:-800} S3=${S3:-400}
+S1=${S1:-2000} S2=${S2:-1500} S3=${S3:-1000}  # upper bounds: train.max_minutes ends them
 mkdir -p $OUT/logs
 [ -f /tmp/sharegpt8k.jsonl ] || python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu/d/sharegpt8k.jsonl.xz'), open('/tmp/sharegpt8k.jsonl', 'wb'))"
 T0=$(date +%s)
@@ -16,7 +16,8 @@ timeout 220 python3 distill.py conf=redrafter_smollm2_long output_root=/tmp/o ba
   data.source=/tmp/sharegpt8k.jsonl data.num_samples=$N distill.num_samples=$N distill.max_batch_size=256 \
   distill.batch_tokens=131072 > $OUT/logs/distill.log 2>&1
 echo "distill rc $? at $(( $(date +%s) - T0 )) s"
-C="output_root=/tmp/o base_model.device=$DEV data.num_samples=$N train.allow_incomplete_data=true"  # a cut distill: train on its shards
+M=$(python3 -c "print(round(max($TT - 60, 30) / 60, 2))")  # each training stops itself (eval, export) in time
+C="output_root=/tmp/o base_model.device=$DEV data.num_samples=$N train.allow_incomplete_data=true train.max_minutes=$M"
 # while the trainings run (each one process, launch-bound): the tests skipped on a CPU-only host (CUDA graphs,
 # CUDA placement), then the rest of the suite. Never beside the distill: 8 test workers next to its 16 torch
 # threads made it 5x slower (H200, 2026-11-26: 900 of 3,000 prompts in 220 s).

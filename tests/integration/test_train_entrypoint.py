@@ -89,6 +89,27 @@ def test_resume_after_kill_continues_the_same_curve(reference, assets):
         assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
 
 
+def test_max_minutes_stops_early_then_resume_finishes_the_same_run(reference, assets):
+    """`train.max_minutes` (a time-limited GPU call): the run stops at the first step past the limit as it would
+    at max_steps (held-out eval, checkpoint, export, summary `stopped_by`); `train.resume=true` then goes on to
+    max_steps along the uninterrupted run's curve."""
+    run_train(assets, "timed", "train.max_minutes=0.0001")  # 6 ms: past it after step 1
+    run_dir = assets / "runs" / "timed"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["stopped_by"] == "max_minutes"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000001"]
+    assert [r["step"] for r in read_metrics(run_dir) if "eval/acc1_s0" in r] == [1]
+    assert load_drafter(str(run_dir / "export"), target=tiny_llama()).config.training_summary["steps"] == 1
+    run_train(assets, "timed", "train.resume=true")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 24 and summary["stopped_by"] == "max_steps"
+    ref = {r["step"]: r for r in read_metrics(reference) if "eval/acc1_s0" in r}
+    got = {r["step"]: r for r in read_metrics(run_dir) if "eval/acc1_s0" in r}
+    assert sorted(got) == [1, 8, 16, 24]
+    for step in (8, 16, 24):
+        assert got[step]["eval/loss"] == pytest.approx(ref[step]["eval/loss"], rel=1e-5, abs=1e-6), step
+
+
 def test_a_run_from_step_0_starts_a_fresh_metrics_file(assets):
     """Re-running a run name without `train.resume` does not mix the earlier run's records into its metrics: they
     (and its checkpoints) are moved aside to metrics.1.jsonl / checkpoints.1, and only once the new run has

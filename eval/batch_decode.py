@@ -61,6 +61,7 @@ from specdraft.eval.tree import DraftTree
 from specdraft.eval.verify import greedy_verify_rows, sample_token, sample_verify
 from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
+from specdraft.models.fast_target import Packing
 
 Sampling = tuple[float, int, float, torch.Generator | None]  # (temperature, top_k, top_p, generator)
 PREFILL_TOKENS = 16384  # most padded prompt tokens one batched prefill forward takes (rows x longest prompt)
@@ -123,6 +124,8 @@ class BatchDecoder:
         graphs: capture each budget's verify forward as a CUDA graph (needs `static` and a CUDA model).
         prefill_rows: most rows admitted together whose prompts are prefilled in one forward (contiguous rows,
             padded to the longest prompt, at most `PREFILL_TOKENS` padded tokens); 1: one forward per prompt.
+        pack_padding: on a CPU, leave the padding of an eager verify out of the per-token products
+            (`fast_target.Packing`); False: compute every padded position (an A/B: the same tokens).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class BatchDecoder:
         static: bool = False,
         graphs: bool = False,
         prefill_rows: int = 1,
+        pack_padding: bool = True,
     ) -> None:
         emb = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
         self.model, self.device, self.dtype = model, emb.device, emb.dtype
@@ -141,7 +145,7 @@ class BatchDecoder:
         if prefill_rows < 1:
             raise ValueError(f"prefill_rows={prefill_rows}: must be >= 1")
         self.batch_size, self.static, self.graphs = batch_size, static, graphs
-        self.prefill_rows = prefill_rows
+        self.prefill_rows, self.pack_padding = prefill_rows, pack_padding
         self.cache = BatchKVCache(model, batch_size, max_len)
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
         self._inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # static: b -> (tokens, ancestors, depth)
@@ -166,6 +170,7 @@ class BatchDecoder:
         keep_last: bool,
         span: int | None = None,
         logits_at: Tensor | None = None,
+        valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One target forward of R rows over L new positions each, written after each row's committed ones.
 
@@ -177,6 +182,9 @@ class BatchDecoder:
                 (read from the host lengths); the fixed shape passes `max_len` (nothing read on the host).
             logits_at: (R,) long, the one position per row whose logits are wanted (a prefill's last prompt
                 token: the LM head is ~a fifth of a small model's FLOPs per position); None: all L.
+            valid: (R, L) bool, the real tree nodes; on a CPU (the eager path, where a product's cost follows
+                its rows) the padding is left out of every per-token product and the LM head
+                (`fast_target.Packing`); its logits and states are then unspecified (never accepted or read).
 
         Returns:
             logits (R, L, V), or (R, 1, V) with `logits_at`; hidden (R, L, H') last-layer states or the
@@ -193,6 +201,8 @@ class BatchDecoder:
         visible = (ancestors.gather(2, col) & in_tree[:, None]) | (rel < 0)[:, None]  # (R, L, S)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         mask = torch.where(visible, zero, torch.finfo(self.dtype).min)[:, None]  # (R, 1, L, S)
+        cpu = self.device.type == "cpu" and self.pack_padding
+        pack = Packing.of(valid) if valid is not None and cpu else None
         with varying_shape_sdpa(
             self.device
         ):  # eager spans and prefills vary (a capture keeps torch's choice)
@@ -206,12 +216,21 @@ class BatchDecoder:
                 use_cache=True,
                 logits=False,
                 fast=True,
+                packed=pack,
             )
         hidden = out.hidden  # (R, L, H)
-        head_in = (
-            hidden if logits_at is None else hidden[torch.arange(r, device=self.device), logits_at][:, None]
-        )
-        logits = lm_logits(cast(PreTrainedModel, self.model), head_in)  # (R, L, V) | (R, 1, V)
+        if pack is not None and logits_at is None:  # the head on the real nodes only, into an unfilled buffer
+            wanted = lm_logits(cast(PreTrainedModel, self.model), pack.gather(hidden))  # (T, V)
+            logits = (
+                wanted.new_empty(r * n, wanted.shape[-1]).index_copy_(0, pack.rows, wanted).view(r, n, -1)
+            )
+        else:
+            head_in = (
+                hidden
+                if logits_at is None
+                else hidden[torch.arange(r, device=self.device), logits_at][:, None]
+            )
+            logits = lm_logits(cast(PreTrainedModel, self.model), head_in)  # (R, L, V) | (R, 1, V)
         if layers:
             assert out.layers is not None
             extra = out.layers.flatten(-2)  # (R, L, m*H)
@@ -226,6 +245,7 @@ class BatchDecoder:
         layers: tuple[int, ...],
         keep_last: bool,
         rows: slice | None = None,
+        valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One verify forward of every row's padded tree, on this decoder's path.
 
@@ -233,6 +253,7 @@ class BatchDecoder:
             tokens: (R, b) long; ancestors: (R, b, b) bool; depth: (R, b) long (`_pack_trees`), for the R
                 cache rows `rows` (None: all B; the fixed-shape path always runs all B).
             layers, keep_last: the proposer's features.
+            valid: (R, b) bool, the real nodes (the eager path on a CPU computes only those; see `_forward`).
 
         Returns:
             logits (R, b, V); hidden (R, b, H'). On the graph path both are the graph's own output buffers,
@@ -240,7 +261,7 @@ class BatchDecoder:
         """
         rows = slice(0, self.batch_size) if rows is None else rows
         if not self.static:
-            return self._forward(rows, tokens, ancestors, depth, layers, keep_last)
+            return self._forward(rows, tokens, ancestors, depth, layers, keep_last, valid=valid)
         b = tokens.shape[1]
         if b not in self._inputs:
             self._inputs[b] = (torch.empty_like(tokens), torch.empty_like(ancestors), torch.empty_like(depth))
@@ -488,7 +509,7 @@ class BatchDecoder:
             lo, hi = (active[0], active[-1] + 1) if not self.static else (0, B)
             live = slice(lo, hi)
             logits, hidden = self._verify(
-                tokens[live], anc[live], depth[live], layers, keep_last, live
+                tokens[live], anc[live], depth[live], layers, keep_last, live, valid[live]
             )  # (R, b, V), (R, b, H'), R = hi - lo
             gains = fitting and not off and cast(NodeBudget, budget).cap is None  # phase 1: the gain curves
             # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gains (b,)]]; rows outside

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specdraft.hardware import resolve_placement
 from specdraft.models.attention import use_gqa_sdpa
-from specdraft.models.fast_target import fast_forward, unsupported, wanted
+from specdraft.models.fast_target import Packing, fast_forward, unsupported, wanted
 from specdraft.utils import atomic_dir, cache_root, check_safetensors, hub_errors, local_or_hub, sha256_text
 
 log = logging.getLogger(__name__)
@@ -283,6 +283,7 @@ def forward_with_hidden(
     use_cache: bool = False,
     logits: bool = True,
     fast: bool = False,
+    packed: Packing | None = None,
 ) -> TargetOutput:
     """One target forward returning logits, last-layer hidden states and chosen intermediate layers.
 
@@ -297,12 +298,14 @@ def forward_with_hidden(
         logits: compute the LM head (False saves the (B, L, V) matmul when only features are needed).
         fast: a decode step: the lean forward of `models/fast_target.py` where it applies (the same outputs to
             rounding, from fewer ops; the decoders' default), else transformers' forward.
+        packed: with `fast`, the positions whose outputs are wanted (`fast_target.Packing`: a batch's padding
+            left out of the per-token products; its outputs then are zeros). Transformers' forward ignores it.
 
     Returns:
         TargetOutput with logits (B, L, V) (or an empty tensor), hidden (B, L, H), layers (B, L, m, H) | None.
     """
     if fast and past_key_values is not None and wanted() and fast_supported(model):
-        lean = fast_forward(model, input_ids, attention_mask, position_ids, past_key_values, layers)
+        lean = fast_forward(model, input_ids, attention_mask, position_ids, past_key_values, layers, packed)
         if lean is not None:
             logits_out = lm_logits(model, lean[0]) if logits else lean[0].new_empty(0)
             return TargetOutput(logits_out, lean[0], lean[1], past_key_values if use_cache else None)

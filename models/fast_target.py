@@ -18,12 +18,19 @@ the weights are the model's own (no copy). Where it does not apply (`fast_forwar
 caller runs transformers' forward: another layer type (`unsupported`) or attention than SDPA's, no explicit
 4D mask over several new tokens (a causal prefill, a padding mask: transformers builds the mask), or a
 sliding window the keys would exceed. `SPECDRAFT_TARGET_FORWARD=hf` turns it off (`wanted`).
+
+A batched tree verify pads every row to the widest tree of the step (`eval/batch_decode.py`): at batch 16 a
+single row drafting 10 tokens makes all 16 rows carry 11 positions. With `packed` (`Packing`) only the wanted
+positions go through the embeddings, norms, projections and MLPs (the products are most of a small model's
+per-token cost, and on a CPU their cost follows the rows they get); the padding positions join only the
+attention, as zeros, so every (B, L) shape of the attention and the cache stays as it is.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -116,14 +123,54 @@ def _stacks(layer: Any) -> tuple[StackedPanels, StackedPanels] | None:
     return seen[1]
 
 
-def _layer(layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: Any) -> Tensor:
-    """One pre-norm decoder layer on x (B, n, H) appending n positions to `cache` -> (B, n, H)."""
+@dataclass(frozen=True)
+class Packing:
+    """The positions of a (B, L) step whose outputs are wanted (the others: a batch's padding).
+
+    Attributes:
+        rows: (T,) long, ascending flat indices into the B * L positions.
+        shape: (B, L).
+    """
+
+    rows: Tensor
+    shape: tuple[int, int]
+
+    @staticmethod
+    def of(valid: Tensor) -> Packing | None:
+        """From a (B, L) bool mask of the wanted positions; None when every position is wanted (one host read
+        of the count: for the eager CPU path only)."""
+        flat = valid.reshape(-1)
+        rows = flat.nonzero().squeeze(1)  # (T,)
+        return None if rows.numel() == flat.numel() else Packing(rows, (valid.shape[0], valid.shape[1]))
+
+    def spread(self, t: Tensor) -> Tensor:
+        """(T, C) -> (B, L, C), zeros at the other positions."""
+        b, n = self.shape
+        return t.new_zeros(b * n, t.shape[-1]).index_copy_(0, self.rows, t).view(b, n, -1)
+
+    def gather(self, t: Tensor) -> Tensor:
+        """(B, L, C) -> (T, C), the wanted positions in order."""
+        return t.reshape(-1, t.shape[-1]).index_select(0, self.rows)
+
+
+def _layer(
+    layer: Any,
+    x: Tensor,
+    rope: tuple[Tensor, Tensor],
+    mask: Tensor | None,
+    cache: Any,
+    pack: Packing | None = None,
+) -> Tensor:
+    """One pre-norm decoder layer on x (B, n, H), or (T, H) with `pack`, appending n positions to `cache`
+    -> x's shape."""
     attn, mlp = layer.self_attn, layer.mlp
-    b, n, _ = x.shape
+    b, n = pack.shape if pack is not None else x.shape[:2]
     stacks = _stacks(layer)
     h = _norm(layer.input_layernorm, x)
     shape = (b, n, -1, attn.head_dim)
     qkv = stacks[0](h) if stacks is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+    if pack is not None:
+        qkv = tuple(pack.spread(t) for t in qkv)  # (B, n, out): the padding positions attend as zeros
     q, k, v = (t.view(shape).transpose(1, 2) for t in qkv)  # (B, heads | kv_heads, n, d)
     q, k = rotate(q, *rope), rotate(k, *rope)
     k, v = cache.update(k, v, attn.layer_idx)  # (B, kv_heads, S, d)
@@ -132,7 +179,8 @@ def _layer(layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | No
     # already encodes it); Llama layers have none
     window = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
     out, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **window)  # (B, n, heads, d)
-    x = x + attn.o_proj(out.reshape(b, n, -1))
+    out = out.reshape(b, n, -1)
+    x = x + attn.o_proj(pack.gather(out) if pack is not None else out)
     h = _norm(layer.post_attention_layernorm, x)
     gate, up = stacks[1](h) if stacks is not None else (mlp.gate_proj(h), mlp.up_proj(h))
     return x + mlp.down_proj(mlp.act_fn(gate) * up)
@@ -145,6 +193,7 @@ def fast_forward(
     position_ids: Tensor | None,
     cache: Any,
     layers: tuple[int, ...] | list[int] = (),
+    packed: Packing | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:
     """The decoder forward of a decode step (module docstring); None where transformers' forward must run.
 
@@ -157,6 +206,9 @@ def fast_forward(
         cache: the decoder's KV cache (`update(k, v, layer_idx)`, `get_seq_length()`).
         layers: `hidden_states` indices to return as transformers numbers them (0 = embeddings, i = output of
             layer i, num_layers = the final normed states).
+        packed: the positions whose outputs are wanted (a batch's padding left out of every per-token
+            product); the others' outputs are zeros, their cache entries written but meant never to be read
+            by a wanted position. None: all.
 
     Returns:
         (hidden (B, L, H) after the final norm, (B, L, m, H) the requested layers | None), or None.
@@ -173,7 +225,8 @@ def fast_forward(
     window = getattr(decoder.config, "sliding_window", None)
     if attention_mask is None and window is not None and past + n > int(window):
         return None  # transformers' mask would hide the keys past the window
-    x = decoder.embed_tokens(input_ids)  # (B, L, H)
+    ids = input_ids.reshape(-1).index_select(0, packed.rows) if packed is not None else input_ids
+    x = decoder.embed_tokens(ids)  # (B, L, H) | (T, H)
     if position_ids is None:
         position_ids = torch.arange(past, past + n, device=x.device)[None]  # (1, L)
     cos, sin = decoder.rotary_emb(x, position_ids)  # (B, L, d) each
@@ -181,11 +234,13 @@ def fast_forward(
     keep: dict[int, Tensor] = {0: x} if 0 in layers else {}
     count = len(decoder.layers)
     for i, layer in enumerate(decoder.layers):
-        x = _layer(layer, x, rope, attention_mask, cache)
+        x = _layer(layer, x, rope, attention_mask, cache, packed)
         if i + 1 in layers:
             keep[i + 1] = x
     x = _norm(decoder.norm, x)
     if count in layers:
         keep[count] = x  # transformers numbers the final normed states as the last layer's
+    if packed is not None:
+        x, keep = packed.spread(x), {i: packed.spread(t) for i, t in keep.items()}
     extra = torch.stack([keep[i] for i in layers], dim=2) if layers else None  # (B, L, m, H)
     return x, extra

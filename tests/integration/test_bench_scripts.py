@@ -1,4 +1,4 @@
-"""The benchmark scripts (scripts/bench_decode.py, bench_batch.py, bench_adaptive.py, bench_ttt.py) end to
+"""The benchmark scripts (scripts/bench_decode.py, bench_batch.py, bench_batch_packing.py, bench_adaptive.py, bench_ttt.py) end to
 end on a tiny target, a random ReDrafter and prompt lookup: their tables, their JSON (command, machine, rows),
 every method's output equal to AR's, and both EAGLE unrolls agreeing."""
 
@@ -107,6 +107,32 @@ def test_bench_batch_fixed_cap(eval_assets: Path, tmp_path: Path) -> None:
     assert spec and all(r["node_cap"] == 2 and r["identical"] == 3 for r in spec)
     with pytest.raises(SystemExit):
         _main("bench_batch")([*argv, "--cap", "2", "--budget"])
+
+
+def test_bench_batch_packing(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    """Padded against packed eager verifies, paired: a row per batch size and method, the same tokens both
+    ways."""
+    out = tmp_path / "packing.json"
+    argv = [
+        *_common(eval_assets, out),
+        "--batch",
+        "3",
+        "--requests",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--rounds",
+        "1",
+    ]
+    _main("bench_batch_packing")(argv)
+    res = _load(out)
+    assert [(r["batch"], r["method"]) for r in res["rows"]] == [
+        (3, "ar"),
+        (3, "lookup:3"),
+        (3, "redrafter:drafter"),
+    ]
+    assert all(r["same"] == "3/3" and r["packed_tok_s"] > 0 for r in res["rows"])  # the 3 mini MT-Bench prompts
+    assert "packed vs padded" in capsys.readouterr().out
 
 
 def test_bench_adaptive(eval_assets: Path, tmp_path: Path) -> None:

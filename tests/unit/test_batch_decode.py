@@ -148,7 +148,7 @@ def test_eager_verify_runs_only_the_live_rows(mode):
     seen: list[slice] = []
     verify = dec._verify
 
-    def spy(tokens, ancestors, depth, layers, keep_last, rows=None):
+    def spy(tokens, ancestors, depth, layers, keep_last, rows=None, valid=None):
         rows = slice(0, 4) if rows is None else rows
         lengths = dec.cache.lengths
         assert tokens.shape[0] == rows.stop - rows.start
@@ -414,10 +414,10 @@ def test_batched_prefills_equal_batch1_ar(family, shape):
     prefills: list[int] = []
     forward = dec._forward
 
-    def spy(rows, tokens, ancestors, depth, layers, keep_last, span=None, logits_at=None):
+    def spy(rows, tokens, ancestors, depth, layers, keep_last, span=None, logits_at=None, valid=None):
         if logits_at is not None:
             prefills.append(tokens.shape[0])
-        return forward(rows, tokens, ancestors, depth, layers, keep_last, span, logits_at)
+        return forward(rows, tokens, ancestors, depth, layers, keep_last, span, logits_at, valid)
 
     dec._forward = spy  # type: ignore[method-assign]
     graphs = shape == "graph"

@@ -84,6 +84,74 @@ def test_tree_and_batched_masks_equal_transformers(arch):
     _same(*_both(model, cache, rows, bmask, bpos, (0, 2)), (0, 2))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_step_equals_the_padded_one_at_the_wanted_positions(arch):
+    """`packed` (a batched verify's padding left out of the per-token products): at the wanted positions the
+    hidden states, the requested layers and the cache entries equal the unpacked forward's (fp64), though
+    the padding positions carried other tokens there; the padding outputs are zeros. A step where every
+    position is wanted needs no packing (`Packing.of` -> None)."""
+    model = tiny_target(arch)
+    cache, _ = _prefix(model, 3, 5, seed=5)
+    ids = torch.randint(5, 120, (3, 4), generator=torch.Generator().manual_seed(6))
+    valid = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # (3, 4) real nodes
+    # per row a chain over its real nodes; padding nodes see the prefix and themselves (as `_pack_trees`)
+    anc = torch.eye(4, dtype=torch.bool).expand(3, 4, 4) | (
+        torch.ones(4, 4, dtype=torch.bool).tril() & valid[:, None, :] & valid[:, :, None]
+    )
+    anc = anc | (torch.arange(4) == 0)  # every node sees the root
+    mask = torch.cat([torch.ones(3, 4, 5, dtype=torch.bool), anc], dim=2)[:, None]  # (3, 1, 4, 9)
+    pos = 5 + anc.sum(2) - 1  # (3, 4)
+    pack = fast_target.Packing.of(valid)
+    assert pack is not None and pack.rows.tolist() == [0, 1, 2, 3, 4, 8, 9]
+    assert fast_target.Packing.of(torch.ones(2, 3, dtype=torch.bool)) is None
+    full_cache, packed_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    full = fast_target.fast_forward(model, ids, mask, pos, full_cache, (0, 2))
+    other = ids.masked_fill(~valid, 7)  # the padding's tokens do not matter
+    lean = fast_target.fast_forward(model, other, mask, pos, packed_cache, (0, 2), packed=pack)
+    assert full is not None and lean is not None and full[1] is not None and lean[1] is not None
+    torch.testing.assert_close(lean[0][valid], full[0][valid], rtol=0, atol=1e-12)
+    torch.testing.assert_close(lean[1][valid], full[1][valid], rtol=0, atol=1e-12)
+    assert not lean[0][~valid].any() and not lean[1][~valid].any()
+    keep = torch.cat([torch.ones(3, 5, dtype=torch.bool), valid], dim=1)  # (3, 9) cache positions compared
+    for a, b in zip(full_cache.layers, packed_cache.layers, strict=True):
+        torch.testing.assert_close(
+            b.keys.transpose(1, 2)[keep], a.keys.transpose(1, 2)[keep], rtol=0, atol=1e-12
+        )
+        torch.testing.assert_close(
+            b.values.transpose(1, 2)[keep], a.values.transpose(1, 2)[keep], rtol=0, atol=1e-12
+        )
+
+
+def test_the_batch_decoder_packs_its_padded_trees_on_a_cpu(monkeypatch):
+    """The eager batched verify hands `fast_forward` the real nodes only when rows' trees differ in size, and
+    every row's output equals its own AR output (fp64, trees of mixed sizes: random proposers)."""
+    from specdraft.eval.batch_decode import BatchDecoder
+    from specdraft.eval.decode import ar_generate
+    from specdraft.testing import RandomTreeProposer
+
+    model = tiny_target("llama")
+    prompts = random_prompts([4, 9, 6, 13], seed=9)
+    seen: list[tuple[int, int]] = []  # (wanted positions, all positions) per packed call
+    inner = fast_target.fast_forward
+
+    def spy(*args, **kwargs):
+        pack = kwargs.get("packed") if "packed" in kwargs else (args[6] if len(args) > 6 else None)
+        if pack is not None:
+            seen.append((pack.rows.numel(), pack.shape[0] * pack.shape[1]))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr("specdraft.models.base_llm.fast_forward", spy)
+    seeds = iter(range(100))
+    dec = BatchDecoder(model, 3)
+    outs = dec.generate(
+        prompts, 16, set(), proposer_factory=lambda: RandomTreeProposer(128, seed=next(seeds))
+    )
+    for p, (out, _) in zip(prompts, outs, strict=True):
+        ref, _ = ar_generate(model, None, torch.tensor(p), 16, stop_ids=set())
+        assert out == ref
+    assert seen and all(t < n for t, n in seen)
+
+
 def test_where_it_does_not_apply():
     """A causal prefill (several tokens, no mask), a 2D padding mask, keys past a sliding window, another attention function or
     layer type: None (transformers' forward runs), each with its reason where `unsupported` says one."""

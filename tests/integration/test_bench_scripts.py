@@ -131,7 +131,8 @@ def test_bench_batch_packing(eval_assets: Path, tmp_path: Path, capsys) -> None:
         (3, "lookup:3"),
         (3, "redrafter:drafter"),
     ]
-    assert all(r["same"] == "3/3" and r["packed_tok_s"] > 0 for r in res["rows"])  # the 3 mini MT-Bench prompts
+    # the mini MT-Bench file holds 3 prompts
+    assert all(r["same"] == "3/3" and r["packed_tok_s"] > 0 for r in res["rows"])
     assert "packed vs padded" in capsys.readouterr().out
 
 

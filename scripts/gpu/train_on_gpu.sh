@@ -45,5 +45,6 @@ for n in redrafter_smollm2_copy eagle_smollm2_long eagle3_smollm2_long; do
 done
 pkill -f "python3 -m pytest" 2>/dev/null; kill $TESTS 2>/dev/null; sleep 2; pkill -f "exec(eval(sys.stdin" 2>/dev/null
 tail -c 3000 $OUT/logs/pytest_cuda.log > $OUT/logs/pytest_cuda.tail; tail -c 3000 $OUT/logs/pytest_rest.log > $OUT/logs/pytest_rest.tail
+[ -f $OUT/failures.log ] && mv $OUT/failures.log $OUT/logs/  # at most 8 files come back: parts + logs.tgz
 tar -C $OUT -czf $OUT/logs.tgz logs && rm -rf $OUT/logs
 ls -la $OUT; echo "all done at $(( $(date +%s) - T0 )) s"

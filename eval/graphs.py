@@ -19,9 +19,8 @@ from specdraft.models.attention import fixed_shapes
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _FAILED: list[str] = []  # what `capture_or_none` gave up on in this process, in order (`capture_failures`)
-RETRIES = (
-    1  # captures tried again after a failure (the test suite sets 0: a first failure is a failure there)
-)
+# captures tried again after a failure (the test suite sets 0: a first failure is a failure there)
+RETRIES = 1
 
 
 class CudaGraph(Generic[T]):
@@ -52,9 +51,10 @@ class CudaGraph(Generic[T]):
 
 
 def capture_or_none(fn: Callable[[], T], device: torch.device, what: str) -> CudaGraph[T] | None:
-    """`CudaGraph(fn)`, tried `RETRIES` + 1 times (a capture a library's first-use preparation spoilt usually takes the second
-    time), or None with a warning when every try failed (the caller then runs `fn` eagerly, with the same output):
-    capture is an optimisation, never a reason to stop a run. Each give-up is recorded: `capture_failures`."""
+    """`CudaGraph(fn)`, tried `RETRIES` + 1 times (a capture spoilt by a library's first-use preparation
+    usually takes the second time), or None with a warning when every try failed (the caller then runs `fn`
+    eagerly, with the same output): capture is an optimisation, never a reason to stop a run. Each give-up is
+    recorded: `capture_failures`."""
     for attempt in range(RETRIES + 1):
         try:
             return CudaGraph(fn, device)
@@ -80,7 +80,8 @@ def report_captures() -> None:
     if failed:
         print(
             f"warning: {len(failed)} CUDA graph capture(s) failed ({', '.join(failed[:4])}"
-            f"{', ...' if len(failed) > 4 else ''}): those steps ran eagerly, so the graph rows above are not graph timings"
+            f"{', ...' if len(failed) > 4 else ''}): those steps ran eagerly, "
+            "so the graph rows above are not graph timings"
         )
 
 

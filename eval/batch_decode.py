@@ -201,8 +201,8 @@ class BatchDecoder:
         visible = (ancestors.gather(2, col) & in_tree[:, None]) | (rel < 0)[:, None]  # (R, L, S)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         mask = torch.where(visible, zero, torch.finfo(self.dtype).min)[:, None]  # (R, 1, L, S)
-        cpu = self.device.type == "cpu" and self.pack_padding
-        pack = Packing.of(valid) if valid is not None and cpu else None
+        on_cpu = self.pack_padding and self.device.type == "cpu"
+        pack = Packing.of(valid) if valid is not None and on_cpu else None
         with varying_shape_sdpa(
             self.device
         ):  # eager spans and prefills vary (a capture keeps torch's choice)

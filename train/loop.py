@@ -260,7 +260,7 @@ def train(cfg: DictConfig) -> Path:
         last_eval = held_out(0)
         tick = time.time()  # rates exclude evaluation
     model.train()
-    while step < cfg.train.max_steps:
+    while step < cfg.train.max_steps and stopped == "max_steps":
         loader.set_epoch(epoch)
         batches = acc.skip_first_batches(loader, batch_in_epoch) if batch_in_epoch else loader
         for batch in batches:
@@ -325,8 +325,6 @@ def train(cfg: DictConfig) -> Path:
                 break
         else:
             epoch, batch_in_epoch = epoch + 1, 0
-            continue
-        break  # the last step (max_steps, or max_minutes reached)
     bar.close()
     logger.close()
 

@@ -15,8 +15,8 @@ every row are trimmed after rows leave, so the cache width stays <= max(prompt_l
 With `capture` (a `FeatureSpec`) the same forwards also record the target features of every position they
 feed (prefill: the prompt; decode steps: the generated tokens), moved to the CPU in the feature dtype per
 forward. A finished row's last token and the `tail` ids after it (e.g. the chat template's end of turn) are
-fed in one extra forward of that row alone, on a copy of its cache, so the batch and the emitted tokens are
-the same as without capture:
+fed in one extra forward of the rows that finished at that step (right-padded to the longest tail), on a
+copy of their cache, so the batch and the emitted tokens are the same as without capture:
 
     fed ids    prompt (prefill) | g_1 .. g_{n-1} (decode steps) | tail(g, reason) (own forward at finish)
     Captured   features at every one of these positions, in order
@@ -36,6 +36,7 @@ from specdraft.models.base_llm import forward_with_hidden, lm_logits
 
 TailFn = Callable[[list[int], str], list[int]]  # (generated ids, finish reason) -> ids fed after g_{n-1}
 Features = dict[str, torch.Tensor]  # `feature_tensors` output: (n, ...) per key, CPU, feature dtype
+CHUNK = 256  # positions per LM-head call when a forward's features are taken for many rows at once
 
 
 @dataclass
@@ -175,11 +176,28 @@ def _forward(
         layers = res.layers[:, 0] if res.layers is not None else None  # (B, m, H)
         f = feature_tensors(model, res.hidden[:, 0], layers, capture, logits)  # (B, ...) per key
         return logits, res.past_key_values, [{k: v[b : b + 1] for k, v in f.items()} for b in range(B)]
-    feats = []
-    for b, k in enumerate(mask[:, -n:].sum(-1).tolist()):  # k: fed positions of row b after its left padding
-        layers = res.layers[b, n - k :] if res.layers is not None else None  # (k, m, H)
-        feats.append(feature_tensors(model, res.hidden[b, n - k :], layers, capture))  # (k, V) logits per row
-    return logits, res.past_key_values, feats
+    fed = mask[:, -n:].bool()  # (B, n) the positions fed after each row's left padding
+    return logits, res.past_key_values, _row_features(model, res, fed, capture)
+
+
+def _row_features(model, res, fed: torch.Tensor, capture: FeatureSpec) -> list[Features]:
+    """Per row the features of its `fed` (B, n) positions of one forward `res`, in order; (k_b, ...) each.
+
+    A few LM-head calls (`CHUNK` positions each) and copies to the CPU for the whole batch: a row at a time
+    cost B of each, on a GPU every one a launch and a host sync.
+    """
+    hidden = res.hidden[fed]  # (sum k_b, H), row-major: row b's positions together, in order
+    layers = res.layers[fed] if res.layers is not None else None  # (sum k_b, m, H)
+    chunks = [  # the (n, V) logits of the top-k a chunk at a time: bounded memory on a CPU
+        feature_tensors(
+            model, hidden[i : i + CHUNK], None if layers is None else layers[i : i + CHUNK], capture
+        )
+        for i in range(0, hidden.shape[0], CHUNK)
+    ]
+    flat = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]} if chunks else {}
+    counts = fed.sum(-1).tolist()  # k_b per row
+    parts = {k: v.split(counts) for k, v in flat.items()}  # CPU views
+    return [{k: parts[k][b] for k in flat} for b in range(len(counts))]
 
 
 @torch.no_grad()
@@ -204,37 +222,39 @@ def _prefill(
     return logits, cache, mask, lengths, feats
 
 
-def _row_cache(cache: DynamicCache, mask: torch.Tensor, b: int) -> tuple[DynamicCache, torch.Tensor]:
-    """Row b of a batch cache as a cache of its own, left padding dropped. Returns (cache, mask (1, W'))."""
-    start = int(mask[b].argmax())  # first real column: a row's mask is 0..0 1..1
-    row = DynamicCache()
-    for i, layer in enumerate(_layers(cache)):
-        assert layer.keys is not None and layer.values is not None  # filled by the prefill
-        row.update(
-            layer.keys[b : b + 1, :, start:], layer.values[b : b + 1, :, start:], i
-        )  # (1, heads, W', d)
-    return row, mask[b : b + 1, start:]
-
-
 @torch.no_grad()
 def _tail_features(
     model,
     cache: DynamicCache,
     mask: torch.Tensor,
     pos: torch.Tensor,
-    b: int,
-    ids: list[int],
+    rows: list[int],
+    tails: list[list[int]],
     capture: FeatureSpec,
-) -> Features:
-    """Features of `ids` fed after batch row b (cache/mask (B, W) as of now, next position pos (B,)); (len(ids), ...)."""
-    row, row_mask = _row_cache(cache, mask, b)
-    n = len(ids)
-    x = torch.tensor([ids], device=mask.device)  # (1, n)
-    row_mask = torch.cat([row_mask, row_mask.new_ones((1, n))], dim=1)  # (1, W' + n)
-    row_pos = pos[b] + torch.arange(n, device=mask.device)[None]  # (1, n)
-    _, _, feats = _forward(model, x, row_mask, row_pos, row, capture)
-    assert feats is not None  # `capture` is set
-    return feats[0]
+) -> list[Features]:
+    """Features of `tails[j]` fed after batch row `rows[j]`, all in one forward; (len(tails[j]), ...) each.
+
+    Args:
+        cache, mask: the batch's cache and mask (B, W) as of now (not modified: the rows are copied).
+        pos: (B,) each row's next position.
+        rows: batch indices of finished rows; tails: their ids to feed (>= 1 each).
+    """
+    idx = torch.tensor(rows, device=mask.device)  # (E,)
+    sub_mask = mask[idx]  # (E, W)
+    start = int(sub_mask.any(0).long().argmax())  # columns that are padding in every chosen row dropped
+    sub = DynamicCache()
+    for i, layer in enumerate(_layers(cache)):
+        assert layer.keys is not None and layer.values is not None  # filled by the prefill
+        sub.update(layer.keys[idx, :, start:], layer.values[idx, :, start:], i)  # (E, heads, W', d) copies
+    n = max(len(t) for t in tails)
+    # right-padded with each row's last id: causal attention keeps real positions blind to the padding after them
+    x = torch.tensor([t + t[-1:] * (n - len(t)) for t in tails], device=mask.device)  # (E, n)
+    sub_mask = torch.cat([sub_mask[:, start:], sub_mask.new_ones((len(rows), n))], dim=1)  # (E, W' + n)
+    sub_pos = pos[idx][:, None] + torch.arange(n, device=mask.device)[None]  # (E, n)
+    res = forward_with_hidden(model, x, sub_mask, sub_pos, sub, capture.layers, use_cache=True, logits=False)
+    lengths = torch.tensor([len(t) for t in tails], device=mask.device)
+    fed = torch.arange(n, device=mask.device)[None] < lengths[:, None]  # (E, n)
+    return _row_features(model, res, fed, capture)
 
 
 @torch.no_grad()
@@ -309,9 +329,9 @@ def generate_batched(
         tok = pick_tokens(logits, settings, generator)  # (B,)
         done = torch.isin(tok, stop)
         ended = []
-        for b, (i, t) in enumerate(zip(new_rows, tok.tolist())):
+        for b, (i, t, d) in enumerate(zip(new_rows, tok.tolist(), done.tolist())):  # one host sync each
             out_tokens[i].append(t)
-            if bool(done[b]):
+            if d:
                 results[i] = Generation(out_tokens.pop(i), "eos")
             elif len(out_tokens[i]) >= budgets[i]:
                 results[i] = Generation(out_tokens.pop(i), "length")
@@ -330,15 +350,24 @@ def generate_batched(
         """With `capture`: feed the tail of every ended row (batch index) and attach its features."""
         if capture is None:
             return
+        fed = {}  # batch index -> tail ids
+        for b in ended:
+            g = results[batch[b]]
+            assert g is not None  # `ended` rows have their result
+            fed[b] = tail(g.tokens, g.finish_reason)
+        with_tail = [b for b in ended if fed[b]]
+        tails = (
+            _tail_features(model, c, m, pos, with_tail, [fed[b] for b in with_tail], capture)
+            if with_tail
+            else []
+        )
+        extra = dict(zip(with_tail, tails))
         for b in ended:
             g, prompt = results[batch[b]], list(prompts[batch[b]])
-            assert g is not None  # `ended` rows have their result
-            fed = tail(g.tokens, g.finish_reason)
-            parts = chunks.pop(batch[b]) + (
-                [_tail_features(model, c, m, pos, b, fed, capture)] if fed else []
-            )
+            assert g is not None  # as above
+            parts = chunks.pop(batch[b]) + ([extra[b]] if b in extra else [])
             tensors = {k: torch.cat([f[k] for f in parts]) for k in parts[0]}  # (L, ...)
-            g.captured = Captured(prompt + g.tokens[:-1] + fed, tensors)
+            g.captured = Captured(prompt + g.tokens[:-1] + fed[b], tensors)
 
     last = torch.empty(0, dtype=torch.long, device=device)
     while pending or rows:

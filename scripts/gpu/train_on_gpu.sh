@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # On a lent GPU (after the setup calls of docs/gpu.md; carry .gpu/d with sharegpt8k.jsonl.xz): self-distill the
-# long preset's set (3,000 prompts) alone, then train the ReDrafter copy-gate, EAGLE-1 and EAGLE-3 recipes side by
-# side on it while the CUDA tests (and then the rest of the suite, until the trainings end) run on the host's CPUs.
-# Exports land in /tmp/o/<preset>/export; bf16 copies, logs and summaries go to $OUT. Usage (from the checkout):
+# long preset's set (3,000 prompts) alone, then train the ReDrafter copy-gate, EAGLE-1, EAGLE-3 and Medusa recipes
+# side by side on it while the CUDA tests (and then the rest of the suite, until the trainings end) run on the host's CPUs.
+# Exports land in /tmp/o/<preset>/export; bf16 copies, logs and summaries go to $OUT (Medusa's, 75 MB in bf16,
+# stays in /tmp/bf for measure.sh to send: at most 8 files of 16 MB come back per call). Usage (from the checkout):
 #   bash scripts/gpu/s3.sh && bash scripts/gpu/train_on_gpu.sh [distill_prompts] [train_timeout_s]
 source scripts/gpu/env.sh
 N=${1:-3000}
 TT=${2:-200}
 DEV=${DEV:-cuda}  # DEV=cpu NOTESTS=1 S1=2 S2=2 S3=2: a dry run of this script on a CPU
-S1=${S1:-2000} S2=${S2:-1500} S3=${S3:-1000}  # upper bounds: train.max_minutes ends them
+S1=${S1:-2000} S2=${S2:-1500} S3=${S3:-1000} S4=${S4:-1500}  # upper bounds: train.max_minutes ends them
 mkdir -p $OUT/logs
 [ -f /tmp/sharegpt8k.jsonl ] || python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu/d/sharegpt8k.jsonl.xz'), open('/tmp/sharegpt8k.jsonl', 'wb'))"
 T0=$(date +%s)
@@ -34,13 +35,16 @@ OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=eagle_smollm2_long $C train.
   train.eval_every=$S2 train.ckpt_every=$S2 > $OUT/logs/train_eagle.log 2>&1 & P2=$!
 OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=eagle3_smollm2_long $C train.max_steps=$S3 train.batch_size=16 \
   train.eval_every=$S3 train.ckpt_every=$S3 > $OUT/logs/train_eagle3.log 2>&1 & P3=$!
-wait $P1 $P2 $P3
+OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=medusa_smollm2_long $C train.max_steps=$S4 train.batch_size=32 \
+  train.eval_every=$S4 train.ckpt_every=$S4 > $OUT/logs/train_medusa.log 2>&1 & P4=$!
+wait $P1 $P2 $P3 $P4
 echo "trainings done at $(( $(date +%s) - T0 )) s"
-for n in redrafter_smollm2_copy eagle_smollm2_long eagle3_smollm2_long; do
+for n in redrafter_smollm2_copy eagle_smollm2_long eagle3_smollm2_long medusa_smollm2_long; do
   [ -f /tmp/o/$n/summary.json ] && cp /tmp/o/$n/summary.json $OUT/logs/summary_$n.json
   if [ -f /tmp/o/$n/export/model.safetensors ]; then
     python3 -c "import sys; sys.path.insert(0, 'scripts/gpu'); from pack import bf16_copy; from pathlib import Path; bf16_copy(Path('/tmp/o/$n/export'), Path('/tmp/bf/$n/export'))"
-    tar -C /tmp/bf -cf /tmp/bf/$n.tar $n && split -b 15m -d /tmp/bf/$n.tar $OUT/$n.tar.
+    tar -C /tmp/bf -cf /tmp/bf/$n.tar $n
+    [ $n = medusa_smollm2_long ] || split -b 15m -d /tmp/bf/$n.tar $OUT/$n.tar.
   fi
 done
 pkill -f "python3 -m pytest" 2>/dev/null; kill $TESTS 2>/dev/null; sleep 2; pkill -f "exec(eval(sys.stdin" 2>/dev/null

@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from specdraft.conf.schema import register_configs
 from specdraft.data.conversations import Conversation
+from specdraft.distill import generate as generate_mod
 from specdraft.distill import turns
 from specdraft.distill.features import (
     FEATURE_DTYPES,
@@ -52,29 +53,57 @@ def full_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.Te
     return feature_tensors(model, res.hidden[0], layers, spec)
 
 
+def same_tails(tokens: list[int], reason: str) -> list[int]:
+    return [7, 8] if reason == "eos" else tokens[-1:] + [9]
+
+
+def ragged_tails(tokens: list[int], reason: str) -> list[int]:
+    """Tails of 0 to 4 ids: rows finishing at one step are fed together, right-padded to the longest."""
+    if reason == "eos":
+        return [7] if tokens[0] % 2 else []
+    return tokens[-1:] + [9, 10, 11][: tokens[0] % 4]
+
+
 @pytest.mark.parametrize(
-    "batch_tokens,max_batch_size,refill",
-    [(10**6, 32, True), (60, 3, True), (60, 3, False)],
-    ids=["one-batch", "refill", "static"],
+    "batch_tokens,max_batch_size,refill,tail",
+    [
+        (10**6, 32, True, same_tails),
+        (60, 3, True, same_tails),
+        (60, 3, False, same_tails),
+        (10**6, 32, True, ragged_tails),
+        (60, 3, True, ragged_tails),
+    ],
+    ids=["one-batch", "refill", "static", "one-batch-ragged-tails", "refill-ragged-tails"],
 )
-def test_generation_capture_equals_full_forward_fp64(monkeypatch, batch_tokens, max_batch_size, refill):
+def test_generation_capture_equals_full_forward_fp64(monkeypatch, batch_tokens, max_batch_size, refill, tail):
     """fp64 features of prompt + generated + tail ids agree with one full forward to 1e-9; tokens unchanged."""
     monkeypatch.setitem(FEATURE_DTYPES, "fp64", torch.float64)  # keep fp64 (stored features are 16-bit)
     model = tiny_target()
     spec = FeatureSpec(hidden=True, layers=(0, 2), topk=4, dtype="fp64", hidden_size=32)
     prompts = random_prompts([1, 3, 9, 14, 5, 7, 11, 2], seed=2)
-    budgets = [1, 12, 5, 12, 1, 9, 12, 3]
+    budgets = [1, 12, 5, 12, 1, 9, 12, 3] if tail is same_tails else [4, 12, 12, 12, 12, 12, 12, 12]
     s = GenerationSettings(
         stop_ids=STOP, batch_tokens=batch_tokens, max_batch_size=max_batch_size, refill=refill
     )
 
-    def tail(tokens: list[int], reason: str) -> list[int]:
-        return [7, 8] if reason == "eos" else tokens[-1:] + [9]
+    calls: list[list[int]] = []  # tail lengths per batched tail forward
+    real = generate_mod._tail_features
 
+    def spy(model, cache, mask, pos, rows, tails, capture):
+        calls.append([len(t) for t in tails])
+        return real(model, cache, mask, pos, rows, tails, capture)
+
+    monkeypatch.setattr(generate_mod, "_tail_features", spy)
+    if tail is ragged_tails:
+        monkeypatch.setattr(generate_mod, "CHUNK", 5)  # a forward's rows' features taken over several chunks
     got = generate_batched(model, prompts, s, budgets, capture=spec, tail=tail)
     ref = generate_batched(model, prompts, s, budgets)
     assert [(g.tokens, g.finish_reason) for g in got] == [(g.tokens, g.finish_reason) for g in ref]
     assert {g.finish_reason for g in got} == {"eos", "length"}
+    if batch_tokens > 1000:  # one batch: rows finishing at the same step share one tail forward
+        assert any(len(c) > 1 for c in calls), calls
+        if tail is ragged_tails:
+            assert any(len(set(c)) > 1 for c in calls), calls  # of different lengths (right padding)
     for p, g in zip(prompts, got):
         assert g.captured is not None
         assert g.captured.ids == p + g.tokens[:-1] + tail(g.tokens, g.finish_reason)

@@ -284,7 +284,7 @@ DISTILL: Table = {
     "hidden_layers": ANY,  # indices into the target's hidden states (checked against the target)
     "topk": COUNT,
     "feature_dtype": one_of(*FEATURE_DTYPES),
-    "capture_features": ANY,
+    "capture_features": Rule(lambda v: str(v).lower() in {"auto", "true", "false"}, "auto | true | false"),
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "max_disk_gb": above(0),
     "seed": SEED,

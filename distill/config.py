@@ -27,7 +27,7 @@ class DistillConfig:
     hidden_layers: tuple[int, ...] = ()  # extra intermediate layers to cache (EAGLE-3)
     topk: int = 0  # cache teacher top-k log-probs (0 = off)
     feature_dtype: str = "bf16"  # bf16 | fp16 for cached features
-    capture_features: bool = True  # features from the generation pass where exact (else 2nd forward)
+    capture_features: str = "auto"  # features from the generation pass where exact (else 2nd forward): auto (on a CPU, off on a GPU) | true | false
     max_disk_gb: float = 20.0  # refuse to start when the projected feature size exceeds this
     seed: int = 0  # sampling seed
     linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: packed on Intel+MKL, panel on other AVX2 CPUs, else transposed) | transposed | native | packed | panel

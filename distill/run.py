@@ -22,7 +22,13 @@ from tqdm.auto import tqdm
 
 from specdraft.conf.validate import validate_config
 from specdraft.data.conversations import load_conversations
-from specdraft.distill.features import check_disk_budget, compute_features, has_features, make_spec
+from specdraft.distill.features import (
+    capture_wanted,
+    check_disk_budget,
+    compute_features,
+    has_features,
+    make_spec,
+)
 from specdraft.distill.generate import GenerationSettings, stop_token_ids
 from specdraft.distill.shards import (
     FORMAT_VERSION,
@@ -138,7 +144,7 @@ def distill(cfg: DictConfig) -> Path:
     if rank == 0:
         clean_stale_tmp(out_dir)  # leftovers of a killed run; before the barrier, so no rank is writing yet
     need_cont = not (d.regenerate and not d.do_sample)
-    capture = spec if spec.enabled and d.capture_features else None  # features from the generation pass
+    capture = spec if spec.enabled and capture_wanted(d.capture_features, model.device) else None
     features = row_features(need_cont, header["features"])
     extra = {
         "columns": list(features),

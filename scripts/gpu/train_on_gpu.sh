@@ -13,9 +13,13 @@ S1=${S1:-2000} S2=${S2:-1500} S3=${S3:-1000} S4=${S4:-1500}  # upper bounds: tra
 mkdir -p $OUT/logs
 [ -f /tmp/sharegpt8k.jsonl ] || python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu/d/sharegpt8k.jsonl.xz'), open('/tmp/sharegpt8k.jsonl', 'wb'))"
 T0=$(date +%s)
+# features by a second batched forward (capture_features=false, what auto picks on a GPU), as in session 30's
+# 27 conversations/s; captured during generation, session 36 ran at ~7/s (its per-row tail forwards are batched
+# since, not measured on a GPU). A shard is generated as one continuous batch: 300 conversations keep up to 256
+# rows busy (the preset's 100 caps a batch at 100 rows).
 timeout 220 python3 distill.py conf=redrafter_smollm2_long output_root=/tmp/o base_model.device=$DEV \
   data.source=/tmp/sharegpt8k.jsonl data.num_samples=$N distill.num_samples=$N distill.max_batch_size=256 \
-  distill.batch_tokens=131072 > $OUT/logs/distill.log 2>&1
+  distill.batch_tokens=131072 distill.shard_size=300 distill.capture_features=false > $OUT/logs/distill.log 2>&1
 echo "distill rc $? at $(( $(date +%s) - T0 )) s"
 M=$(python3 -c "print(round(max($TT - 60, 30) / 60, 2))")  # each training stops itself (eval, export) in time
 C="output_root=/tmp/o base_model.device=$DEV data.num_samples=$N train.allow_incomplete_data=true train.max_minutes=$M"

@@ -109,6 +109,7 @@ def test_every_preset_is_in_range(preset: str) -> None:
         ("distill.T=0", "distill.T=0"),
         ("distill.top_p=0", "distill.top_p=0.0: expected in (0, 1]"),
         ("distill.feature_dtype=fp32", "distill.feature_dtype=fp32: expected one of bf16, fp16"),
+        ("distill.capture_features=maybe", "distill.capture_features=maybe: expected auto | true | false"),
         ("eval.limit=0", "eval.limit=0: expected null or >= 1; pass e.g. eval.limit=10 (the default)"),
         ("eval.max_new_tokens=0", "eval.max_new_tokens=0: expected >= 1"),
         ("eval.max_new_tokens=-5", "eval.max_new_tokens=-5"),
@@ -170,6 +171,7 @@ def test_all_problems_are_listed_on_one_line() -> None:
         "name=my-run_2.1",
         "data.val_fraction=0",
         "optim.max_grad_norm=0",
+        *(f"distill.capture_features={v}" for v in ("auto", "true", "false")),
     ],
 )
 def test_values_in_range_pass(override: str) -> None:

@@ -24,6 +24,7 @@ from specdraft.distill import turns
 from specdraft.distill.features import (
     FEATURE_DTYPES,
     FeatureSpec,
+    capture_wanted,
     compute_features,
     decode_features,
     feature_tensors,
@@ -201,3 +202,15 @@ def test_distill_run_capture_on_and_off_give_the_same_shards(tmp_path):
     for a, b in zip(ds_on.to_list(), ds_off.to_list()):
         assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
         assert_same_features(a, b, spec)
+
+
+def test_capture_auto_captures_on_a_cpu_only() -> None:
+    """`distill.capture_features`: auto captures on a CPU and takes a second forward on a GPU; true/false force."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no CUDA
+    assert capture_wanted("auto", cpu) and not capture_wanted("auto", gpu)
+    for v in (True, "true", "True"):  # Hydra hands `true` to the str field as "True"
+        assert capture_wanted(v, cpu) and capture_wanted(v, gpu)
+    for v in (False, "false", "False"):
+        assert not capture_wanted(v, cpu) and not capture_wanted(v, gpu)
+    with pytest.raises(ValueError, match="distill.capture_features='maybe' is not one of auto"):
+        capture_wanted("maybe", cpu)

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specdraft.distill.features import FeatureSpec, feature_tensors
-from specdraft.models.base_llm import forward_with_hidden, lm_logits
+from specdraft.models.base_llm import TargetOutput, forward_with_hidden, lm_logits
 
 TailFn = Callable[[list[int], str], list[int]]  # (generated ids, finish reason) -> ids fed after g_{n-1}
 Features = dict[str, torch.Tensor]  # `feature_tensors` output: (n, ...) per key, CPU, feature dtype
@@ -180,7 +180,7 @@ def _forward(
     return logits, res.past_key_values, _row_features(model, res, fed, capture)
 
 
-def _row_features(model, res, fed: torch.Tensor, capture: FeatureSpec) -> list[Features]:
+def _row_features(model, res: TargetOutput, fed: torch.Tensor, capture: FeatureSpec) -> list[Features]:
     """Per row the features of its `fed` (B, n) positions of one forward `res`, in order; (k_b, ...) each.
 
     A few LM-head calls (`CHUNK` positions each) and copies to the CPU for the whole batch: a row at a time

@@ -221,9 +221,7 @@ class BatchDecoder:
         hidden = out.hidden  # (R, L, H)
         if pack is not None and logits_at is None:  # the head on the real nodes only, into an unfilled buffer
             wanted = lm_logits(cast(PreTrainedModel, self.model), pack.gather(hidden))  # (T, V)
-            logits = (
-                wanted.new_empty(r * n, wanted.shape[-1]).index_copy_(0, pack.rows, wanted).view(r, n, -1)
-            )
+            logits = pack.spread(wanted, zeros=False)  # (R, L, V)
         else:
             head_in = (
                 hidden

@@ -143,10 +143,12 @@ class Packing:
         rows = flat.nonzero().squeeze(1)  # (T,)
         return None if rows.numel() == flat.numel() else Packing(rows, (valid.shape[0], valid.shape[1]))
 
-    def spread(self, t: Tensor) -> Tensor:
-        """(T, C) -> (B, L, C), zeros at the other positions."""
+    def spread(self, t: Tensor, zeros: bool = True) -> Tensor:
+        """(T, C) -> (B, L, C), zeros at the other positions (`zeros=False`: left unset, for callers that never
+        read them: no fill of the whole buffer)."""
         b, n = self.shape
-        return t.new_zeros(b * n, t.shape[-1]).index_copy_(0, self.rows, t).view(b, n, -1)
+        out = t.new_zeros(b * n, t.shape[-1]) if zeros else t.new_empty(b * n, t.shape[-1])
+        return out.index_copy_(0, self.rows, t).view(b, n, -1)
 
     def gather(self, t: Tensor) -> Tensor:
         """(B, L, C) -> (T, C), the wanted positions in order."""

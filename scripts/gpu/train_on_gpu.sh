@@ -3,7 +3,7 @@
 # long preset's set (3,000 prompts) alone, then train the ReDrafter copy-gate, EAGLE-1, EAGLE-3 and Medusa recipes
 # side by side on it while the CUDA tests (and then the rest of the suite, until the trainings end) run on the host's CPUs.
 # Exports land in /tmp/o/<preset>/export; bf16 copies, logs and summaries go to $OUT (Medusa's, 75 MB in bf16,
-# stays in /tmp/bf for measure.sh to send: at most 8 files of 16 MB come back per call). Usage (from the checkout):
+# stays in /tmp/bf for measure.sh to send: at most 8 files, ~64 MB in all, come back per call). Usage (from the checkout):
 #   bash scripts/gpu/s3.sh && bash scripts/gpu/train_on_gpu.sh [distill_prompts] [train_timeout_s]
 source scripts/gpu/env.sh
 N=${1:-3000}

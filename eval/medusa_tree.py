@@ -1,5 +1,6 @@
-"""Medusa static trees: the default tree, trees built from per-head rank accuracies, the proposer, and
-Medusa's *typical acceptance* (a LOSSY alternative to exact verification).
+"""Medusa static trees: trees built from per-head rank accuracies, the proposer, and Medusa's *typical
+acceptance* (a LOSSY alternative to exact verification). The tree's shape (the default tree, validation,
+pruning, node arrays) lives in `models/medusa_choices.py`, which training-time evaluation shares.
 
 A static tree is a list of rank paths ("Medusa choices"): path (r_0, .., r_{d-1}) is the node at depth d whose
 token is head d-1's rank-r_{d-1} candidate, under the node (r_0, .., r_{d-2}); the root (the committed token)
@@ -27,91 +28,13 @@ from torch import Tensor
 
 from specdraft.eval.graphs import CudaGraph, replay_or_run
 from specdraft.eval.tree import DraftTree, ProposerSpec, ancestor_matrix
+from specdraft.models.medusa_choices import resolve_paths, tree_layout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from specdraft.eval.decode import Proposer
     from specdraft.models.medusa import Medusa
-
-# Medusa's default tree for 4 heads x top-10 (`mc_sim_7b_63` in FasterDecoding/Medusa medusa_choices.py, tuned for
-# Vicuna-7B): 63 nodes + root. For another target, build one from measured accuracies (scripts/build_medusa_tree.py).
-DEFAULT_TREE: list[tuple[int, ...]] = [
-    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0), (0, 5),
-    (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0), (0, 9), (8,),
-    (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0),
-    (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0),
-    (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1),
-    (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
-]  # fmt: skip
-
-
-# ---- tree shapes ----------------------------------------------------------------------------------------------
-def check_tree(
-    choices: Sequence[Sequence[int]], num_heads: int, what: str = "Medusa tree"
-) -> list[tuple[int, ...]]:
-    """Validate rank paths and return them in their given (importance) order, each after its parent (a
-    parent listed later moves up to just before its first child), so cutting the first nodes of the tree
-    (`DraftTree.truncated`: the decoder's node budget) keeps the most valuable ones.
-
-    Raises:
-        ValueError: naming the offending path (empty, negative rank, deeper than the heads, duplicate,
-            or missing its parent path).
-    """
-    paths = [tuple(int(r) for r in p) for p in choices]
-    seen = set(paths)
-    for p in paths:
-        if not p or min(p) < 0:
-            raise ValueError(f"{what}: path {list(p)} must be a non-empty list of ranks >= 0")
-        if len(p) > num_heads:
-            raise ValueError(
-                f"{what}: path {list(p)} has depth {len(p)} but the drafter has {num_heads} heads"
-            )
-        if len(p) > 1 and p[:-1] not in seen:
-            raise ValueError(f"{what}: path {list(p)} has no parent path {list(p[:-1])}")
-    if len(seen) != len(paths):
-        raise ValueError(f"{what}: duplicate paths")
-    ordered: list[tuple[int, ...]] = []
-    placed: set[tuple[int, ...]] = {()}
-    for p in paths:
-        missing = [p[:i] for i in range(1, len(p) + 1) if p[:i] not in placed]  # ancestors first, then p
-        ordered.extend(missing)
-        placed.update(missing)
-    return ordered
-
-
-def prune_tree(
-    choices: Sequence[Sequence[int]], num_heads: int, topk: int, max_nodes: int | None = None
-) -> list[tuple[int, ...]]:
-    """Fit a tree to fewer heads / candidates / nodes: keep, in list order, the paths within depth
-    `num_heads` and ranks < `topk` whose parent was kept, until `max_nodes` nodes (root included).
-
-    Returns:
-        rank paths in list (importance) order, parents first (a valid tree for `check_tree`).
-    """
-    kept: list[tuple[int, ...]] = []
-    have: set[tuple[int, ...]] = {()}
-    for p in map(tuple, choices):
-        if max_nodes is not None and len(kept) + 1 >= max_nodes:
-            break
-        if 0 < len(p) <= num_heads and max(p) < topk and p[:-1] in have and p not in have:
-            kept.append(p)
-            have.add(p)
-    return kept
-
-
-def tree_layout(paths: Sequence[tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor]:
-    """Node arrays of a tree whose paths list parents first (node 0 = root, node i = paths[i-1]).
-
-    Returns:
-        parents (N,) long (parents[0] = -1), head (N,) long (depth - 1; -1 at the root),
-        rank (N,) long (0 at the root).
-    """
-    index = {(): 0, **{p: i + 1 for i, p in enumerate(paths)}}
-    parents = torch.tensor([-1] + [index[p[:-1]] for p in paths], dtype=torch.long)
-    head = torch.tensor([-1] + [len(p) - 1 for p in paths], dtype=torch.long)
-    rank = torch.tensor([0] + [p[-1] for p in paths], dtype=torch.long)
-    return parents, head, rank
 
 
 # ---- trees from measured accuracies ----------------------------------------------------------------------------
@@ -263,12 +186,7 @@ class MedusaProposer:
         cfg = drafter.config
         heads = int(cfg.draft_len)
         given = choices if choices is not None else getattr(cfg, "tree_choices", None)
-        if given:
-            paths = check_tree(given, heads)
-            if max_nodes is not None:  # keep the first paths in the given (importance) order
-                paths = prune_tree(given, heads, 1 << 30, max_nodes)
-        else:
-            paths = prune_tree(DEFAULT_TREE, heads, int(getattr(cfg, "topk", 10)), max_nodes)
+        paths = resolve_paths(given, heads, int(getattr(cfg, "topk", 10)), max_nodes)
         self.drafter = drafter
         self._search = drafter  # what drafts: the drafter, or its int8 view (below)
         if int8_layers:

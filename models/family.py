@@ -33,6 +33,8 @@ AttachFn = Callable[[Any, PreTrainedModel], Any]
 LossFn = Callable[
     [nn.Module, dict[str, Tensor], Any, "dict[str, Any] | None"], tuple[Tensor, dict[str, Tensor]]
 ]
+# tree_accept(model, logits (N, D, V), targets (N, D)) -> (N,) long drafts the decoder's own draft tree accepts
+TreeAcceptFn = Callable[[Any, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ class FamilySpec:
         int8_draft_layer: drafting through int8 products of its layers keeps its acceptance (measured:
             `eval.draft_block=auto` runs int8 for such a family, else the fused layer in the head's dtype;
             ReDrafter: its recurrence, blocks and copy gate, `eval/int8_clone.py`).
+        tree_accept: where the decoder's drafts at a position follow from that position's teacher-forced slot
+            logits alone (a static tree over per-slot ranks: Medusa), `tree_accept(model, logits (N, D, V),
+            targets (N, D)) -> (N,)` drafts its served tree accepts there; held-out evaluation reports
+            `eval/tree_accept_len` from it. None (beam search, dynamic trees): only the chain estimates.
     """
 
     name: str
@@ -78,6 +84,7 @@ class FamilySpec:
     low_precision_outputs: bool = False
     uses_token_counts: bool = False
     int8_draft_layer: bool = False
+    tree_accept: TreeAcceptFn | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -92,6 +99,8 @@ class FamilySpec:
         for field in ("build", "attach", "compute_loss"):
             if not callable(getattr(self, field)):
                 problems.append(f"{field} is not callable")
+        if self.tree_accept is not None and not callable(self.tree_accept):
+            problems.append("tree_accept is not callable")
         if self.proposer not in BUILTIN_PROPOSERS and ":" not in self.proposer:
             problems.append(
                 f"proposer={self.proposer!r}: expected one of {BUILTIN_PROPOSERS} or 'module:callable'"

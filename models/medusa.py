@@ -37,6 +37,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from specdraft.models.family import FamilySpec
 from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids, draft_vocab_ids
+from specdraft.models.medusa_choices import teacher_forced_tree_accept
 from specdraft.models.medusa_root import RootInput
 
 FORMAT_VERSION = 1
@@ -328,4 +329,5 @@ FAMILY = FamilySpec(
     decode_last_hidden=True,
     low_precision_outputs=True,  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
     uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
+    tree_accept=teacher_forced_tree_accept,  # its static tree over the heads' label ranks (eval/tree_accept_len)
 )

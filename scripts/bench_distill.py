@@ -21,6 +21,7 @@ from specdraft.data.chat import prompt_ids
 from specdraft.data.conversations import load_conversations
 from specdraft.distill.generate import GenerationSettings, generate_batched, stop_token_ids
 from specdraft.models.base_llm import load_target
+from specdraft.models.linear_layout import apply_layout
 
 
 def first_turn_prompts(tokenizer, n: int, max_prompt_len: int, source: str) -> list[list[int]]:
@@ -61,6 +62,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    ap.add_argument(
+        "--layout",
+        default="auto",
+        help="target Linear weights, as distill.linear_layout (both paths run on them; native: as loaded)",
+    )
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--source", default="sharegpt", help="conversations for the prompts")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -74,6 +80,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model, tok = load_target(BaseModelConfig(name_or_path=a.model, dtype=a.dtype, device=a.device))
+    layout = apply_layout(model, a.layout)  # as distill.py lays the target out
     prompts = first_turn_prompts(tok, a.num_prompts, a.max_prompt_len, a.source)
     stop = stop_token_ids(tok, model)
     pad = int(tok.pad_token_id)
@@ -103,7 +110,7 @@ def main() -> None:
     lens = [len(p) for p in prompts]
     print(
         f"{len(prompts)} prompts ({min(lens)}-{max(lens)} tokens), max_new_tokens={a.max_new_tokens}, {a.model} "
-        f"{a.dtype} {a.device}, torch threads={torch.get_num_threads()}"
+        f"{a.dtype} {a.device}, Linear layout {layout}, torch threads={torch.get_num_threads()}"
     )
     table = [
         ["batched (distill.generate)", n_b, f"{t_batched:.2f}", f"{tps_b:.1f}"],
@@ -115,6 +122,7 @@ def main() -> None:
         "prompts": len(prompts),
         "max_new_tokens": a.max_new_tokens,
         "dtype": a.dtype,
+        "layout": layout,
         "threads": torch.get_num_threads(),
         "batched_tokens_per_s": round(tps_b, 2),
         "sequential_tokens_per_s": round(tps_s, 2),

@@ -14,6 +14,10 @@ hashed over the conversation ids, `data.conversations.split_indices`):
     teacher-forced target forward over the distilled row, verified against the row's own greedy response.
   * chain: the training-time `eval/sim_accept_len` (1 + sum_k prod_i acc1_i, one greedy chain, every
     position) from `train.evaluate.evaluate`, for reference: it ignores the tree.
+  * tree: the training-time `eval/tree_accept_len` where the family declares `tree_accept` (Medusa: what its
+    served static tree accepts at every position that trains, averaged over positions) and `eval/tree_walk_len`
+    (those counts walked along each row as the decoder steps: tokens/step); the "train est." ratio uses the
+    walk, else the chain.
 Prints one row per export with the simulated/served ratio, then the Pearson correlation over exports; `--json`
 writes the rows with the machine info atomically. A checkpoint folder (`meta.json` + `model.safetensors`) is
 loaded with its run's export config.json.
@@ -67,8 +71,12 @@ def decoder_features(target: Any, ids: Tensor, layers: tuple[int, ...], keep_las
     return torch.cat([hidden, extra], dim=-1) if keep_last else extra
 
 
-def chain_sim(drafter: Any, target: Any, rows: Any, feats: Any, pad_id: int, counts: Tensor) -> float:
-    """The training-time `eval/sim_accept_len` of `drafter` on `rows` (every position that trains)."""
+def chain_sim(
+    drafter: Any, target: Any, rows: Any, feats: Any, pad_id: int, counts: Tensor
+) -> tuple[float, float | None, float | None]:
+    """The training-time `eval/sim_accept_len` of `drafter` on `rows` (every position that trains), and its
+    `eval/tree_accept_len` and `eval/tree_walk_len` where the family declares a tree estimate (Medusa's served
+    tree; else None). `batch_size=1`, so the walk covers every row."""
     from torch.utils.data import DataLoader
 
     from specdraft.data.collate import Collator, RowDataset
@@ -79,10 +87,15 @@ def chain_sim(drafter: Any, target: Any, rows: Any, feats: Any, pad_id: int, cou
     layers = spec.layers_for(drafter.config)
     d = int(drafter.config.draft_len)
     collate = Collator(pad_id, d, copy_ngram=int(getattr(drafter.config, "copy_ngram", 0) or 0))
-    loader = DataLoader(RowDataset(rows, feats, use_features=not layers), batch_size=4, collate_fn=collate)
+    loader = DataLoader(RowDataset(rows, feats, use_features=not layers), batch_size=1, collate_fn=collate)
     opts = {"loss": "ce", "draft_len": d, "max_positions": None}
     metrics = evaluate(drafter, spec, TargetFeatures(target, False, layers), loader, opts, counts)
-    return float(metrics.get("eval/sim_accept_len", float("nan")))
+    tree, walk = metrics.get("eval/tree_accept_len"), metrics.get("eval/tree_walk_len")
+    return (
+        float(metrics.get("eval/sim_accept_len", float("nan"))),
+        None if tree is None else float(tree),
+        None if walk is None else float(walk),
+    )
 
 
 def main() -> None:
@@ -100,6 +113,11 @@ def main() -> None:
         default="val",
         choices=["val", "train"],
         help="val: the held-out rows (default); train: rows the exports trained on (more tokens, optimistic)",
+    )
+    p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="read a distilled set whose run has not finished (its complete shards; train.allow_incomplete_data)",
     )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the rows and the machine info to this JSON file")
@@ -127,7 +145,7 @@ def main() -> None:
     dec = make_decoder(target, "static", "off")
     assert dec is not None
     stop = default_stop_ids(tok, target)
-    ds, manifest = load_distilled(a.data)
+    ds, manifest = load_distilled(a.data, allow_incomplete=a.allow_incomplete)
     train_idx, val_idx = split_indices(list(ds["id"]), a.val_fraction, a.seed)
     counts = label_counts(ds.select(train_idx), int(fingerprint["vocab_size"]))
     pool = ds.select(val_idx if a.split == "val" else train_idx)
@@ -159,14 +177,16 @@ def main() -> None:
             t_sim_served = time.perf_counter() - t0
             sim = 1.0 + sum(sim_acc) / max(len(sim_acc), 1)
             served = 1.0 + sum(served_acc) / max(len(served_acc), 1)
-            chain = chain_sim(
+            chain, tree, walk = chain_sim(
                 drafter, target, picked, manifest.get("features"), int(tok.pad_token_id), counts
             )
             results.append(
                 dict(
                     export=label, family=drafter_family(drafter), tree_nodes=prop.spec.node_budget,
                     max_depth=prop.spec.max_depth, simulated=sim, served=served, ratio=sim / served,
-                    chain_sim_accept_len=chain, sim_steps=len(sim_acc), served_steps=len(served_acc),
+                    chain_sim_accept_len=chain, tree_accept_len=tree, tree_walk_len=walk,
+                    train_estimate=walk if walk is not None else chain,
+                    train_ratio=(walk if walk is not None else chain) / served, sim_steps=len(sim_acc), served_steps=len(served_acc),
                     served_tokens=emitted,
                     rows_equal_served=f"{same}/{len(rows)}", seconds=round(t_sim_served, 1),
                 )
@@ -175,6 +195,7 @@ def main() -> None:
 
     corr = pearson([r["simulated"] for r in results], [r["served"] for r in results])
     corr_chain = pearson([r["chain_sim_accept_len"] for r in results], [r["served"] for r in results])
+    corr_train = pearson([r["train_estimate"] for r in results], [r["served"] for r in results])
     table = Table(
         title=f"simulated vs served tokens/step, {len(rows)} {a.split} rows, <= {a.max_new_tokens} tokens"
     )
@@ -186,18 +207,29 @@ def main() -> None:
         "served",
         "sim/served",
         "chain sim",
+        "tree sim",
+        "tree walk",
+        "train est./served",
         "rows = served",
     ):
         table.add_column(col)
     for r in results:
         table.add_row(
             r["export"], r["family"], str(r["tree_nodes"]), f"{r['simulated']:.3f}", f"{r['served']:.3f}",
-            f"{r['ratio']:.3f}", f"{r['chain_sim_accept_len']:.3f}", r["rows_equal_served"],
+            f"{r['ratio']:.3f}", f"{r['chain_sim_accept_len']:.3f}",
+            "-" if r["tree_accept_len"] is None else f"{r['tree_accept_len']:.3f}",
+            "-" if r["tree_walk_len"] is None else f"{r['tree_walk_len']:.3f}", f"{r['train_ratio']:.3f}",
+            r["rows_equal_served"],
         )  # fmt: skip
     Console(width=200).print(table)
     worst = max(abs(r["ratio"] - 1.0) for r in results)
     print(f"Pearson(simulated, served) = {corr:.3f}; Pearson(chain sim, served) = {corr_chain:.3f}; ", end="")
     print(f"worst |ratio - 1| = {worst:.3f} (target: <= 0.10, correlation >= 0.9)")
+    worst_train = max(abs(r["train_ratio"] - 1.0) for r in results)
+    print(
+        f"training-time estimate (tree walk where the family has one, else chain sim): Pearson {corr_train:.3f}, "
+        f"worst |ratio - 1| = {worst_train:.3f}"
+    )
     if a.json:
         atomic_write_json(
             a.json,
@@ -211,6 +243,8 @@ def main() -> None:
                 "max_new_tokens": a.max_new_tokens,
                 "pearson_simulated_served": corr,
                 "pearson_chain_served": corr_chain,
+                "pearson_train_estimate_served": corr_train,
+                "worst_abs_train_ratio_minus_1": worst_train,
                 "worst_abs_ratio_minus_1": worst,
                 "rows": results,
             },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,6 +91,14 @@ def evaluate(
 ) -> dict[str, float]:
     """Per-slot CE, top-1/top-k accuracy, simulated and chain acceptance length; the same for the unigram baseline.
 
+    Three acceptance estimates, each 1 + drafts per step: `sim_accept_len` multiplies the per-slot top-1
+    accuracies (independent slots, one chain); `chain_accept_len` counts each position's leading run of top-1
+    hits (one greedy chain, measured); `tree_accept_len`, where the family declares `tree_accept` (Medusa), is
+    what greedy verification of the decoder's own draft tree accepts at each position, and `tree_walk_len` the
+    tokens/step of decoding each batch's first row with those counts (`row_walk`): the decoder starts a step
+    only where the previous one ended, so it visits fewer positions of the easy stretches than an average over
+    every position does.
+
     Args:
         model: the (unwrapped) drafter, switched to eval mode for the call.
         family: its family's declared contract (`compute_loss`).
@@ -106,7 +115,8 @@ def evaluate(
     was_training = model.training
     model.eval()
     sums: list[Tensor] = []  # ce * n, hits1, hitsk, unigram hits1, unigram hitsk, n: (D,) each
-    lead_sum, rows = 0.0, 0
+    lead_sum, tree_sum, rows = 0.0, 0.0, 0
+    walk_tokens, walk_steps = 0, 0
     gen = torch.Generator().manual_seed(1234)  # the same positions at every evaluation
     for i, batch in enumerate(batches):
         if max_batches is not None and i >= max_batches:
@@ -128,6 +138,10 @@ def evaluate(
         sums = [a + p.cpu() for a, p in zip(sums, parts)] if sums else [p.cpu() for p in parts]
         first = ok[:, 0]
         lead_sum += float(torch.cumprod((h1 & ok)[first].long(), dim=1).sum())
+        if family.tree_accept is not None:  # the decoder's own tree on the same positions
+            tree_sum += float(family.tree_accept(model, logits, targets)[first].sum())
+            tokens, steps = row_walk(model, family, batch, tout, opts)  # and decoded along the first row
+            walk_tokens, walk_steps = walk_tokens + tokens, walk_steps + steps
         rows += int(first.sum())
     if was_training:
         model.train()
@@ -146,12 +160,69 @@ def evaluate(
         "eval/unigram_sim_accept_len": simulated_acceptance_length(u1),
         "eval/positions": float(rows),
     }
+    if family.tree_accept is not None:
+        out["eval/tree_accept_len"] = 1.0 + tree_sum / max(rows, 1)
+        out["eval/tree_walk_len"] = walk_tokens / max(walk_steps, 1)
     for k in range(acc1.numel()):
         out[f"eval/acc1_s{k}"] = float(acc1[k])
         out[f"eval/acc{topk}_s{k}"] = float(acck[k])
         out[f"eval/unigram_acc1_s{k}"] = float(u1[k])
         out[f"eval/unigram_acc{topk}_s{k}"] = float(uk[k])
     return out
+
+
+def walk(positions: list[int], accepted: list[int]) -> tuple[int, int]:
+    """Greedy decoding along a row from per-position accepted drafts: a step at position t emits
+    accepted[t] + 1 tokens (the drafts and the target's own token) and the next step starts at t + that.
+
+    Args:
+        positions: ascending row positions that train (a gap, e.g. between turns, restarts the walk at the next
+            position); accepted: drafts accepted by a step starting at each of them.
+
+    Returns:
+        (tokens, steps) of the walk.
+    """
+    tokens = steps = j = 0
+    while j < len(positions):
+        emitted = accepted[j] + 1
+        tokens, steps = tokens + emitted, steps + 1
+        j = bisect.bisect_left(positions, positions[j] + emitted, lo=j + 1)
+    return tokens, steps
+
+
+def row_walk(
+    model: torch.nn.Module,
+    family: FamilySpec,
+    batch: dict[str, Tensor],
+    tout: TargetOutput,
+    opts: dict[str, Any],
+) -> tuple[int, int]:
+    """`walk` along the batch's first row, every position of it, with `family.tree_accept`'s counts (one more
+    `compute_loss` call over that row alone).
+
+    Args:
+        batch: a collated batch (B, L, ...); tout: the target's outputs for it (hidden (B, L, H)).
+
+    Returns:
+        (tokens, steps); (0, 0) for a row without positions.
+    """
+    assert family.tree_accept is not None  # the caller checked
+    b = batch["pos_mask"].shape[0]
+    one = {k: v[:1] if v.dim() and v.shape[0] == b else v for k, v in batch.items()}  # (1, L, ...)
+    cut = TargetOutput(
+        tout.logits[:1] if tout.logits.numel() else tout.logits,
+        tout.hidden[:1],
+        None if tout.layers is None else tout.layers[:1],
+        None,
+    )
+    positions = one["pos_mask"][0].nonzero()[:, 0].tolist()  # (n,) the row's positions, ascending
+    if not positions:
+        return 0, 0
+    _, aux = family.compute_loss(
+        model, one, cut, {**opts, "max_positions": None}
+    )  # the n positions, in order
+    accepted = family.tree_accept(model, aux["logits"], aux["targets"]).tolist()  # (n,)
+    return walk(positions, accepted)
 
 
 # ---- simulated decoding with the decoder's own proposer (scripts/sim_vs_served.py) ---------------------------------

@@ -406,6 +406,8 @@ def _fmt(metrics: dict[str, float]) -> str:
         "eval/unigram_acc1_mean",
         "eval/sim_accept_len",
         "eval/chain_accept_len",
+        "eval/tree_accept_len",
+        "eval/tree_walk_len",
     )
     return ", ".join(f"{k[5:]}={metrics[k]:.3f}" for k in keys if k in metrics)
 

@@ -49,6 +49,7 @@ def test_declared_capabilities_of_the_four_families() -> None:
     assert spec["redrafter"].losses == spec["medusa"].losses == ALL_LOSSES
     assert spec["redrafter"].low_precision_outputs and not spec["eagle"].low_precision_outputs
     assert [n for n, s in spec.items() if s.uses_token_counts] == ["redrafter", "medusa", "eagle", "eagle3"]
+    assert [n for n, s in spec.items() if s.tree_accept is not None] == ["medusa"]  # a static tree
 
 
 def test_an_incomplete_spec_is_refused() -> None:
@@ -60,6 +61,8 @@ def test_an_incomplete_spec_is_refused() -> None:
         FamilySpec(
             "toy", ToyDrafter, ToyConfig, build, attach, compute_loss, "medusa_tree", features="layers"
         )
+    with pytest.raises(ValueError, match="tree_accept is not callable"):
+        FamilySpec("toy", ToyDrafter, ToyConfig, build, attach, compute_loss, "medusa_tree", tree_accept=3)  # type: ignore[arg-type]
 
 
 def _compose(*overrides: str):

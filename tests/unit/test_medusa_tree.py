@@ -12,12 +12,9 @@ from omegaconf import OmegaConf
 
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.medusa_tree import (
-    DEFAULT_TREE,
     MedusaProposer,
     build_tree,
-    check_tree,
     expected_accept_length,
-    prune_tree,
     rank_hits,
     typical_verify,
 )
@@ -25,6 +22,7 @@ from specdraft.eval.proposers import make_proposer
 from specdraft.eval.tree import DraftTree, path_to
 from specdraft.eval.verify import sample_verify
 from specdraft.models.medusa import build
+from specdraft.models.medusa_choices import DEFAULT_TREE, check_tree, prune_tree
 from specdraft.testing import tiny_llama
 
 

@@ -170,7 +170,7 @@ def print_table(record: dict[str, Any]) -> None:
         minutes = spent / 60 if spent else None
         print(
             f"{fam:<14} {_cell(t.get('rows'), '>6')} {_cell(t.get('steps'), '>6')} {_cell(minutes, '>9.1f')} "
-            f"{_cell(t.get('tree_accept_len') or t.get('sim_accept_len'), '>10.3f')} "
+            f"{_cell(t.get('tree_walk_len') or t.get('sim_accept_len'), '>10.3f')} "
             f"{_cell(s.get('tokens_per_step'), '>11.2f')} "
             f"{_speedup(s.get('speedup'))}"
         )
@@ -280,7 +280,7 @@ def run_stages(a: argparse.Namespace) -> int:
                 "train_s_all_calls": train_seconds(record["stages"], fam),
                 "processes": s.get("processes"),
                 "sim_accept_len": ev.get("eval/sim_accept_len"),
-                "tree_accept_len": ev.get("eval/tree_walk_len"),  # Medusa: its served tree, walked along rows
+                "tree_walk_len": ev.get("eval/tree_walk_len"),  # Medusa: its served tree, walked along rows
                 "acc1_s0": ev.get("eval/acc1_s0"),
                 "export": str(run_dir / "export"),
             }

@@ -180,13 +180,13 @@ def main() -> None:
             chain, tree, walk = chain_sim(
                 drafter, target, picked, manifest.get("features"), int(tok.pad_token_id), counts
             )
+            estimate = walk if walk is not None else chain  # what the trainer's log offers for this family
             results.append(
                 dict(
                     export=label, family=drafter_family(drafter), tree_nodes=prop.spec.node_budget,
                     max_depth=prop.spec.max_depth, simulated=sim, served=served, ratio=sim / served,
                     chain_sim_accept_len=chain, tree_accept_len=tree, tree_walk_len=walk,
-                    train_estimate=walk if walk is not None else chain,
-                    train_ratio=(walk if walk is not None else chain) / served, sim_steps=len(sim_acc), served_steps=len(served_acc),
+                    train_estimate=estimate, train_ratio=estimate / served, sim_steps=len(sim_acc), served_steps=len(served_acc),
                     served_tokens=emitted,
                     rows_equal_served=f"{same}/{len(rows)}", seconds=round(t_sim_served, 1),
                 )

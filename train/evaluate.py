@@ -91,7 +91,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Per-slot CE, top-1/top-k accuracy, simulated and chain acceptance length; the same for the unigram baseline.
 
-    Three acceptance estimates, each 1 + drafts per step: `sim_accept_len` multiplies the per-slot top-1
+    Acceptance estimates, each in tokens per step: `sim_accept_len` multiplies the per-slot top-1
     accuracies (independent slots, one chain); `chain_accept_len` counts each position's leading run of top-1
     hits (one greedy chain, measured); `tree_accept_len`, where the family declares `tree_accept` (Medusa), is
     what greedy verification of the decoder's own draft tree accepts at each position, and `tree_walk_len` the

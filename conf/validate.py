@@ -236,6 +236,8 @@ TRAIN: Table = {
     "eval_every": POSITIVE,
     "eval_at_start": ANY,
     "eval_batches": POSITIVE,
+    "eval_replay_rows": COUNT,
+    "eval_replay_tokens": POSITIVE,
     "ckpt_every": POSITIVE,
     "keep_last": COUNT,
     "resume": ANY,

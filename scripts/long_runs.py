@@ -157,9 +157,9 @@ def _speedup(x: float | None) -> str:
 
 
 def print_table(record: dict[str, Any]) -> None:
-    """Per family: rows, steps, training minutes, held-out simulated acceptance (the served tree's where the
-    family declares one, else the chain estimate), served tokens/step, speedup; then the baselines of the same
-    eval run (prompt lookup)."""
+    """Per family: rows, steps, training minutes, held-out simulated acceptance (the replay with the family's own
+    proposer where the run logged it, else the served tree's walk where the family declares one, else the chain
+    estimate), served tokens/step, speedup; then the baselines of the same eval run (prompt lookup)."""
     served = record.get("eval", {}).get("summary", [])
     print(
         f"\n{'method':<14} {'rows':>6} {'steps':>6} {'train min':>9} {'sim accept':>10} {'tokens/step':>11} {'speedup':>8}"
@@ -170,7 +170,7 @@ def print_table(record: dict[str, Any]) -> None:
         minutes = spent / 60 if spent else None
         print(
             f"{fam:<14} {_cell(t.get('rows'), '>6')} {_cell(t.get('steps'), '>6')} {_cell(minutes, '>9.1f')} "
-            f"{_cell(t.get('tree_walk_len') or t.get('sim_accept_len'), '>10.3f')} "
+            f"{_cell(t.get('replay_accept_len') or t.get('tree_walk_len') or t.get('sim_accept_len'), '>10.3f')} "
             f"{_cell(s.get('tokens_per_step'), '>11.2f')} "
             f"{_speedup(s.get('speedup'))}"
         )
@@ -281,6 +281,9 @@ def run_stages(a: argparse.Namespace) -> int:
                 "processes": s.get("processes"),
                 "sim_accept_len": ev.get("eval/sim_accept_len"),
                 "tree_walk_len": ev.get("eval/tree_walk_len"),  # Medusa: its served tree, walked along rows
+                "replay_accept_len": ev.get(
+                    "eval/replay_accept_len"
+                ),  # train.eval_replay_rows: its own proposer
                 "acc1_s0": ev.get("eval/acc1_s0"),
                 "export": str(run_dir / "export"),
             }

@@ -8,12 +8,16 @@
 For each export, on the same held-out conversations (the training split: `data.val_fraction` / `data.seed`
 hashed over the conversation ids, `data.conversations.split_indices`):
   * served: the static decoder (greedy, no node budget, no fallback: the tree is the drafter's own) from the
-    conversation's prompt, `max_new_tokens` tokens (at most the row's response, which `data.max_length` may have
-    cut); tokens/step = accepted drafts + 1 per target forward.
+    conversation's prompt, `max_new_tokens` tokens (at most the row's first run of trained tokens,
+    `train.evaluate.greedy_span`: `data.max_length` or a retokenisation mismatch may cut it); tokens/step =
+    accepted drafts + 1 per target forward.
   * simulated: `train.evaluate.replay_decode`: the same proposer (same tree/beam settings) drafting from one
-    teacher-forced target forward over the distilled row, verified against the row's own greedy response.
+    teacher-forced target forward over the distilled row, verified against the row's own greedy response;
+    what `train.eval_replay_rows` logs during training as `eval/replay_accept_len`.
   * chain: the training-time `eval/sim_accept_len` (1 + sum_k prod_i acc1_i, one greedy chain, every
     position) from `train.evaluate.evaluate`, for reference: it ignores the tree.
+  * logged replay: `eval/replay_accept_len` as the training run logged it for those weights
+    (`train.eval_replay_rows`; an export's final eval, a checkpoint's eval at its step), where it did.
   * tree: the training-time `eval/tree_accept_len` where the family declares `tree_accept` (Medusa: what its
     served static tree accepts at every position that trains, averaged over positions) and `eval/tree_walk_len`
     (those counts walked along each row as the decoder steps: tokens/step); the "train est." ratio uses the
@@ -57,18 +61,23 @@ def as_export(path: Path, scratch: Path) -> tuple[Path, str]:
     return out, str(path)
 
 
-def decoder_features(target: Any, ids: Tensor, layers: tuple[int, ...], keep_last: bool) -> Tensor:
-    """(L, F) features of every position of `ids` (L,) as the decoder hands them to a proposer with
-    `spec.feature_layers == layers`, `spec.keep_last_hidden == keep_last` (eval.decode.target_forward)."""
-    from specdraft.models.base_llm import forward_with_hidden
+def logged_replay(path: Path) -> float | None:
+    """`eval/replay_accept_len` as its training run logged it for these weights (`train.eval_replay_rows`): an
+    export's `training_summary.final_eval`, a checkpoint's record at its step in the run's metrics.jsonl; None
+    where the run did not replay."""
+    if (path / "config.json").is_file():
+        summary = json.loads((path / "config.json").read_text()).get("training_summary") or {}
+        value = (summary.get("final_eval") or {}).get("eval/replay_accept_len")
+        return None if value is None else float(value)
+    meta = json.loads((path / "meta.json").read_text())
+    metrics = Path(meta["config"]["run_dir"]) / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    from specdraft.train.logging import read_metrics
 
-    out = forward_with_hidden(target, ids[None], layers=layers, logits=False)
-    hidden = out.hidden[0]  # (L, H)
-    if not layers:
-        return hidden
-    assert out.layers is not None
-    extra = out.layers[0].flatten(-2)  # (L, m*H)
-    return torch.cat([hidden, extra], dim=-1) if keep_last else extra
+    at_step = [r for r in read_metrics(metrics.parent) if r.get("step") == meta["step"]]
+    found = [r["eval/replay_accept_len"] for r in at_step if r.get("eval/replay_accept_len") is not None]
+    return float(found[-1]) if found else None
 
 
 def chain_sim(
@@ -137,7 +146,7 @@ def main() -> None:
     from specdraft.eval.static_decode import make_decoder
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
-    from specdraft.train.evaluate import pearson, replay_decode
+    from specdraft.train.evaluate import decoder_features, greedy_span, pearson, replay_decode
     from specdraft.utils import atomic_write_json
 
     target, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device="cpu"))
@@ -165,9 +174,14 @@ def main() -> None:
             t0 = time.perf_counter()
             sim_acc, served_acc, same, emitted = [], [], 0, 0
             for row in rows:
-                ids = torch.tensor(row["input_ids"], dtype=torch.long)
-                start = row["loss_mask"].index(1)  # first response token; ids[:start] is the templated prompt
-                new = min(a.max_new_tokens, len(ids) - start)  # data.max_length may have cut the response
+                span = greedy_span(row["loss_mask"])
+                if span is None:
+                    continue
+                start, end = (
+                    span  # ids[:start]: the templated prompt; ids[start:end]: the target's greedy tokens
+                )
+                ids = torch.tensor(row["input_ids"][:end], dtype=torch.long)
+                new = min(a.max_new_tokens, end - start)  # data.max_length or retokenisation may cut it
                 feats = decoder_features(target, ids, tuple(layers), keep_last)
                 sim_acc += replay_decode(prop, feats, ids, start, new, stop)
                 out, stats = dec.speculative_generate(tok, ids[:start], prop, new, stop_ids=stop)
@@ -180,13 +194,16 @@ def main() -> None:
             chain, tree, walk = chain_sim(
                 drafter, target, picked, manifest.get("features"), int(tok.pad_token_id), counts
             )
-            estimate = walk if walk is not None else chain  # what the trainer's log offers for this family
+            estimate = walk if walk is not None else chain  # the trainer's cheap estimate for this family
+            logged = logged_replay(Path(raw))  # what the run logged with train.eval_replay_rows, if it did
             results.append(
                 dict(
                     export=label, family=drafter_family(drafter), tree_nodes=prop.spec.node_budget,
                     max_depth=prop.spec.max_depth, simulated=sim, served=served, ratio=sim / served,
                     chain_sim_accept_len=chain, tree_accept_len=tree, tree_walk_len=walk,
-                    train_estimate=estimate, train_ratio=estimate / served, sim_steps=len(sim_acc), served_steps=len(served_acc),
+                    train_estimate=estimate, train_ratio=estimate / served, logged_replay=logged,
+                    logged_ratio=None if logged is None else logged / served,
+                    sim_steps=len(sim_acc), served_steps=len(served_acc),
                     served_tokens=emitted,
                     rows_equal_served=f"{same}/{len(rows)}", seconds=round(t_sim_served, 1),
                 )
@@ -210,6 +227,7 @@ def main() -> None:
         "tree sim",
         "tree walk",
         "train est./served",
+        "logged replay/served",
         "rows = served",
     ):
         table.add_column(col)
@@ -219,7 +237,7 @@ def main() -> None:
             f"{r['ratio']:.3f}", f"{r['chain_sim_accept_len']:.3f}",
             "-" if r["tree_accept_len"] is None else f"{r['tree_accept_len']:.3f}",
             "-" if r["tree_walk_len"] is None else f"{r['tree_walk_len']:.3f}", f"{r['train_ratio']:.3f}",
-            r["rows_equal_served"],
+            "-" if r["logged_ratio"] is None else f"{r['logged_ratio']:.3f}", r["rows_equal_served"],
         )  # fmt: skip
     Console(width=200).print(table)
     worst = max(abs(r["ratio"] - 1.0) for r in results)
@@ -227,9 +245,18 @@ def main() -> None:
     print(f"worst |ratio - 1| = {worst:.3f} (target: <= 0.10, correlation >= 0.9)")
     worst_train = max(abs(r["train_ratio"] - 1.0) for r in results)
     print(
-        f"training-time estimate (tree walk where the family has one, else chain sim): Pearson {corr_train:.3f}, "
-        f"worst |ratio - 1| = {worst_train:.3f}"
+        f"training-time estimate without train.eval_replay_rows (tree walk where the family has one, else chain "
+        f"sim): Pearson {corr_train:.3f}, worst |ratio - 1| = {worst_train:.3f}; with it, the run logs the "
+        "simulated column (eval/replay_accept_len)"
     )
+    logged = [r for r in results if r["logged_replay"] is not None]
+    corr_logged = pearson([r["logged_replay"] for r in logged], [r["served"] for r in logged])
+    if logged:
+        worst_logged = max(abs(r["logged_ratio"] - 1.0) for r in logged)
+        print(
+            f"logged by training (eval/replay_accept_len, {len(logged)} of {len(results)}): Pearson "
+            f"{corr_logged:.3f}, worst |ratio - 1| = {worst_logged:.3f}"
+        )
     if a.json:
         atomic_write_json(
             a.json,
@@ -244,6 +271,7 @@ def main() -> None:
                 "pearson_simulated_served": corr,
                 "pearson_chain_served": corr_chain,
                 "pearson_train_estimate_served": corr_train,
+                "pearson_logged_replay_served": corr_logged,
                 "worst_abs_train_ratio_minus_1": worst_train,
                 "worst_abs_ratio_minus_1": worst,
                 "rows": results,

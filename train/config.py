@@ -62,6 +62,8 @@ class TrainConfig:
     eval_every: int = 50  # held-out evaluation every N steps
     eval_at_start: bool = False  # also evaluate before step 1 (logged as step 0: a warm start's baseline)
     eval_batches: int = 8  # batches per evaluation
+    eval_replay_rows: int = 0  # held-out rows decoded by the drafter's own proposer at each eval (0: off)
+    eval_replay_tokens: int = 64  # tokens replayed per row (at most its response)
     ckpt_every: int = 100  # training-state checkpoint every M steps
     keep_last: int = 2  # checkpoints kept (0: all)
     resume: bool = False  # continue from the newest checkpoint (false: move an earlier run's records to *.N)

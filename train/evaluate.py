@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -293,6 +294,99 @@ def replay_decode(
         new_hidden, new_tokens = features[r : r + a + 1], tokens[r + 1 : r + a + 2]  # (a + 1, F), (a + 1,)
         r += a + 1
     return accepted
+
+
+def greedy_span(loss_mask: Sequence[int]) -> tuple[int, int] | None:
+    """(start, end) of a distilled row's first response: the first run of trained positions.
+
+    distill/ trains only the tokens it can vouch for: where the chat template's retokenised text stops matching
+    the generated ids, the rest of the turn is masked, so ids[start:end] are the target's greedy tokens and
+    whatever follows may not be. None for a row without trained positions.
+
+    Args:
+        loss_mask: (L,) 1 where the row trains.
+    """
+    mask = list(loss_mask)
+    if 1 not in mask:
+        return None
+    start = mask.index(1)
+    end = mask.index(0, start) if 0 in mask[start:] else len(mask)
+    return start, end
+
+
+def decoder_features(target: Any, ids: Tensor, layers: tuple[int, ...], keep_last: bool) -> Tensor:
+    """Features of every position of a row as the decoder hands them to a proposer whose spec reads `layers`
+    (`spec.feature_layers`) and keeps the last hidden state or not (`spec.keep_last_hidden`); the same layout as
+    `eval.decode.target_forward`, from one forward over the row.
+
+    Args:
+        target: the frozen target; ids: (L,) token ids on its device.
+
+    Returns:
+        (L, F): the last hidden state (F = H) with no layers; else the layers flattened (F = m * H), after the
+        last hidden state when `keep_last` (F = (1 + m) * H).
+    """
+    out = forward_with_hidden(target, ids[None], layers=layers, logits=False)
+    hidden = out.hidden[0]  # (L, H)
+    if not layers:
+        return hidden
+    assert out.layers is not None
+    extra = out.layers[0].flatten(-2)  # (L, m*H)
+    return torch.cat([hidden, extra], dim=-1) if keep_last else extra
+
+
+@torch.no_grad()
+def replay_estimate(
+    model: torch.nn.Module,
+    target: Any,
+    rows: list[dict[str, Any]],
+    max_new_tokens: int,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+) -> dict[str, float]:
+    """Tokens/step the decoder would serve on `rows`, simulated with the drafter's own proposer (`replay_decode`).
+
+    The tree families' training-time estimate: the proposer `eval.proposers.make_proposer` builds for `model`
+    (its own beam / tree settings, no node budget, the float products) drafts from one teacher-forced target
+    forward over each row, and greedy verification is read off the row's first response (`greedy_span`). Exact
+    for greedy self-distilled rows (the response is the target's greedy output; the caller checks that), except
+    that where the span ends within a step's reach, drafts past its end are not counted (the decoder might
+    accept them).
+
+    Args:
+        model: the (unwrapped) drafter, switched to eval mode for the call; its parameters' device and dtype
+            receive the features.
+        target: the frozen target.
+        rows: distilled rows: `input_ids` (L,), `loss_mask` (L,) whose first 1 is the first response token.
+        max_new_tokens: tokens decoded per row (at most its response).
+        stop_ids: tokens that end generation (`eval.decode.default_stop_ids`).
+
+    Returns:
+        `eval/replay_accept_len` (1 + mean accepted drafts per step) and `eval/replay_steps` (steps replayed).
+    """
+    from specdraft.eval.proposers import make_proposer
+
+    was_training = model.training
+    model.eval()
+    param = next(model.parameters())
+    proposer = make_proposer(model)
+    layers, keep_last = tuple(proposer.spec.feature_layers), bool(proposer.spec.keep_last_hidden)
+    device = next(target.parameters()).device
+    accepted: list[int] = []
+    for row in rows:
+        span = greedy_span(row["loss_mask"])
+        if span is None:
+            continue
+        start, end = span  # ids[:start] is the templated prompt, ids[start:end] the target's greedy tokens
+        ids = torch.as_tensor(row["input_ids"][:end], dtype=torch.long, device=device)  # (end,)
+        feats = decoder_features(target, ids, layers, keep_last).to(param.device, param.dtype)  # (end, F)
+        new = min(max_new_tokens, end - start)
+        accepted += replay_decode(proposer, feats, ids.to(param.device), start, new, stop_ids)
+    if was_training:
+        model.train()
+    return {
+        "eval/replay_accept_len": 1.0 + sum(accepted) / max(len(accepted), 1),
+        "eval/replay_steps": float(len(accepted)),
+    }
 
 
 def pearson(xs: list[float], ys: list[float]) -> float:

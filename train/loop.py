@@ -37,7 +37,7 @@ from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.hub import export_drafter, push_to_hub, warm_start
 from specdraft.models.registry import family_spec
 from specdraft.train import checkpoint as ckpt
-from specdraft.train.evaluate import TargetFeatures, evaluate
+from specdraft.train.evaluate import TargetFeatures, evaluate, replay_estimate
 from specdraft.train.logging import make_logger, truncate_metrics
 from specdraft.train.losses import per_slot_accuracy, topk_hits
 from specdraft.utils import atomic_write_json, seed_everything
@@ -152,6 +152,7 @@ def train(cfg: DictConfig) -> Path:
             f"too little data: {len(train_rows)} train / {len(val_rows)} val rows for train.batch_size="
             f"{cfg.train.batch_size} x {acc.num_processes} processes (raise data.num_samples or data.val_fraction)"
         )
+    replay_rows = replay_rows_for(cfg, val_rows, manifest if cfg.train.data_dir else None)
     # ---- 3. drafter, optimiser, schedule -------------------------------------------------------------------
     counts = label_counts(train_rows, int(fingerprint["vocab_size"]))
     extra = {"token_counts": counts} if family.uses_token_counts else {}  # reduced draft vocabulary
@@ -231,6 +232,11 @@ def train(cfg: DictConfig) -> Path:
     # ---- 5. loop --------------------------------------------------------------------------------------------
     opts, eval_opts = loss_options(cfg), loss_options(cfg, eval_mode=True)
     need_logits = "kl" in cfg.train.loss
+    stop_ids: set[int] = set()
+    if replay_rows:
+        from specdraft.eval.decode import default_stop_ids  # the decoder's stop rule for the replay
+
+        stop_ids = default_stop_ids(tokenizer, target)
     train_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
     val_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
     bar = _progress(cfg, main, step)
@@ -251,6 +257,12 @@ def train(cfg: DictConfig) -> Path:
             cfg.train.topk_acc,
             cfg.train.eval_batches,
         )
+        if replay_rows:  # the decoder's own proposer on a few held-out rows: what it would serve
+            metrics.update(
+                replay_estimate(
+                    acc.unwrap_model(model), target, replay_rows, cfg.train.eval_replay_tokens, stop_ids
+                )
+            )
         logger.log(metrics, at)
         if main:
             log.info("step %d eval: %s", at, _fmt(metrics))
@@ -355,6 +367,45 @@ def train(cfg: DictConfig) -> Path:
     return export_dir
 
 
+def replay_rows_for(cfg: DictConfig, val_rows: Any, manifest: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The first `train.eval_replay_rows` held-out rows (`input_ids`, `loss_mask`) for `replay_estimate`; [] when off.
+
+    Replay reads verification off the row, so the rows must hold the target's greedy responses: distilled with
+    `distill.regenerate=true distill.do_sample=false`. Anything else is refused in one line.
+
+    Args:
+        val_rows: the held-out rows (a `datasets.Dataset` or a list of dicts).
+        manifest: the distilled set's manifest (None: raw conversations); `train.val_data_dir`'s is read here.
+    """
+    n = int(cfg.train.eval_replay_rows)
+    if n == 0:
+        return []
+    if manifest is None:
+        raise ValueError(
+            f"train.eval_replay_rows={n} replays greedy self-distilled rows but train.data_dir is not set (raw "
+            "conversations are not the target's output): set train.data_dir to a distilled set, or "
+            "train.eval_replay_rows=0"
+        )
+    folder = cfg.train.get("val_data_dir") or cfg.train.data_dir
+    if folder != cfg.train.data_dir:
+        from specdraft.distill.shards import read_manifest
+
+        manifest = read_manifest(Path(folder)) or {}
+    gen = manifest.get("generation") or {}
+    if not gen.get("regenerate") or gen.get("do_sample"):
+        kind = "sampled" if gen.get("do_sample") else "the conversations' own"
+        raise ValueError(
+            f"train.eval_replay_rows={n}: {folder} holds {kind} responses "
+            f"(distill.regenerate={gen.get('regenerate')}, distill.do_sample={gen.get('do_sample')}), not the "
+            "target's greedy output: distill with distill.regenerate=true distill.do_sample=false, or set "
+            "train.eval_replay_rows=0"
+        )
+    return [
+        {"input_ids": list(val_rows[i]["input_ids"]), "loss_mask": list(val_rows[i]["loss_mask"])}
+        for i in range(min(n, len(val_rows)))
+    ]
+
+
 def time_limit(acc: Accelerator, minutes: float) -> Callable[[], bool]:
     """A check, called once per optimiser step by every rank, that turns True once `minutes` of wall time have
     passed since it was made (0: never). The main process's clock decides and every rank gets its answer (one
@@ -408,6 +459,7 @@ def _fmt(metrics: dict[str, float]) -> str:
         "eval/chain_accept_len",
         "eval/tree_accept_len",
         "eval/tree_walk_len",
+        "eval/replay_accept_len",
     )
     return ", ".join(f"{k[5:]}={metrics[k]:.3f}" for k in keys if k in metrics)
 

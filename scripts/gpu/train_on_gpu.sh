@@ -22,7 +22,7 @@ timeout 220 python3 distill.py conf=redrafter_smollm2_long output_root=/tmp/o ba
   distill.batch_tokens=131072 distill.shard_size=300 distill.capture_features=false > $OUT/logs/distill.log 2>&1
 echo "distill rc $? at $(( $(date +%s) - T0 )) s"
 M=$(python3 -c "print(round(max($TT - 60, 30) / 60, 2))")  # each training stops itself (eval, export) in time
-C="output_root=/tmp/o base_model.device=$DEV data.num_samples=$N train.allow_incomplete_data=true train.max_minutes=$M"
+C="output_root=/tmp/o base_model.device=$DEV data.num_samples=$N train.allow_incomplete_data=true train.max_minutes=$M train.eval_replay_rows=8"
 # while the trainings run (each one process, launch-bound): the tests skipped on a CPU-only host (CUDA graphs,
 # CUDA placement), then the rest of the suite. Never beside the distill: 8 test workers next to its 16 torch
 # threads made it 5x slower (H200, 2026-11-26: 900 of 3,000 prompts in 220 s).

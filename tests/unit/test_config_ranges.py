@@ -94,6 +94,8 @@ def test_every_preset_is_in_range(preset: str) -> None:
         ("drafter.feature_dropout=1.0", "drafter.feature_dropout=1.0: expected in [0, 1)"),
         ("train.grad_accum=0", "train.grad_accum=0"),
         ("train.keep_last=-1", "train.keep_last=-1: expected >= 0"),
+        ("train.eval_replay_rows=-1", "train.eval_replay_rows=-1: expected >= 0"),
+        ("train.eval_replay_tokens=0", "train.eval_replay_tokens=0: expected >= 1"),
         ("train.loss=mse", "train.loss=mse: expected one of ce, kl, ce+kl"),
         ("train.seed=-1", "train.seed=-1"),
         ("train.slot_weights=[1.0,-1.0]", "train.slot_weights=[1.0,-1.0]"),

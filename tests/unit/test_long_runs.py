@@ -47,7 +47,7 @@ class FakeStages:
                 ckpt.mkdir(parents=True, exist_ok=True)
                 (ckpt / "meta.json").write_text(json.dumps({"step": step}))  # a complete checkpoint
             summary = {"steps": steps, "wall_time_s": 60.0, "data": f"distilled x ({self.rows} rows)",
-                       "final_eval": {"eval/sim_accept_len": 1.5}}  # fmt: skip
+                       "final_eval": {"eval/sim_accept_len": 1.5, "eval/replay_accept_len": 1.875}}  # fmt: skip
             (run / "summary.json").write_text(json.dumps(summary))
         elif cmd[1] == "evaluate.py":
             out = Path(args["eval.out_dir"])
@@ -123,10 +123,12 @@ def test_all_stages_then_nothing_left_to_do(fake, capsys) -> None:
         "complete": True,
     }
     assert record["train"]["eagle3"]["sim_accept_len"] == 1.5 and record["train"]["eagle3"]["rows"] == 12
+    assert record["train"]["eagle3"]["replay_accept_len"] == 1.875
     assert [s["method"] for s in record["eval"]["summary"]] == ["ar", "redrafter:export", "eagle3:export"]
     assert "cpu_model" in record["machine"]
     out = capsys.readouterr().out
     assert "eagle3" in out and "2.00" in out and "1.30x" in out and "Pearson 0.970" in out  # the table
+    assert "1.875" in out and "1.500" not in out  # the replay, where the run logged it, over the chain
     stages.calls.clear()
     assert mod.main(argv) == 0  # done stages are skipped: only eval and simvs run again
     assert [c[1] for c in stages.calls] == ["evaluate.py", "scripts/sim_vs_served.py"]

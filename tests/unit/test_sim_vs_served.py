@@ -72,3 +72,35 @@ def test_replay_equals_served_on_the_targets_own_greedy_row(proposer: str) -> No
     assert sim == stats.accepted  # step for step
     if proposer == "oracle":
         assert sum(sim) > len(sim)  # long accepted paths were exercised
+
+
+def test_logged_replay_is_read_for_exports_and_checkpoints(tmp_path) -> None:
+    """The "logged replay" column: an export's final eval, a checkpoint's eval at its own step; None where the
+    run did not replay."""
+    import json
+    from pathlib import Path
+
+    from specdraft.testing import load_script
+
+    mod = load_script(Path(__file__).resolve().parents[2] / "scripts" / "sim_vs_served.py")
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    summary = {"final_eval": {"eval/replay_accept_len": 2.5}}
+    (run / "export" / "config.json").write_text(json.dumps({"training_summary": summary}))
+    records = [
+        {"step": 10, "eval/loss": 1.0, "eval/replay_accept_len": 1.75},
+        {"step": 10, "train/loss": 1.0},
+        {"step": 20, "eval/replay_accept_len": 2.5},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for step in (10, 15):
+        ckpt = run / "checkpoints" / f"step-{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text(
+            json.dumps({"step": step, "config": {"run_dir": str(run), "train": {}}})
+        )
+    assert mod.logged_replay(run / "export") == 2.5
+    assert mod.logged_replay(run / "checkpoints" / "step-00000010") == 1.75
+    assert mod.logged_replay(run / "checkpoints" / "step-00000015") is None  # no eval at that step
+    (run / "export" / "config.json").write_text(json.dumps({"training_summary": {"final_eval": {}}}))
+    assert mod.logged_replay(run / "export") is None

@@ -368,21 +368,22 @@ def replay_estimate(
     was_training = model.training
     model.eval()
     param = next(model.parameters())
-    proposer = make_proposer(model)
-    layers, keep_last = tuple(proposer.spec.feature_layers), bool(proposer.spec.keep_last_hidden)
     device = next(target.parameters()).device
     accepted: list[int] = []
-    for row in rows:
-        span = greedy_span(row["loss_mask"])
-        if span is None:
-            continue
-        start, end = span  # ids[:start] is the templated prompt, ids[start:end] the target's greedy tokens
-        ids = torch.as_tensor(row["input_ids"][:end], dtype=torch.long, device=device)  # (end,)
-        feats = decoder_features(target, ids, layers, keep_last).to(param.device, param.dtype)  # (end, F)
-        new = min(max_new_tokens, end - start)
-        accepted += replay_decode(proposer, feats, ids.to(param.device), start, new, stop_ids)
-    if was_training:
-        model.train()
+    try:
+        proposer = make_proposer(model)
+        layers, keep_last = tuple(proposer.spec.feature_layers), bool(proposer.spec.keep_last_hidden)
+        for row in rows:
+            span = greedy_span(row["loss_mask"])
+            if span is None:
+                continue
+            start, end = span  # ids[:start]: the templated prompt; ids[start:end]: greedy tokens
+            ids = torch.as_tensor(row["input_ids"][:end], dtype=torch.long, device=device)  # (end,)
+            feats = decoder_features(target, ids, layers, keep_last).to(param.device, param.dtype)  # (end, F)
+            new = min(max_new_tokens, end - start)
+            accepted += replay_decode(proposer, feats, ids.to(param.device), start, new, stop_ids)
+    finally:
+        model.train(was_training)
     return {
         "eval/replay_accept_len": 1.0 + sum(accepted) / max(len(accepted), 1),
         "eval/replay_steps": float(len(accepted)),

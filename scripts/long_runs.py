@@ -281,9 +281,8 @@ def run_stages(a: argparse.Namespace) -> int:
                 "processes": s.get("processes"),
                 "sim_accept_len": ev.get("eval/sim_accept_len"),
                 "tree_walk_len": ev.get("eval/tree_walk_len"),  # Medusa: its served tree, walked along rows
-                "replay_accept_len": ev.get(
-                    "eval/replay_accept_len"
-                ),  # train.eval_replay_rows: its own proposer
+                # train.eval_replay_rows: the decoder replayed with the family's own proposer
+                "replay_accept_len": ev.get("eval/replay_accept_len"),
                 "acc1_s0": ev.get("eval/acc1_s0"),
                 "export": str(run_dir / "export"),
             }

@@ -11,9 +11,10 @@ hashed over the conversation ids, `data.conversations.split_indices`):
     conversation's prompt, `max_new_tokens` tokens (at most the row's first run of trained tokens,
     `train.evaluate.greedy_span`: `data.max_length` or a retokenisation mismatch may cut it); tokens/step =
     accepted drafts + 1 per target forward.
-  * simulated: `train.evaluate.replay_decode`: the same proposer (same tree/beam settings) drafting from one
-    teacher-forced target forward over the distilled row, verified against the row's own greedy response;
-    what `train.eval_replay_rows` logs during training as `eval/replay_accept_len`.
+  * simulated: `train.evaluate.replay_estimate` (`replay_decode` per row): the same proposer (same tree/beam
+    settings) drafting from one teacher-forced target forward over the distilled row, verified against the
+    row's own greedy response; the function `train.eval_replay_rows` logs during training as
+    `eval/replay_accept_len`.
   * chain: the training-time `eval/sim_accept_len` (1 + sum_k prod_i acc1_i, one greedy chain, every
     position) from `train.evaluate.evaluate`, for reference: it ignores the tree.
   * logged replay: `eval/replay_accept_len` as the training run logged it for those weights
@@ -146,7 +147,7 @@ def main() -> None:
     from specdraft.eval.static_decode import make_decoder
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
-    from specdraft.train.evaluate import decoder_features, greedy_span, pearson, replay_decode
+    from specdraft.train.evaluate import greedy_span, pearson, replay_estimate
     from specdraft.utils import atomic_write_json
 
     target, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device="cpu"))
@@ -170,26 +171,23 @@ def main() -> None:
             folder, label = as_export(Path(raw), Path(scratch))
             drafter = load_drafter(str(folder), target, fingerprint).float()
             prop = make_proposer(drafter)  # the drafter's own decode settings, no node budget
-            layers, keep_last = prop.spec.feature_layers, prop.spec.keep_last_hidden
             t0 = time.perf_counter()
-            sim_acc, served_acc, same, emitted = [], [], 0, 0
+            # simulated: the replay `train.eval_replay_rows` logs during training, on the same rows
+            replay = replay_estimate(drafter, target, rows, a.max_new_tokens, stop)
+            sim, sim_steps = replay["eval/replay_accept_len"], int(replay["eval/replay_steps"])
+            served_acc, same, emitted = [], 0, 0
             for row in rows:
                 span = greedy_span(row["loss_mask"])
                 if span is None:
                     continue
-                start, end = (
-                    span  # ids[:start]: the templated prompt; ids[start:end]: the target's greedy tokens
-                )
+                start, end = span  # ids[:start]: the templated prompt; ids[start:end]: greedy tokens
                 ids = torch.tensor(row["input_ids"][:end], dtype=torch.long)
                 new = min(a.max_new_tokens, end - start)  # data.max_length or retokenisation may cut it
-                feats = decoder_features(target, ids, tuple(layers), keep_last)
-                sim_acc += replay_decode(prop, feats, ids, start, new, stop)
                 out, stats = dec.speculative_generate(tok, ids[:start], prop, new, stop_ids=stop)
                 served_acc += stats.accepted
                 emitted += len(out)
                 same += out == ids[start : start + len(out)].tolist()  # row == the served greedy output
             t_sim_served = time.perf_counter() - t0
-            sim = 1.0 + sum(sim_acc) / max(len(sim_acc), 1)
             served = 1.0 + sum(served_acc) / max(len(served_acc), 1)
             chain, tree, walk = chain_sim(
                 drafter, target, picked, manifest.get("features"), int(tok.pad_token_id), counts
@@ -203,7 +201,7 @@ def main() -> None:
                     chain_sim_accept_len=chain, tree_accept_len=tree, tree_walk_len=walk,
                     train_estimate=estimate, train_ratio=estimate / served, logged_replay=logged,
                     logged_ratio=None if logged is None else logged / served,
-                    sim_steps=len(sim_acc), served_steps=len(served_acc),
+                    sim_steps=sim_steps, served_steps=len(served_acc),
                     served_tokens=emitted,
                     rows_equal_served=f"{same}/{len(rows)}", seconds=round(t_sim_served, 1),
                 )

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specdraft.models.hf_compat import cache_kwargs, returned_cache
+
 IGNORE = -100
 
 
@@ -77,7 +79,7 @@ def greedy_continuations(
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)  # (1, L)
     base = model(input_ids=ids, use_cache=True)
     first = base.logits[0].argmax(-1)  # (L,) cont[t][0] for every t
-    cache = base.past_key_values
+    cache = returned_cache(base)
     for start in range(0, len(todo), chunk_size):
         pos = torch.tensor(todo[start : start + chunk_size], device=device)  # (n,)
         n = pos.shape[0]
@@ -88,10 +90,10 @@ def greedy_continuations(
                 input_ids=chains[-1][None],  # (1, n) the newest token of every chain
                 attention_mask=mask,
                 position_ids=(pos + j)[None],  # (1, n)
-                past_key_values=cache,
                 use_cache=True,
+                **cache_kwargs(model, cache),
             )
-            cache = step.past_key_values
+            cache = returned_cache(step)
             chains.append(step.logits[0].argmax(-1))  # (n,)
         if T > 1:
             cache.crop(-(n * (T - 1)))  # drop this chunk's chain tokens, keep the base sequence

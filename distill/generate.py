@@ -32,7 +32,9 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specdraft.distill.features import FeatureSpec, feature_tensors
-from specdraft.models.base_llm import TargetOutput, forward_with_hidden, lm_logits
+from specdraft.distill.slack_cache import SlackLayer, slack_cache
+from specdraft.models.base_llm import TargetOutput, fast_supported, forward_with_hidden, lm_logits
+from specdraft.models.hf_compat import cache_kwargs, returned_cache
 
 TailFn = Callable[[list[int], str], list[int]]  # (generated ids, finish reason) -> ids fed after g_{n-1}
 Features = dict[str, torch.Tensor]  # `feature_tensors` output: (n, ...) per key, CPU, feature dtype
@@ -113,7 +115,7 @@ def pick_tokens(
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
     layers = cache.layers
-    if not all(type(layer) is DynamicLayer for layer in layers):
+    if not all(type(layer) in (DynamicLayer, SlackLayer) for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers})
         raise NotImplementedError(f"batched refill needs plain DynamicLayer caches, got {kinds}")
     return cast("list[DynamicLayer]", layers)
@@ -155,26 +157,50 @@ def _forward(
 ) -> tuple[torch.Tensor, DynamicCache, list[Features] | None]:
     """One cached forward over ids (B, n) with mask (B, W + n) and positions (B, n).
 
+    A decode step (n = 1) of a model `fast_forward` reproduces runs that lean forward (the decoders' own,
+    `models/fast_target.py`: the same layers to rounding, without transformers' per-module plumbing and mask
+    preprocessing), with the padding mask as a (B, 1, 1, W + 1) boolean; a prefill runs transformers' forward.
+
     Returns:
         (last-position logits (B, V), cache, per row the features of its positions whose mask is 1 among
         the n fed (None without `capture`)).
     """
-    if capture is None:
+    window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+    lean = (  # the (B, 1, 1, W + 1) mask says nothing of a window the keys would exceed
+        ids.shape[1] == 1
+        and cache is not None
+        and fast_supported(model)
+        and (window is None or mask.shape[1] <= int(window))
+    )
+    if capture is None and not lean:
         out = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **cache_kwargs(model, cache),
         )
-        return out.logits[:, -1], out.past_key_values, None
-    res = forward_with_hidden(model, ids, mask, pos, cache, capture.layers, use_cache=True, logits=False)
+        return out.logits[:, -1], returned_cache(out), None
+    layers = capture.layers if capture is not None else ()
+    res = forward_with_hidden(
+        model,
+        ids,
+        mask[:, None, None, :].bool() if lean else mask,  # (B, 1, 1, W + 1): True = attend
+        pos,
+        cache,
+        layers,
+        use_cache=True,
+        logits=False,
+        fast=lean,
+    )
     logits = lm_logits(model, res.hidden[:, -1])  # (B, V)
+    if capture is None:
+        return logits, res.past_key_values, None
     B, n = ids.shape
     if n == 1:  # a decode step: all rows at once, the top-k from the logits just computed
-        layers = res.layers[:, 0] if res.layers is not None else None  # (B, m, H)
-        f = feature_tensors(model, res.hidden[:, 0], layers, capture, logits)  # (B, ...) per key
+        rl = res.layers[:, 0] if res.layers is not None else None  # (B, m, H)
+        f = feature_tensors(model, res.hidden[:, 0], rl, capture, logits)  # (B, ...) per key
         return logits, res.past_key_values, [{k: v[b : b + 1] for k, v in f.items()} for b in range(B)]
     fed = mask[:, -n:].bool()  # (B, n) the positions fed after each row's left padding
     return logits, res.past_key_values, _row_features(model, res, fed, capture)
@@ -217,7 +243,7 @@ def _prefill(
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P) real tokens before each position
-    logits, cache, feats = _forward(model, ids, mask, pos, None, capture)
+    logits, cache, feats = _forward(model, ids, mask, pos, slack_cache(), capture)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     return logits, cache, mask, lengths, feats
 
@@ -271,7 +297,7 @@ def generate_batched(
     """Generate a continuation for every prompt, batched with a KV cache.
 
     Args:
-        model: a HF causal LM (Llama-style, plain `DynamicCache`), in eval mode.
+        model: a HF causal LM (Llama-style; its cache a `slack_cache`), in eval mode.
         prompts: token ids per prompt (any lengths, >= 1 token each).
         settings: sampling, stop ids and batch budget.
         max_new_tokens: optional per-prompt budget (default `settings.max_new_tokens` for all).

@@ -45,7 +45,7 @@ PACK_MAX_ROWS = 24
 # the kwargs it handles (any other one goes to transformers' function): bookkeeping that SDPA ignores;
 # `sliding_window` is informational for SDPA too (the mask already encodes the window)
 _PLAIN = {
-    "dropout", "scaling", "is_causal", "position_ids", "past_key_values", "use_cache", "cache_position",
+    "dropout", "scaling", "is_causal", "position_ids", "past_key_values", "cache", "use_cache", "cache_position",
     "sliding_window", "output_hidden_states", "output_attentions",
 }  # fmt: skip
 

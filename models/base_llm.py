@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specdraft.hardware import resolve_placement
 from specdraft.models.attention import use_gqa_sdpa
 from specdraft.models.fast_target import Packing, fast_forward, unsupported, wanted
+from specdraft.models.hf_compat import cache_kwargs, returned_cache
 from specdraft.utils import atomic_dir, cache_root, check_safetensors, hub_errors, local_or_hub, sha256_text
 
 log = logging.getLogger(__name__)
@@ -314,14 +315,14 @@ def forward_with_hidden(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
         use_cache=use_cache,
         output_hidden_states=bool(layers),
+        **cache_kwargs(decoder, past_key_values),
     )
     hidden = out.last_hidden_state  # (B, L, H), after the final norm
     extra = torch.stack([out.hidden_states[i] for i in layers], dim=2) if layers else None  # (B, L, m, H)
     logits_out = lm_logits(model, hidden) if logits else hidden.new_empty(0)  # (B, L, V)
-    return TargetOutput(logits_out, hidden, extra, out.past_key_values if use_cache else None)
+    return TargetOutput(logits_out, hidden, extra, returned_cache(out) if use_cache else None)
 
 
 _FAST: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()

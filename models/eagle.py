@@ -51,6 +51,7 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     unroll,
 )
 from specdraft.models.family import FamilySpec
+from specdraft.models.hf_compat import cache_kwargs
 from specdraft.models.layers import d2t_draft_ids, draft_vocab_ids, scatter_to_vocab, weights_key
 
 
@@ -143,9 +144,9 @@ class EagleDrafter(PreTrainedModel):
             x,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             position_embeddings=rope,
+            **cache_kwargs(self.layers[0], cache),
         )
         return out[0] if isinstance(out, tuple) else out
 

@@ -46,6 +46,7 @@ from specdraft.models.eagle_common import (
     unroll,
 )
 from specdraft.models.family import FamilySpec
+from specdraft.models.hf_compat import cache_kwargs
 from specdraft.models.layers import check_target_layers, d2t_to_draft_ids, draft_vocab_ids, scatter_to_vocab
 
 
@@ -165,7 +166,10 @@ class Eagle3Drafter(PreTrainedModel):
             block.attention
             if block is not None
             else lambda x, rope, mask, cache: lay.self_attn(
-                hidden_states=x, position_embeddings=rope, attention_mask=mask, past_key_values=cache
+                hidden_states=x,
+                position_embeddings=rope,
+                attention_mask=mask,
+                **cache_kwargs(lay.self_attn, cache),
             )[0]
         )
         x = torch.cat(

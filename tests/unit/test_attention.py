@@ -9,6 +9,7 @@ import torch
 
 from specdraft.models import attention
 from specdraft.models.attention import NAME, use_gqa_sdpa
+from specdraft.models.hf_compat import cache_kwargs, returned_cache
 from specdraft.testing import tiny_target
 
 CPU = torch.device("cpu")
@@ -47,16 +48,16 @@ def test_same_outputs_as_transformers_sdpa_and_no_repeat_kv(arch, monkeypatch):
         full = torch.randint(0, 100, (1, prefix + n), generator=g)
         out = []
         for m in (model, ref):
-            past = m(full[:, :prefix], use_cache=True).past_key_values
+            past = returned_cache(m(full[:, :prefix], use_cache=True))
             pos = (prefix + torch.tensor([0, 1, 1, 1]))[None]
             out.append(
-                m(full[:, prefix:], attention_mask=mask, position_ids=pos, past_key_values=past).logits
+                m(full[:, prefix:], attention_mask=mask, position_ids=pos, **cache_kwargs(m, past)).logits
             )
         assert torch.equal(out[0], out[1])
         # as the decoders call it (`forward_with_hidden`: output_hidden_states and a cache): the same path
         from specdraft.models.base_llm import forward_with_hidden
 
-        past = [m(full[:, :prefix], use_cache=True).past_key_values for m in (model, ref)]
+        past = [returned_cache(m(full[:, :prefix], use_cache=True)) for m in (model, ref)]
         got = [
             forward_with_hidden(m, full[:, prefix:], mask, pos, c, layers=(1,), use_cache=True)
             for m, c in zip((model, ref), past, strict=True)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdraft.distill import generate
 from specdraft.distill.generate import GenerationSettings, generate_batched, pick_tokens
-from specdraft.testing import tiny_llama
+from specdraft.testing import tiny_llama, tiny_target
 
 STOP = (97, 106, 114)  # tokens the seeded tiny model emits mid-sequence for some prompts
 
@@ -69,21 +70,35 @@ def test_batched_equals_unbatched_greedy(references, dtype, batch_tokens, max_ba
     assert reasons == {"eos", "length"}  # both stopping rules exercised
 
 
-def test_refill_splices_rows_into_a_running_batch():
+@pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", None), ("mistral", 6)])
+def test_batched_equals_unbatched_greedy_other_targets(arch, window):
+    """Qwen2 and Mistral targets, and a sliding window shorter than most rows (transformers' forward takes the
+    decode steps past it: the lean forward's padding mask would not hide the keys beyond the window)."""
+    model = tiny_target(arch)
+    model.config.sliding_window = window
+    prompts, budgets = make_prompts(n=9, seed=5)
+    s = GenerationSettings(stop_ids=(3,), batch_tokens=60, max_batch_size=3, refill=True)
+    got = generate_batched(model, prompts, s, max_new_tokens=budgets)
+    for g, p, b in zip(got, prompts, budgets):
+        assert (g.tokens, g.finish_reason) == greedy_reference(model, p, b, stop=(3,))
+    if window is not None:
+        assert max(len(p) + g.length for p, g in zip(prompts, got)) > window + 4
+
+
+def test_refill_splices_rows_into_a_running_batch(monkeypatch):
     """With refill, new prompts join while others still decode (fewer forwards than static batches)."""
     model = tiny_llama(dtype=torch.float64)
     prompts, budgets = make_prompts(n=12, seed=3)
     calls = {"n": 0, "mixed": 0}
-    orig = model.forward
+    orig = generate._forward
 
-    def counting(*args, **kwargs):
+    def counting(model, ids, mask, pos, cache, capture):
         calls["n"] += 1
-        pkv = kwargs.get("past_key_values")
-        if pkv is not None and kwargs["attention_mask"][:, 0].min() == 0:
+        if ids.shape[1] == 1 and mask[:, 0].min() == 0:
             calls["mixed"] += 1  # a decode step over left-padded (spliced) rows
-        return orig(*args, **kwargs)
+        return orig(model, ids, mask, pos, cache, capture)
 
-    model.forward = counting
+    monkeypatch.setattr(generate, "_forward", counting)
     s = GenerationSettings(stop_ids=STOP, max_batch_size=4, refill=True)
     refilled = generate_batched(model, prompts, s, max_new_tokens=budgets)
     n_refill, mixed = calls["n"], calls["mixed"]
@@ -98,16 +113,16 @@ def test_refill_splices_rows_into_a_running_batch():
     assert mixed > 0 and n_refill < calls["n"]
 
 
-def test_token_budget_packs_rows_and_long_prompts_run_alone():
+def test_token_budget_packs_rows_and_long_prompts_run_alone(monkeypatch):
     model = tiny_llama(dtype=torch.float64)
     sizes: list[int] = []
-    orig = model.forward
+    orig = generate._forward
 
-    def spy(*args, **kwargs):
-        sizes.append(kwargs["input_ids"].shape[0])
-        return orig(*args, **kwargs)
+    def spy(model, ids, *args):
+        sizes.append(ids.shape[0])
+        return orig(model, ids, *args)
 
-    model.forward = spy
+    monkeypatch.setattr(generate, "_forward", spy)
     prompts = [[7] * 40, [8] * 10, [9] * 10, [10] * 10]
     s = GenerationSettings(
         stop_ids=(), batch_tokens=45, max_batch_size=8, refill=False

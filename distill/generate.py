@@ -167,10 +167,7 @@ def _forward(
     """
     window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
     lean = (  # the (B, 1, 1, W + 1) mask says nothing of a window the keys would exceed
-        ids.shape[1] == 1
-        and cache is not None
-        and fast_supported(model)
-        and (window is None or mask.shape[1] <= int(window))
+        ids.shape[1] == 1 and fast_supported(model) and (window is None or mask.shape[1] <= int(window))
     )
     if capture is None and not lean:
         out = model(

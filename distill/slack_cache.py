@@ -30,13 +30,16 @@ class SlackLayer(DynamicLayer):
     def __init__(self) -> None:
         super().__init__()
         self._buffers: tuple[Tensor, Tensor] | None = None  # (B, heads, capacity, d) each
+        self._views: tuple[Tensor, Tensor] | None = (
+            None  # the keys / values this layer last set (of `_buffers`)
+        )
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append key/value states (B, heads, n, d) after the cached columns; returns the (B, heads, S + n, d)
         views attention reads."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if not self._fits(key_states):
+        if not self._fits(key_states.shape[-2]):
             self._move(key_states, value_states)
         assert self._buffers is not None and self.keys is not None  # set by `_move`
         kbuf, vbuf = self._buffers
@@ -44,25 +47,16 @@ class SlackLayer(DynamicLayer):
         kbuf[:, :, s : s + n].copy_(key_states)
         vbuf[:, :, s : s + n].copy_(value_states)
         self.keys, self.values = kbuf[:, :, : s + n], vbuf[:, :, : s + n]
+        self._views = (self.keys, self.values)
         return self.keys, self.values
 
-    def _fits(self, key_states: Tensor) -> bool:
-        """Whether `keys` / `values` are still views of this layer's buffers with room for n more columns."""
-        if self._buffers is None or self.keys is None or self.values is None:
+    def _fits(self, n: int) -> bool:
+        """Whether `keys` / `values` are still the views this layer set (no one replaced them) and the room
+        takes n more columns."""
+        if self._buffers is None or self._views is None or self.keys is None:
             return False
-        kbuf, vbuf = self._buffers
-        k, v = self.keys, self.values
-        return (
-            k.ndim == v.ndim == 4
-            and k.data_ptr() == kbuf.data_ptr()
-            and v.data_ptr() == vbuf.data_ptr()
-            and k.stride() == kbuf.stride()
-            and v.stride() == vbuf.stride()
-            and k.shape[:2] == kbuf.shape[:2] == key_states.shape[:2]
-            and v.shape[:2] == vbuf.shape[:2]
-            and k.shape[-2] == v.shape[-2]
-            and k.shape[-2] + key_states.shape[-2] <= kbuf.shape[-2]
-        )
+        own = self.keys is self._views[0] and self.values is self._views[1]
+        return own and self.keys.shape[-2] + n <= self._buffers[0].shape[-2]
 
     def _move(self, key_states: Tensor, value_states: Tensor) -> None:
         """Copy the cached columns into fresh buffers with room for the n new ones + `SLACK` more."""
@@ -79,7 +73,7 @@ class SlackLayer(DynamicLayer):
 
     def reset(self) -> None:
         """Drop the cache and its buffers."""
-        self._buffers = None
+        self._buffers = self._views = None
         super().reset()
 
 

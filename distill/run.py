@@ -44,7 +44,7 @@ from specdraft.distill.shards import (
 from specdraft.distill.turns import build_rows
 from specdraft.hardware import log_environment, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
-from specdraft.models.linear_layout import apply_layout
+from specdraft.models.linear_layout import apply_layout, layout_label
 from specdraft.utils import clean_stale_tmp
 
 
@@ -129,7 +129,9 @@ def distill(cfg: DictConfig) -> Path:
     layout = apply_layout(model, str(d.linear_layout))  # decode steps of <= max_batch_size rows, on a CPU
     if layout != "native":
         say(
-            f"[distill] distill.linear_layout: target Linear weights {layout} (CPU decode layout)", flush=True
+            f"[distill] distill.linear_layout: target Linear weights {layout_label(model, layout)} (CPU decode "
+            "layout)",
+            flush=True,
         )
     log_environment("distill", resolve_placement(cfg.base_model.device, cfg.base_model.dtype))
     fingerprint = target_fingerprint(model, tokenizer)

@@ -66,6 +66,19 @@ def add_target_args(
     p.add_argument("--json", default=None, help="also write the rows (+ command, machine) to this JSON file")
 
 
+def apply_bench_layout(model: nn.Module, layout: str) -> str:
+    """`models.linear_layout.apply_layout`, plus "panel-fp32": fp32 panels even where a weight is exact
+    (`models/exact_panels.py`), for A/B runs against the `panel` layout that stores those as integers. Returns
+    the layout applied."""
+    from specdraft.models.linear_layout import apply_layout
+    from specdraft.models.panel_linear import panel_linears
+
+    if layout == "panel-fp32":
+        panel_linears(model, exact=False)
+        return layout
+    return apply_layout(model, layout)
+
+
 def drafter_label(drafter: nn.Module, path: str) -> str:
     """`family:name`, the name being the run's folder for `<run>/export`, else the path's last part."""
     from specdraft.eval.proposers import drafter_family

@@ -55,6 +55,7 @@ from specdraft.eval.decode import sync_device
 from specdraft.hardware import cpu_model
 from specdraft.models.base_llm import fast_supported
 from specdraft.models.fast_target import wanted
+from specdraft.models.panel_linear import storage_summary
 from specdraft.utils import cache_root
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
@@ -74,7 +75,7 @@ def _cache_dir() -> Path:
 def machine_key(model: torch.nn.Module, path: str) -> str:
     """What a cost curve depends on: the model's config, device (CPU model / GPU name), dtype, threads,
     torch version, the decode path ("eager" | "fixed" | "graph"), the Linear weight layout
-    (`models.linear_layout`: the LM head's class tells), the attention implementation, the target forward
+    (`models.linear_layout`: the LM head's class tells; panels: fp32 or exact blocks), the attention implementation, the target forward
     (`models/fast_target.py` or transformers') and `COST_VERSION`."""
     emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
     dev = emb.device
@@ -90,6 +91,7 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
         torch.__version__,
         path,
         layout,
+        storage_summary(model),  # fp32 or exact block panels (models/exact_panels.py)
         str(getattr(cast(PreTrainedModel, model).config, "_attn_implementation", "")),
         "lean-forward" if wanted() and fast_supported(model) else "hf-forward",
         f"cost-v{COST_VERSION}",

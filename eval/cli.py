@@ -348,7 +348,7 @@ def evaluate(cfg: DictConfig) -> Path:
     from specdraft.eval.runner import run_benchmark, warm_up
     from specdraft.eval.speedup import print_tables, summarize
     from specdraft.models.base_llm import load_target
-    from specdraft.models.linear_layout import apply_layout
+    from specdraft.models.linear_layout import apply_layout, layout_label
 
     validate_config(cfg)
     e = cfg.eval
@@ -361,7 +361,7 @@ def evaluate(cfg: DictConfig) -> Path:
     model, tokenizer = load_target(SimpleNamespace(**base))
     layout = apply_layout(model, str(e.linear_layout))  # small-M products (verify trees) cheaper on a CPU
     if layout != "native":
-        print(f"eval.linear_layout: target Linear weights {layout} (CPU decode layout)")
+        print(f"eval.linear_layout: target Linear weights {layout_label(model, layout)} (CPU decode layout)")
     log_environment("evaluate", resolve_placement(base["device"], base["dtype"]))
     stop_ids = default_stop_ids(tokenizer, model)
     methods, skipped = _methods(cfg, model, tokenizer, stop_ids)

@@ -54,6 +54,8 @@ from specdraft.models.panel_linear import (
     panel_bytes,
     panel_linears,
     panel_status,
+    storage_summary,
+    store_bytes,
 )
 
 Layout = Literal["auto", "transposed", "native", "packed", "panel"]
@@ -191,7 +193,7 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(m, (PackedLinear, PanelLinear)):
             size = m.native.numel() * m.native.element_size()
             seen.setdefault(m.native.data_ptr(), size)
-            packs += len(m.packs) * size if isinstance(m, PackedLinear) else m.panels.numel() * 4
+            packs += len(m.packs) * size if isinstance(m, PackedLinear) else store_bytes(m.panels)
     return sum(seen.values()) + packs
 
 
@@ -271,6 +273,13 @@ def resolve_layout(
     if not intel and panel_available() and panels <= PACK_MEMORY_SHARE * free_memory_bytes():
         return "panel"
     return "transposed"
+
+
+def layout_label(model: nn.Module, layout: str) -> str:
+    """`layout` as a run's log shows it: panels also say how they store the weights (fp32 or exact panels,
+    `panel_linear.storage_summary`), e.g. "panel (stored q4:210 q8:1)"."""
+    stored = storage_summary(model) if layout == "panel" else ""
+    return f"{layout} (stored {stored})" if stored else layout
 
 
 def apply_layout(model: nn.Module, layout: str) -> str:

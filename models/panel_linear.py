@@ -17,10 +17,14 @@ same bits whatever the row count and the other rows (`row-invariant`): an AR ste
 batched step compute the same Linear outputs for the same row.
 
 The kernel is compiled on first use with the system C compiler (`$CC`, else `cc`; gcc or clang, x86-64 with
-AVX2 and FMA) and cached in `$SPECDRAFT_CACHE/kernels/` (written atomically, keyed by the source, flags and
+AVX2, FMA and F16C) and cached in `$SPECDRAFT_CACHE/kernels/` (written atomically, keyed by the source, flags and
 compiler). Where it cannot be built, `panel_status()` says why and `eval.linear_layout=auto` keeps the
 `transposed` layout. It links OpenMP by soname, so it runs on the libgomp torch already loaded.
 For decoding only (no autograd); training keeps `nn.Linear`.
+
+Where a weight is exactly a dequantised GGUF block format (Q4_0 / Q4_1 / Q8_0) or holds only bf16 / fp16
+values, `PanelLinear` stores it as exact panels instead (`models/exact_panels.py`): the same outputs bit for
+bit from 2-5x fewer bytes streamed per product.
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.hardware import cpu_flags
+from specdraft.models.exact_panels import KINDS, ExactPanels, exact_panels, exact_product
+from specdraft.models.exact_panels import enabled as exact_enabled
 from specdraft.models.layers import replace_linears
 from specdraft.utils import cache_root
 
 PANEL = 16  # output columns per packed panel (two AVX2 vectors); panel_linear.c's PW
 SOURCE = Path(__file__).with_name("panel_linear.c")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
 def _build(cc: str) -> Path:
@@ -78,12 +84,30 @@ def _build(cc: str) -> Path:
 
 @lru_cache(maxsize=1)
 def panel_status() -> tuple[Callable[..., None] | None, str]:
-    """(the kernel's C function, "ok") where it runs here, else (None, why not): an x86-64 CPU with AVX2 and
-    FMA and a working C compiler with OpenMP. Builds (or loads the cached build) once per process."""
+    """(the kernel's C function, "ok") where it runs here, else (None, why not): an x86-64 CPU with AVX2, FMA
+    and F16C and a working C compiler with OpenMP. Builds (or loads the cached build) once per process."""
+    global _LIB
+    _LIB, why = _library()
+    return (_LIB.sd_panel_linear if _LIB is not None else None), why
+
+
+_LIB: ctypes.CDLL | None = None  # the library `panel_status` last loaded
+
+
+def panel_lib() -> ctypes.CDLL | None:
+    """The kernel library (`sd_panel_linear`, and the exact block panels' `sd_qpanel_linear`,
+    `sd_qpanel_unpack`) where it runs here, else None (`panel_status` says why)."""
+    return _LIB if panel_status()[0] is not None else None
+
+
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the built library with its argument types declared, "ok"), else (None, why not)."""
+    from specdraft.models.exact_panels import declare
+
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"the panel kernel is x86-64 AVX2 code; this machine is {platform.machine()}"
-    if cpu_flags() and not {"avx2", "fma"} <= cpu_flags():
-        return None, "the panel kernel needs AVX2 and FMA, which this CPU lacks"
+    if cpu_flags() and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        return None, "the panel kernel needs AVX2, FMA and F16C, which this CPU lacks"
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         return None, f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH to build the panel kernel"
@@ -95,7 +119,8 @@ def panel_status() -> tuple[Callable[..., None] | None, str]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     fn.restype = None
-    return fn, "ok"
+    declare(lib)
+    return lib, "ok"
 
 
 def panel_available() -> bool:
@@ -131,7 +156,7 @@ class PanelLinear(nn.Module):
             shared.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, exact: bool | None = None) -> None:
         super().__init__()
         if not panel_available() or not fp32_cpu(linear):
             raise ValueError(
@@ -140,7 +165,10 @@ class PanelLinear(nn.Module):
             )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.native = linear.weight.detach()  # (out, in), shared (the input embedding's, for a tied LM head)
-        self.panels = pack_panels(self.native)  # (panels, in, PANEL): a plain tensor, not in state_dict
+        panels = pack_panels(self.native)  # (panels, in, PANEL)
+        store = exact_panels(self.native, panels) if (exact_enabled() if exact is None else exact) else None
+        # (panels, in, PANEL) fp32, or the same weights as exact block panels: plain tensors, not in state_dict
+        self.panels: Tensor | ExactPanels = panels if store is None else store
         self.bias = linear.bias
 
     @property
@@ -153,16 +181,19 @@ class PanelLinear(nn.Module):
         return panel_product(x, self.panels, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, layout=panels of {PANEL}"
+        kind = f", exact {self.panels.kind}" if isinstance(self.panels, ExactPanels) else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout=panels of {PANEL}{kind}"
 
 
-def panel_product(x: Tensor, panels: Tensor, out_features: int, bias: Tensor | None) -> Tensor:
-    """x @ W.T + bias through the panel kernel: x (..., in) fp32, panels (ceil(out / PANEL), in, PANEL) of W ->
-    (..., out)."""
+def panel_product(x: Tensor, panels: Tensor | ExactPanels, out_features: int, bias: Tensor | None) -> Tensor:
+    """x @ W.T + bias through the panel kernel: x (..., in) fp32, panels (ceil(out / PANEL), in, PANEL) of W
+    (or W as `ExactPanels`: the same bits) -> (..., out)."""
     if x.dtype != torch.float32:
         raise TypeError(f"PanelLinear computes in fp32, got {x.dtype} input")
     k = panels.shape[1]
     x2 = x.reshape(-1, k).contiguous()  # (M, in)
+    if isinstance(panels, ExactPanels):
+        return exact_product(x2, panels, out_features, bias).reshape(*x.shape[:-1], out_features)
     y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)  # (M, out)
     fn = panel_status()[0]
     if x2.shape[0] and fn is not None:
@@ -192,7 +223,12 @@ class StackedPanels:
 
     def __init__(self, linears: list[PanelLinear]) -> None:
         self.members = list(linears)
-        self.panels = torch.cat([m.panels for m in linears])  # (sum panels, in, PANEL)
+        exact = [m.panels for m in linears if isinstance(m.panels, ExactPanels)]
+        plain = [m.panels for m in linears if not isinstance(m.panels, ExactPanels)]
+        if exact and plain:
+            raise ValueError("StackedPanels: exact and fp32 panels do not stack (see `stackable`)")
+        # (sum panels, in, PANEL), or ExactPanels of as many panels (one kind: `stackable`)
+        self.panels: Tensor | ExactPanels = ExactPanels.cat(exact) if exact else torch.cat(plain)
         start = 0
         for m in linears:  # each member reads its slice of the one buffer from now on
             n = m.panels.shape[0]
@@ -204,7 +240,7 @@ class StackedPanels:
             if all(b is None for b in biases)
             else torch.cat(
                 [
-                    b.detach() if b is not None else self.panels.new_zeros(n)
+                    b.detach() if b is not None else torch.zeros(n)
                     for b, n in zip(biases, self.sizes, strict=True)
                 ]
             )
@@ -212,11 +248,16 @@ class StackedPanels:
 
     @staticmethod
     def stackable(linears: list[nn.Module]) -> bool:
-        """Whether `linears` can be stacked: PanelLinears of one input width, every output width a multiple of
-        PANEL."""
+        """Whether `linears` can be stacked: PanelLinears of one input width and one storage (fp32 panels, or
+        exact panels of one kind), every output width a multiple of PANEL."""
         panels = [m for m in linears if isinstance(m, PanelLinear)]
+        kinds = {
+            m.panels.kind if isinstance(m.panels, ExactPanels) else "fp32" for m in panels
+        }  # one storage
         return len(panels) == len(linears) and (
-            len({m.in_features for m in panels}) == 1 and all(m.out_features % PANEL == 0 for m in panels)
+            len({m.in_features for m in panels}) == 1
+            and all(m.out_features % PANEL == 0 for m in panels)
+            and len(kinds) == 1
         )
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
@@ -224,7 +265,24 @@ class StackedPanels:
         return panel_product(x, self.panels, sum(self.sizes), self.bias).split(self.sizes, dim=-1)
 
 
-def panel_linears(model: nn.Module) -> int:
+def panel_linears(model: nn.Module, exact: bool | None = None) -> int:
     """Replace every fp32 CPU `nn.Linear` under `model` by a `PanelLinear`, in place (other dtypes and devices
-    are left as they are); returns how many."""
-    return replace_linears(model, PanelLinear, fp32_cpu)
+    are left as they are); `exact`: store exact block panels where a weight is one (None:
+    `SPECDRAFT_EXACT_PANELS`, default on). Returns how many."""
+    return replace_linears(model, lambda linear: PanelLinear(linear, exact), fp32_cpu)
+
+
+def store_bytes(panels: Tensor | ExactPanels) -> int:
+    """Bytes a `PanelLinear.panels` holds (fp32 panels or exact block panels)."""
+    return panels.nbytes() if isinstance(panels, ExactPanels) else panels.numel() * panels.element_size()
+
+
+def storage_summary(model: nn.Module) -> str:
+    """How `model`'s PanelLinears store their weights, e.g. "q4:210 q8:1" ("" without any): the cost of a step
+    depends on it."""
+    kinds = [
+        m.panels.kind if isinstance(m.panels, ExactPanels) else "fp32"
+        for m in model.modules()
+        if isinstance(m, PanelLinear)
+    ]
+    return " ".join(f"{k}:{kinds.count(k)}" for k in ("fp32", *KINDS) if k in kinds)

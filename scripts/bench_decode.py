@@ -12,6 +12,8 @@
     python scripts/bench_decode.py --drafter <exports> --lookup 10 --lookup-branch 10 --layout panel --budget
     # CPU: the panel kernel against the transposed layout it replaced on non-Intel CPUs
     python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-vs-transposed --budget
+    # CPU: a dequantised GGUF target's weights as exact 4/8-bit blocks against fp32 panels
+    python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-exact --budget
     # on a GPU: the static path captures CUDA graphs (--graphs auto is on exactly when the target is on CUDA)
     python scripts/bench_decode.py --device cuda --dtype bf16 --drafter <export> --prompts 8
 
@@ -33,8 +35,12 @@ LAYOUT_SETS = {
     "both": ("native", "transposed"),
     "all": ("native", "transposed", "packed", "panel"),
     "panel-vs-transposed": ("transposed", "panel"),  # the CPU `auto` before and after the panel kernel
+    "panel-exact": (
+        "panel-fp32",
+        "panel",
+    ),  # fp32 panels against exact 4/8-bit blocks (models/exact_panels.py)
 }
-SUFFIX = {"native": "", "transposed": "-T", "packed": "-P", "panel": "-panel"}  # path labels per layout
+SUFFIX = {"native": "", "transposed": "-T", "packed": "-P", "panel": "-panel", "panel-fp32": "-panel32"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(
-        p, layouts=("native", "transposed", "packed", "panel", *LAYOUT_SETS), layout_default="native"
+        p,
+        layouts=("native", "transposed", "packed", "panel", "panel-fp32", *LAYOUT_SETS),
+        layout_default="native",
     )
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
@@ -90,14 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from specdraft.eval.bench_common import first_turns, load_bench, write_json
+    from specdraft.eval.bench_common import apply_bench_layout, first_turns, load_bench, write_json
     from specdraft.eval.budget import CostCurve, NodeBudget, machine_key
     from specdraft.eval.decode import ar_generate, speculative_generate
     from specdraft.eval.graphs import report_captures
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer
     from specdraft.eval.runner import precapture
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.models.linear_layout import apply_layout, match_target_layout
+    from specdraft.models.linear_layout import match_target_layout
 
     layouts = LAYOUT_SETS.get(a.layout, (a.layout,))
     bench = load_bench(a, layout=False)  # native; every layout below gets its own copy of the target
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = []
     for k, layout in enumerate(layouts):
         m = model if k == 0 else copy.deepcopy(native)
-        apply_layout(m, layout)
+        apply_bench_layout(m, layout)
         dec = make_decoder(m, "static", a.graphs)
         assert dec is not None
         cost = CostCurve.load_or_measure(machine_key(m, dec.path_name()), dec.measure_costs, refresh=True)

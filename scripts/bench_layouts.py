@@ -4,6 +4,8 @@
     python scripts/bench_layouts.py --layouts native transposed packed panel --sizes 1 2 3 4 6 8 12 16 32 --reps 11
     # the panel layout with grouped-query SDPA (models/attention.py, the default) and with transformers' repeat_kv
     python scripts/bench_layouts.py --layouts panel --attention both --sizes 1 2 4 8 16 32 --reps 9
+    # panels of exact 4/8-bit blocks (a dequantised GGUF target: models/exact_panels.py) against fp32 panels
+    python scripts/bench_layouts.py --layouts panel-fp32 panel --sizes 1 2 4 8 16 32 --reps 9
 
 Each layout gets its own copy of the target and its own decoder (the static path in the shape evaluate.py
 uses on this device); every repetition times each node count under every layout back to back (round robin,
@@ -44,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from specdraft.eval.bench_common import load_bench, write_json
+    from specdraft.eval.bench_common import apply_bench_layout, load_bench, write_json
     from specdraft.eval.budget import time_round_robin
     from specdraft.eval.static_decode import make_decoder
-    from specdraft.models.linear_layout import apply_layout, weight_bytes
+    from specdraft.models.linear_layout import weight_bytes
 
     model = load_bench(a, layout=False).model  # native weights; each layout below lays out its own copy
     sizes = tuple(sorted(set(a.sizes)))
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     for variant in variants:
         layout, _, attn = variant.partition("+")
         m = copy.deepcopy(model)
-        apply_layout(m, layout)
+        apply_bench_layout(m, layout)  # "panel-fp32": fp32 panels even for exact 4/8-bit weights
         if attn:
             m.set_attn_implementation("sdpa")  # transformers' own (repeat_kv under a mask)
         added[variant] = weight_bytes(m) - base

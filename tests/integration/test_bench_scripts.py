@@ -194,6 +194,35 @@ def test_bench_layouts(eval_assets: Path, tmp_path: Path, capsys) -> None:
     assert _load(out)["layouts"] == ["native", "native+sdpa"]  # grouped-query SDPA and transformers' own
 
 
+def test_bench_layouts_exact_panels_ab(eval_assets: Path, tmp_path: Path) -> None:
+    """`--layouts panel-fp32 panel` (the exact-panel A/B): a target whose Linear weights are all bf16 values is
+    stored as 2-byte exact panels under `panel` only (less memory added than fp32 panels)."""
+    from specdraft.models.panel_linear import panel_available
+
+    if not panel_available():
+        pytest.skip("no panel kernel on this machine")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tmp_path / "bf16_values"
+    model = AutoModelForCausalLM.from_pretrained(eval_assets / "target", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(
+                p.bfloat16().float()
+            )  # fp32 weights holding bf16 values (a 16-bit checkpoint run in fp32)
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(eval_assets / "target").save_pretrained(target)
+    out = tmp_path / "exact.json"
+    argv = ["--target", str(target), "--dtype", "fp32", "--device", "cpu", "--threads", "1"]
+    _main("bench_layouts")(
+        [*argv, "--layouts", "panel-fp32", "panel", "--sizes", "1", "3", "--reps", "1", "--json", str(out)]
+    )
+    res = _load(out)
+    assert res["layouts"] == ["panel-fp32", "panel"]
+    assert 0 < res["added_bytes"]["panel"] < res["added_bytes"]["panel-fp32"]
+
+
 def test_bench_draft_layout(eval_assets: Path, tmp_path: Path, capsys) -> None:
     import pytest
 

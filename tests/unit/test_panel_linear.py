@@ -179,7 +179,7 @@ def test_a_failing_compiler_is_named(fresh_status: None, tmp_path, monkeypatch: 
     cc.chmod(0o755)
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(panel_linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(panel_linear, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setattr(panel_linear.platform, "machine", lambda: "x86_64")
     fn, why = panel_status()
     assert fn is None and "failed to build panel_linear.c" in why and "badcc: error" in why

@@ -1,0 +1,196 @@
+"""Exact block panels (models/exact_panels.py): dequantised GGUF weights stored as their integers, the panel
+kernel's outputs bit for bit, lossless decoding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdraft.eval.static_decode import StaticDecoder
+from specdraft.models import exact_panels as ep
+from specdraft.models.exact_panels import ExactPanels, exact_panels, unpack
+from specdraft.models.linear_layout import layout_label, weight_bytes
+from specdraft.models.panel_linear import (
+    PanelLinear,
+    StackedPanels,
+    pack_panels,
+    panel_available,
+    panel_linears,
+    panel_status,
+    storage_summary,
+)
+from specdraft.testing import check_static_equals_ar, check_trees_lossless, tiny_target
+
+CPU = torch.device("cpu")
+needs_panel = pytest.mark.skipif(not panel_available(), reason=f"panel kernel: {panel_status()[1]}")
+
+
+def gguf_like(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """`w` (N, K) quantised and dequantised as ggml does it (blocks of 32 along K; d, m stored as fp16):
+    Q4_1 (u in 0..15, w = d u + m), Q4_0 (w = d (u - 8), d = signed extreme / -8) or Q8_0 (w = d q); or
+    rounded to "bf16" / "f16" and back."""
+    if kind in ("bf16", "f16"):
+        return w.to(torch.bfloat16 if kind == "bf16" else torch.float16).float()
+    n, k = w.shape
+    b = w.double().view(n, k // 32, 32)
+
+    def f16(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float16).double()
+
+    if kind == "q4_1":
+        lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        u = ((b - lo) / torch.where(d == 0, 1.0, d) + 0.5).floor().clamp(0, 15)
+        out = u * f16(d) + f16(lo)
+    elif kind == "q4_0":
+        ext = b.gather(-1, b.abs().argmax(-1, keepdim=True))  # the signed value of largest magnitude
+        d = ext / -8
+        u = (b / torch.where(d == 0, 1.0, d) + 8.5).floor().clamp(0, 15)
+        out = (u - 8) * f16(d)
+    else:
+        d = b.abs().amax(-1, keepdim=True) / 127
+        out = torch.round(b / torch.where(d == 0, 1.0, d)) * f16(d)
+    return out.float().view(n, k)
+
+
+def linear_of(weight: torch.Tensor, bias: bool = False) -> torch.nn.Linear:
+    """An fp32 nn.Linear holding `weight` (out, in)."""
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+    lin.weight.data = weight.clone()
+    return lin
+
+
+@needs_panel
+@pytest.mark.parametrize(
+    ("kind", "stored"), [("q4_1", "q4"), ("q4_0", "q4"), ("q8_0", "q8"), ("bf16", "bf16"), ("f16", "f16")]
+)
+@pytest.mark.parametrize("out", [16, 40])
+def test_exact_weights_are_found_and_give_the_fp32_panels_bits(kind: str, stored: str, out: int) -> None:
+    """Q4_1 / Q4_0 / Q8_0 weights and bf16 / fp16 values (a partial last panel at 40 outputs, an all-zero block)
+    become exact panels of their kind; rebuilt they are the fp32 panels, and every row count (the register path
+    up to 6 rows, the per-thread rebuilt panel past it) gives the fp32 panel kernel's bits."""
+    g = torch.Generator().manual_seed(0)
+    w = gguf_like(torch.randn(out, 96, generator=g), kind)
+    w[3, 32:64] = 0.0  # a block of zeros: d = m = 0
+    store = exact_panels(w, pack_panels(w))
+    assert isinstance(store, ExactPanels) and store.kind == stored
+    assert store.shape == (-(-out // 16), 96)
+    assert torch.equal(unpack(store), pack_panels(w))
+    for bias in (False, True):
+        lin = linear_of(w, bias)
+        exact, plain = PanelLinear(lin, exact=True), PanelLinear(lin, exact=False)
+        assert isinstance(exact.panels, ExactPanels) and isinstance(plain.panels, torch.Tensor)
+        for rows in (0, 1, 2, 5, 6, 7, 13, 20):
+            x = torch.randn(rows, 96, generator=g)
+            assert torch.equal(exact(x).view(torch.int32), plain(x).view(torch.int32)), rows
+            torch.testing.assert_close(exact(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert f"exact {stored}" in repr(exact)
+
+
+@needs_panel
+def test_other_weights_keep_fp32_panels() -> None:
+    """A trained (random) fp32 weight, an input width that is not a multiple of 32, a Q4_1 weight with one
+    weight nudged by an ulp (no exact panels, or none that would change a bit) and one with a NaN; an input
+    width that is not a multiple of 32 still takes bf16 panels."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=g)
+    assert exact_panels(w, pack_panels(w)) is None
+    odd = gguf_like(torch.randn(32, 64, generator=g), "q4_1")[:, :48].contiguous()
+    assert exact_panels(odd, pack_panels(odd)) is None
+    odd16 = gguf_like(torch.randn(20, 40, generator=g), "bf16")  # 16-bit kinds take any input width
+    store = exact_panels(odd16, pack_panels(odd16))
+    assert store is not None and store.kind == "bf16" and torch.equal(unpack(store), pack_panels(odd16))
+    nudged = gguf_like(torch.randn(32, 64, generator=g), "q4_1")
+    nudged[5, 7] = torch.nextafter(nudged[5, 7], torch.tensor(10.0))
+    found = exact_panels(nudged, pack_panels(nudged))
+    assert found is None or torch.equal(unpack(found), pack_panels(nudged))
+    nan = gguf_like(torch.randn(16, 32, generator=g), "q4_1")
+    nan[2, 3] = float("nan")
+    assert exact_panels(nan, pack_panels(nan)) is None
+
+
+@needs_panel
+def test_a_negative_zero_weight_changes_no_output_bit() -> None:
+    """Q4_0 dequantises u = 8 with d < 0 to -0.0, which the exact panels rebuild as +0.0: every output has the
+    fp32 panels' bits all the same (each sum starts at +0.0), also for inputs of +-0 and rows of zeros."""
+    g = torch.Generator().manual_seed(5)
+    w = gguf_like(torch.randn(32, 64, generator=g), "q4_0")
+    assert bool((w.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any())  # -0.0 weights present
+    lin = linear_of(w)
+    exact, plain = PanelLinear(lin, exact=True), PanelLinear(lin, exact=False)
+    assert isinstance(exact.panels, ExactPanels)
+    x = torch.randn(9, 64, generator=g)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, ::2] = -0.0
+    assert torch.equal(exact(x).view(torch.int32), plain(x).view(torch.int32))
+
+
+@needs_panel
+def test_switch_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SPECDRAFT_EXACT_PANELS=0` keeps fp32 panels; exact ones hold 0.75 bytes a weight (4 bits) and
+    `weight_bytes` counts what they hold."""
+    w = gguf_like(torch.randn(64, 128, generator=torch.Generator().manual_seed(2)), "q4_1")
+    model = torch.nn.Sequential(linear_of(w))
+    monkeypatch.setenv("SPECDRAFT_EXACT_PANELS", "0")
+    assert not ep.enabled()
+    off = copy.deepcopy(model)
+    panel_linears(off)
+    assert isinstance(off[0].panels, torch.Tensor)
+    monkeypatch.delenv("SPECDRAFT_EXACT_PANELS")
+    panel_linears(model)
+    store = model[0].panels
+    assert isinstance(store, ExactPanels) and store.nbytes() == 64 * 128 * 3 // 4
+    assert weight_bytes(off) - weight_bytes(model) == 64 * 128 * 4 - store.nbytes()
+    assert storage_summary(model) == "q4:1" and storage_summary(off) == "fp32:1"
+    assert layout_label(model, "panel") == "panel (stored q4:1)" and layout_label(model, "native") == "native"
+
+
+@needs_panel
+def test_stacked_exact_panels_equal_the_separate_products() -> None:
+    """q/k/v as exact panels stack into one call with each product's bits (one store, views of it); exact and
+    fp32 members do not stack."""
+    g = torch.Generator().manual_seed(3)
+    lins = [
+        linear_of(gguf_like(torch.randn(n, 64, generator=g), "q4_1"), bias)
+        for n, bias in ((32, True), (16, False))
+    ]
+    members = [PanelLinear(lin) for lin in lins]
+    assert all(isinstance(m.panels, ExactPanels) for m in members)
+    x = torch.randn(3, 64, generator=g)
+    alone = [m(x) for m in members]
+    stacked = StackedPanels(members)
+    assert isinstance(stacked.panels, ExactPanels)
+    for got, want, m in zip(stacked(x), alone, members, strict=True):
+        assert torch.equal(got, want) and torch.equal(m(x), want)
+        assert m.panels.q.untyped_storage().data_ptr() == stacked.panels.q.untyped_storage().data_ptr()
+    plain = PanelLinear(linear_of(torch.randn(16, 64, generator=g)))
+    assert not StackedPanels.stackable([members[0], plain])
+
+
+@needs_panel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_target_in_exact_panels_decodes_losslessly(arch: str) -> None:
+    """A tiny target whose Linear weights are Q4_1 (its LM head Q8_0), as a dequantised GGUF is: every Linear
+    becomes exact panels, logits equal the fp32 panels' bit for bit, and greedy speculative decoding equals AR
+    on the eager and fixed-shape paths."""
+    model = tiny_target(arch, CPU).float()
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
+                m.weight.copy_(gguf_like(m.weight, "q8_0" if m is head else "q4_1"))
+    plain = copy.deepcopy(model)
+    panel_linears(plain, exact=False)
+    panel_linears(model, exact=True)
+    stores = [m.panels for m in model.modules() if isinstance(m, PanelLinear)]
+    assert stores and all(isinstance(s, ExactPanels) for s in stores)
+    ids = torch.randint(5, 128, (1, 19), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(model(ids).logits, plain(ids).logits)
+    check_trees_lossless(model)
+    from specdraft.eval.proposers import PromptLookupProposer
+
+    for static in (False, True):
+        check_static_equals_ar(StaticDecoder(model, 64, static=static), model, PromptLookupProposer(4))

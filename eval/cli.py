@@ -161,12 +161,14 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
                 )  # fmt: skip
     skipped: dict[str, str] = {}
     baselines = list(e.baselines)  # names checked by conf/validate.py
-    if "tree_lookup" in baselines:  # prompt lookup through our decoder: compares the two implementations
+    if "tree_lookup" in baselines:  # prompt lookup through our decoder, as the drafters run there
+        # the same fitted node budget and fallback as every drafter row: on a CPU where 8+ verified nodes cost
+        # ~2x one, ten looked-up tokens per step lose to AR on prompts that repeat little (the demo's table,
+        # 2-core EPYC fp32: 0.88x at 1.35 tokens/step without them); transformers' prompt_lookup row stays
+        # the reference implementation with its fixed candidate length
         lookup = PromptLookupProposer(int(e.prompt_lookup_num_tokens))
         methods.append(
-            runner.spec_method(
-                "tree_lookup", model, tokenizer, lookup, stop_ids, sampling, bool(e.profile), decoder=decoder
-            )
+            _spec(cfg, runner, "tree_lookup", model, tokenizer, lookup, stop_ids, sampling, decoder, cost)
         )
         methods[-1].factory = partial(PromptLookupProposer, int(e.prompt_lookup_num_tokens))
         if e.adaptive == "on":  # prompt lookup pruned by its n-gram counts (eval/adaptive.py)
@@ -174,10 +176,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
 
             pruned = AdaptiveProposer(methods[-1].factory(), float(e.adaptive_threshold))
             methods.append(
-                runner.spec_method(
-                    "tree_lookup+adaptive", model, tokenizer, pruned, stop_ids, sampling, bool(e.profile),
-                    decoder=decoder,
-                )
+                _spec(cfg, runner, "tree_lookup+adaptive", model, tokenizer, pruned, stop_ids, sampling, decoder, cost)
             )  # fmt: skip
         baselines.remove("tree_lookup")
     if baselines:

@@ -212,10 +212,13 @@ def test_a_failure_while_writing_keeps_the_previous_results(assets, tmp_path, mo
         (["eval.decode_path=dynamic"], "redrafter:drafter"),  # no budget on the reference path
         (["eval.node_budget=off"], "redrafter:drafter"),
         (["eval.fallback=true"], "redrafter:drafter+fallback"),
+        # prompt lookup in our decoder runs as the drafters do: the fitted budget and the fallback
+        (["eval.fallback=true", "eval.baselines=[tree_lookup]"], "tree_lookup+fallback"),
     ],
 )
 def test_decode_path_and_fitted_budget(assets, tmp_path, monkeypatch, extra, name):
-    """The pre-static path stays selectable; the fitted budget measures (and caches) the cost curve once."""
+    """The pre-static path stays selectable; the fitted budget measures (and caches) the cost curve once and
+    fits every speculative row's cap (`tree_lookup`'s too)."""
     monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path / "cache"))
     GlobalHydra.instance().clear()
     register_configs()

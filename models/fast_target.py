@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from specdraft.models import row_ops
 from specdraft.models.attention import NAME
 from specdraft.models.panel_linear import StackedPanels
 
@@ -155,6 +156,39 @@ class Packing:
         return t.reshape(-1, t.shape[-1]).index_select(0, self.rows)
 
 
+def _rows_ok(layer: Any, stacks: tuple[StackedPanels, StackedPanels] | None) -> bool:
+    """Whether `_layer` takes the row kernels (`models/row_ops.py`) for `layer`: its products on the panel
+    kernel (stacked), RMSNorms both, a SiLU gate, a head the kernel rotates."""
+    return (
+        stacks is not None
+        and row_ops.wanted()
+        and all(type(n).__name__ in NORMS for n in (layer.input_layernorm, layer.post_attention_layernorm))
+        and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+        and int(layer.self_attn.head_dim) % 2 == 0
+        and int(layer.self_attn.head_dim) <= row_ops.MAX_HEAD_DIM
+        and row_ops.row_lib() is not None
+    )
+
+
+def _attend(
+    attn: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cache: Any, rows: bool = False
+) -> Tensor:
+    """Attention of rotated q (B, heads, n, d) over the cache after appending k, v (B, kv_heads, n, d) to it
+    -> (B, n, heads x d). `rows`: the row kernel (`row_ops.attention`: every query alone, the same bits for a
+    position whatever the step's shape) where it takes the inputs (fp32, a mask shared by the heads)."""
+    b, n = q.shape[0], q.shape[2]
+    k, v = cache.update(k, v, attn.layer_idx)  # (B, kv_heads, S, d)
+    out = row_ops.attention(q, k, v, mask, float(attn.scaling)) if rows else None
+    if out is not None:
+        return out.view(b, n, -1)
+    fn = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]  # an SDPA one (`fast_forward` checks)
+    # Mistral / Qwen2 attention layers hand their window to the function as transformers does (SDPA: the mask
+    # already encodes it); Llama layers have none
+    window = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    out, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **window)  # (B, n, heads, d)
+    return out.reshape(b, n, -1)
+
+
 def _layer(
     layer: Any,
     x: Tensor,
@@ -164,28 +198,52 @@ def _layer(
     pack: Packing | None = None,
 ) -> Tensor:
     """One pre-norm decoder layer on x (B, n, H), or (T, H) with `pack`, appending n positions to `cache`
-    -> x's shape."""
+    -> x's shape. rope: `rotary_tables` (B or 1, 1, n, d) each."""
     attn, mlp = layer.self_attn, layer.mlp
     b, n = pack.shape if pack is not None else x.shape[:2]
     stacks = _stacks(layer)
+    if _rows_ok(layer, stacks):
+        return _layer_rows(layer, cast(tuple, stacks), x, rope, mask, cache, pack)
     h = _norm(layer.input_layernorm, x)
-    shape = (b, n, -1, attn.head_dim)
     qkv = stacks[0](h) if stacks is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
     if pack is not None:
         qkv = tuple(pack.spread(t) for t in qkv)  # (B, n, out): the padding positions attend as zeros
-    q, k, v = (t.view(shape).transpose(1, 2) for t in qkv)  # (B, heads | kv_heads, n, d)
-    q, k = rotate(q, *rope), rotate(k, *rope)
-    k, v = cache.update(k, v, attn.layer_idx)  # (B, kv_heads, S, d)
-    fn = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]  # an SDPA one (`fast_forward` checks)
-    # Mistral / Qwen2 attention layers hand their window to the function as transformers does (SDPA: the mask
-    # already encodes it); Llama layers have none
-    window = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
-    out, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **window)  # (B, n, heads, d)
-    out = out.reshape(b, n, -1)
+    q, k, v = (t.view(b, n, -1, attn.head_dim).transpose(1, 2) for t in qkv)  # (B, heads | kv_heads, n, d)
+    out = _attend(attn, rotate(q, *rope), rotate(k, *rope), v, mask, cache)
     x = x + attn.o_proj(pack.gather(out) if pack is not None else out)
     h = _norm(layer.post_attention_layernorm, x)
     gate, up = stacks[1](h) if stacks is not None else (mlp.gate_proj(h), mlp.up_proj(h))
     return x + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _layer_rows(
+    layer: Any,
+    stacks: tuple[StackedPanels, StackedPanels],
+    x: Tensor,
+    rope: tuple[Tensor, Tensor],
+    mask: Tensor | None,
+    cache: Any,
+    pack: Packing | None,
+) -> Tensor:
+    """`_layer` with its norms, residual adds, rotary embedding and gate as row kernels (`models/row_ops.py`):
+    the same products and attention, a few calls instead of ~25 torch ops."""
+    attn, mlp = layer.self_attn, layer.mlp
+    b, n = pack.shape if pack is not None else x.shape[:2]
+    d = int(attn.head_dim)
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    x = x.contiguous()
+    qkv = stacks[0].whole(row_ops.rms_norm(x, n1.weight, float(n1.variance_epsilon)))  # (B, n | T, Wq+Wk+Wv)
+    if pack is not None:
+        qkv = pack.spread(qkv)  # (B, n, W): the padding positions attend as zeros
+    sizes = stacks[0].sizes
+    cos, ssin = (t.reshape(-1, d) for t in rope)  # (B*n | n, d): row r of qkv takes table row r % rows
+    row_ops.rope_(qkv.view(-1, qkv.shape[-1]), (sizes[0] + sizes[1]) // d, d, cos, ssin)  # q, k in place
+    q, k, v = (t.view(b, n, -1, d).transpose(1, 2) for t in qkv.split(sizes, dim=-1))  # (B, heads, n, d)
+    out = _attend(attn, q, k, v, mask, cache, rows=True)
+    o = attn.o_proj(pack.gather(out) if pack is not None else out)
+    x, h = row_ops.add_rms_norm(x, o.reshape(x.shape), n2.weight, float(n2.variance_epsilon))
+    gate, up = stacks[1].whole(h).view(-1, sum(stacks[1].sizes)).split(stacks[1].sizes, dim=-1)
+    return x + mlp.down_proj(row_ops.silu_mul(gate, up).view(*x.shape[:-1], -1))
 
 
 def fast_forward(

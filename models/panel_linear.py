@@ -51,17 +51,21 @@ from specdraft.utils import cache_root
 
 PANEL = 16  # output columns per packed panel (two AVX2 vectors); panel_linear.c's PW
 SOURCE = Path(__file__).with_name("panel_linear.c")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# built into the same library: a decoder layer's per-row steps (models/row_ops.py)
+SOURCES = (SOURCE, Path(__file__).with_name("row_ops.c"))
+# -ffp-contract=off: no FMA the sources do not write (row_ops.c's rotary embedding is torch's bit for bit)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
 def _build(cc: str) -> Path:
-    """Compile `SOURCE` into the kernel cache (once per source, flags and compiler); returns the .so path.
+    """Compile `SOURCES` into the kernel cache (once per sources, flags and compiler); returns the .so path.
 
     Raises:
         RuntimeError: the compiler failed (its first error line in the message).
     """
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(CFLAGS), cc, version]).encode()).hexdigest()
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha1("\n".join([*texts, " ".join(CFLAGS), cc, version]).encode()).hexdigest()
     out = cache_root() / "kernels" / f"panel_linear-{key[:16]}.so"
     if out.is_file():
         return out
@@ -70,11 +74,11 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         res = subprocess.run(
-            [cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False
+            [cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
         )
         if res.returncode != 0:
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:200])
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {first}")
+            raise RuntimeError(f"{cc} failed to build {' + '.join(src.name for src in SOURCES)}: {first}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -260,9 +264,13 @@ class StackedPanels:
             and len(kinds) == 1
         )
 
+    def whole(self, x: Tensor) -> Tensor:
+        """x (..., in) -> (..., sum out_i): the members' outputs side by side, from one kernel call."""
+        return panel_product(x, self.panels, sum(self.sizes), self.bias)
+
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x (..., in) -> each member's output (..., out_i), from one kernel call."""
-        return panel_product(x, self.panels, sum(self.sizes), self.bias).split(self.sizes, dim=-1)
+        return self.whole(x).split(self.sizes, dim=-1)
 
 
 def panel_linears(model: nn.Module, exact: bool | None = None) -> int:

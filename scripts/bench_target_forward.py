@@ -4,9 +4,11 @@
     python scripts/bench_target_forward.py --prompts 4 --max-new-tokens 64
     # on a GPU, with the verify forwards replayed as CUDA graphs (fewer kernels per graph with the lean forward)
     python scripts/bench_target_forward.py --device cuda --dtype bf16 --json $OUT/target_forward_gpu.json
+    # a CPU panel target: the lean forward with torch's per-row ops against the row kernels (models/row_ops.py)
+    python scripts/bench_target_forward.py --compare rows --prompts 4 --max-new-tokens 64
 
 Each forward has its own decoder; they are timed back to back at every size and repetition
-(`SPECDRAFT_TARGET_FORWARD` switched in the process), so the machine's drift hits both alike. Prints per node
+(`SPECDRAFT_TARGET_FORWARD`, or `SPECDRAFT_ROW_OPS` with `--compare rows`, switched in the process), so the machine's drift hits both alike. Prints per node
 count the median verify ms of each, their ratio and the median of the paired ratios, then AR tok/s of each on
 the same prompts (alternated prompt by prompt), with every AR output checked equal.
 """
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import add_target_args, first_turns, load_bench, write_json
     from specdraft.eval.graphs import graphs_wanted, report_captures
     from specdraft.eval.static_decode import StaticDecoder
+    from specdraft.models import row_ops
     from specdraft.models.fast_target import ENV, unsupported
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,6 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs for the fixed-shape verify")
+    p.add_argument(
+        "--compare",
+        choices=["forward", "rows"],
+        default="forward",
+        help="forward: transformers' against the lean forward; rows: the lean forward's torch ops against its "
+        "row kernels (a CPU panel target)",
+    )
     a = p.parse_args(argv)
     b = load_bench(a)
     model = b.model
@@ -50,21 +60,25 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench_target_forward: the lean forward does not run this target ({why})")
     device = next(model.parameters()).device
     graphs = graphs_wanted(device, a.graphs)
-    kinds = ("hf", "fast")
+    # (the two variants' keys, the variable that switches them and its value for each, their column names)
+    kinds, var, value, names = {
+        "forward": (("hf", "fast"), ENV, {"hf": "hf", "fast": "fast"}, ("transformers", "lean")),
+        "rows": (("torch_ops", "row_kernels"), row_ops.ENV, {"torch_ops": "0", "row_kernels": "1"}, ("torch ops", "row kernels")),
+    }[a.compare]  # fmt: skip
     # a decoder per forward: under graphs each captures (and replays) its own forward's kernels
     decs = {k: StaticDecoder(model, 2048, static=graphs, graphs=graphs) for k in kinds}
     ms: dict[str, dict[int, list[float]]] = {k: {s: [] for s in a.sizes} for k in kinds}
     with torch.inference_mode():
         run = {}
         for k in kinds:
-            os.environ[ENV] = k
+            os.environ[var] = value[k]
             run[k] = decs[k].cost_probe(tuple(a.sizes))
             for s in a.sizes:
                 run[k](s)  # warm-up (and capture)
         for _ in range(a.rounds * a.reps):  # the two forwards back to back at every size: paired timings
             for s in a.sizes:
                 for k in kinds:
-                    os.environ[ENV] = k
+                    os.environ[var] = value[k]
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     t0 = time.perf_counter()
@@ -77,33 +91,43 @@ def main(argv: list[str] | None = None) -> None:
     outs: dict[str, list[list[int]]] = {k: [] for k in kinds}
     for prompt in prompts:
         for k in kinds:
-            os.environ[ENV] = k
+            os.environ[var] = value[k]
             decs[k].ar_generate(None, prompt, 4, stop_ids=b.stop_ids)  # warm-up
             t0 = time.perf_counter()
             out, _ = decs[k].ar_generate(None, prompt, a.max_new_tokens, stop_ids=b.stop_ids)
             ar[k].append(time.perf_counter() - t0)
             outs[k].append(out)
-    os.environ.pop(ENV, None)
-    path = decs["hf"].path_name()
+    os.environ.pop(var, None)
+    path = decs[kinds[0]].path_name()
+    first, second = kinds
     table = Table(title=f"target forward on {device} ({next(model.parameters()).dtype}), {path} path")
-    for col in ("nodes", "transformers ms", "lean ms", "lean / transformers", "median of paired ratios"):
+    for col in (
+        "nodes",
+        f"{names[0]} ms",
+        f"{names[1]} ms",
+        f"{names[1]} / {names[0]}",
+        "median of paired ratios",
+    ):
         table.add_column(col)
     rows = []
     for s in a.sizes:
-        hf, fast = statistics.median(ms["hf"][s]), statistics.median(ms["fast"][s])
-        paired = statistics.median(f / h for f, h in zip(ms["fast"][s], ms["hf"][s], strict=True))
-        rows.append({"nodes": s, "hf_ms": hf, "fast_ms": fast, "ratio": fast / hf, "paired_ratio": paired})
+        hf, fast = statistics.median(ms[first][s]), statistics.median(ms[second][s])
+        paired = statistics.median(f / h for f, h in zip(ms[second][s], ms[first][s], strict=True))
+        rows.append(
+            {"nodes": s, f"{first}_ms": hf, f"{second}_ms": fast, "ratio": fast / hf, "paired_ratio": paired}
+        )
         table.add_row(str(s), f"{hf:.2f}", f"{fast:.2f}", f"{fast / hf:.3f}", f"{paired:.3f}")
-    tokens = sum(len(o) for o in outs["hf"])
+    tokens = sum(len(o) for o in outs[first])
     tok_s = {k: tokens / sum(ar[k]) for k in kinds}
-    same = sum(x == y for x, y in zip(outs["hf"], outs["fast"], strict=True))
+    same = sum(x == y for x, y in zip(outs[first], outs[second], strict=True))
     table.add_row(
-        "AR tok/s", f"{tok_s['hf']:.1f}", f"{tok_s['fast']:.1f}", f"{tok_s['fast'] / tok_s['hf']:.3f}x"
+        "AR tok/s", f"{tok_s[first]:.1f}", f"{tok_s[second]:.1f}", f"{tok_s[second] / tok_s[first]:.3f}x"
     )
     Console().print(table)
     print(f"AR outputs equal: {same}/{len(prompts)} ({tokens} tokens each way)")
     report_captures()
-    write_json(a.json, model, {"path": path, "verify": rows, "ar_tok_s": tok_s, "ar_same": same})
+    payload = {"compare": a.compare, "path": path, "verify": rows, "ar_tok_s": tok_s, "ar_same": same}
+    write_json(a.json, model, payload)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from specdraft.models.panel_linear import panel_available
 from specdraft.testing import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -197,8 +198,6 @@ def test_bench_layouts(eval_assets: Path, tmp_path: Path, capsys) -> None:
 def test_bench_layouts_exact_panels_ab(eval_assets: Path, tmp_path: Path) -> None:
     """`--layouts panel-fp32 panel` (the exact-panel A/B): a target whose Linear weights are all bf16 values is
     stored as 2-byte exact panels under `panel` only (less memory added than fp32 panels)."""
-    from specdraft.models.panel_linear import panel_available
-
     if not panel_available():
         pytest.skip("no panel kernel on this machine")
     import torch
@@ -263,3 +262,8 @@ def test_bench_target_forward(eval_assets: Path, tmp_path: Path, capsys) -> None
     assert [r["nodes"] for r in res["verify"]] == [1, 4] and all(r["ratio"] > 0 for r in res["verify"])
     assert res["ar_same"] == 2 and set(res["ar_tok_s"]) == {"hf", "fast"}
     assert "AR outputs equal: 2/2" in capsys.readouterr().out
+    if panel_available():  # the row kernels against torch's ops, on a panel target
+        _main("bench_target_forward")([*argv, "--layout", "panel", "--compare", "rows"])
+        res = _load(out)
+        assert res["compare"] == "rows" and set(res["ar_tok_s"]) == {"torch_ops", "row_kernels"}
+        assert res["ar_same"] == 2 and "row kernels ms" in capsys.readouterr().out

@@ -89,7 +89,9 @@ def test_attention_equals_torch_and_a_query_sees_only_its_keys_bit_for_bit() -> 
     mask[1, 0, 2] = low  # batch row 1, query 2: nothing visible
     got = row_ops.attention(q, k, v, mask, 0.25)
     assert got is not None
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True).transpose(1, 2)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True).transpose(
+        1, 2
+    )
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert not got[1, 2].any()
     alone = row_ops.attention(q[:, :, 3:4], k, v, mask[:, :, 3:4], 0.25)

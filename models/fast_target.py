@@ -297,7 +297,11 @@ def fast_forward(
         x = _layer(layer, x, rope, attention_mask, cache, packed)
         if i + 1 in layers:
             keep[i + 1] = x
-    x = _norm(decoder.norm, x)
+    last = decoder.layers[count - 1]
+    if _rows_ok(last, _stacks(last)):  # the layers ran on the row kernels: the final norm too (row-invariant)
+        x = row_ops.rms_norm(x.contiguous(), decoder.norm.weight, float(decoder.norm.variance_epsilon))
+    else:
+        x = _norm(decoder.norm, x)
     if count in layers:
         keep[count] = x  # transformers numbers the final normed states as the last layer's
     if packed is not None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import fast_target, row_ops
+from specdraft.models.hf_compat import cache_kwargs
 from specdraft.models.panel_linear import panel_available, panel_linears, panel_status
 from specdraft.testing import (
     RandomTreeProposer,
@@ -136,3 +138,32 @@ def test_the_lean_forward_takes_them_on_panel_targets_and_stays_lossless(
         prompts, 12, stop_ids=set(), proposer_factory=lambda: RandomTreeProposer(vocab=128, seed=3)
     )
     assert [out for out, _ in res] == refs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_tree_verify_and_ar_steps_give_the_same_logits_bit_for_bit(arch: str) -> None:
+    """On a panel target with the row kernels, a 4-token chain verified in one forward (a tree mask, explicit
+    positions) and the same tokens fed one AR step at a time after the same prefill give identical logits at
+    every position: every per-token computation of the lean forward is row-invariant."""
+    model = tiny_target(arch, CPU).float()
+    panel_linears(model)
+    g = torch.Generator().manual_seed(4)
+    prompt, chain = torch.randint(5, 128, (1, 9), generator=g), torch.randint(5, 128, (1, 4), generator=g)
+    with torch.inference_mode():
+        ar_cache = DynamicCache()
+        model(prompt, **cache_kwargs(model, ar_cache), use_cache=True)  # transformers' prefill, in both
+        tree_cache = DynamicCache()
+        model(prompt, **cache_kwargs(model, tree_cache), use_cache=True)
+        steps = []
+        for t in range(4):
+            out = fast_target.fast_forward(model, chain[:, t : t + 1], None, None, ar_cache)
+            assert out is not None
+            steps.append(model.lm_head(out[0])[0, 0])
+        p = prompt.shape[1]
+        mask = torch.zeros(1, 1, 4, p + 4)
+        mask[0, 0, :, p:] = torch.full((4, 4), torch.finfo(torch.float32).min).triu(1)
+        out = fast_target.fast_forward(model, chain, mask, torch.arange(p, p + 4)[None], tree_cache)
+        assert out is not None
+        tree = model.lm_head(out[0])[0]
+    for t in range(4):
+        assert torch.equal(tree[t], steps[t]), t

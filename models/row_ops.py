@@ -119,8 +119,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         q: (B, Hq, L, d) fp32, d a multiple of 8, the last dimension contiguous (any other strides).
         k, v: (B, Hkv, S, d) fp32 likewise, Hq a multiple of Hkv (query head h reads key/value head
             h // (Hq / Hkv)).
-        mask: None (every key visible) or (B or 1, 1, L, S) fp32 additive, last dimension contiguous; a value at
-            or below -1e30 hides the key.
+        mask: None (every key visible) or (B or 1, 1, L or 1, S) fp32 additive, last dimension contiguous; a
+            value at or below -1e30 hides the key.
         scale: the score scale (1 / sqrt(d) unless the model says otherwise).
 
     Returns:
@@ -136,9 +136,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     mp, mb, ml = None, 0, 0
     if mask is not None:
         ms = mask.stride()
-        if mask.dtype != torch.float32 or ms[3] != 1 or mask.shape[1] != 1 or mask.shape[3] != s:
+        mshape = mask.shape
+        if mask.dtype != torch.float32 or ms[3] != 1 or mshape[1] != 1 or mshape[3] != s:
             return None
-        mp, mb, ml = mask.data_ptr(), ms[0] if mask.shape[0] > 1 else 0, ms[2]
+        if mshape[0] not in (1, b) or mshape[2] not in (1, n):
+            return None
+        mp, mb, ml = mask.data_ptr(), ms[0] if mshape[0] > 1 else 0, ms[2] if mshape[2] > 1 else 0
     out = torch.empty(b, n, hq, d, dtype=torch.float32)
     _attention()(
         q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), kst[0], kst[1], kst[2],

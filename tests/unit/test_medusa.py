@@ -162,7 +162,9 @@ def test_soft_target_loss():
 
     def kl_loss(ids: list[int]) -> float:
         batch = {**uniform, "input_ids": torch.tensor([ids])}
-        return float(compute_loss(golden_model(), batch, Out(torch.ones(1, 3, 3)), {"loss": "kl"})[0].detach())
+        return float(
+            compute_loss(golden_model(), batch, Out(torch.ones(1, 3, 3)), {"loss": "kl"})[0].detach()
+        )
 
     assert kl_loss([2, 0, 1]) == pytest.approx(kl(logq[0]) + 0.8 * kl(logq[1]), abs=1e-6)  # on the chain
     assert kl_loss([2, 0, 2]) == pytest.approx(kl(logq[0]), abs=1e-6)  # leaves it after the root

@@ -83,6 +83,9 @@ void sd_silu_mul(const float *g, const float *u, int64_t M, int64_t N, int64_t s
 
 /* ---- attention of a decode step's few queries over the cache ------------------------------------------ */
 #define MASKED (-1e30f) /* an additive mask value at or below this hides the key (decoders write dtype-min) */
+#ifndef PAR_WORK
+#define PAR_WORK 50000 /* query x key x dim products past which the attention splits over threads */
+#endif
 
 /* the sum of acc's lanes in the order ((0+1)+(2+3)) + ((4+5)+(6+7)), which dots4's vector reduction shares */
 static inline float hsum(__m256 acc) {
@@ -221,7 +224,7 @@ void sd_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const floa
                   int64_t ml, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t d, float scale,
                   float *out, int nthreads) {
     const int64_t groups = Hq / Hkv, items = B * L * Hkv, sp = (S + 7) / 8 * 8;
-    const int par = nthreads > 1 && B * Hq * L * S * d > 400000;
+    const int par = nthreads > 1 && B * Hq * L * S * d > PAR_WORK;
 #pragma omp parallel num_threads(par ? nthreads : 1)
     {
         float *sc = (float *)malloc((size_t)3 * sp * sizeof(float)), *mv = (float *)malloc((size_t)sp * sizeof(float));

@@ -1,6 +1,7 @@
 """A decoder layer's per-row steps on a CPU in fp32 as one kernel call each (`row_ops.c`, built with the panel
-kernel): the RMSNorm, the residual add with the norm after it, the rotary embedding of q and k in place, and
-the gated activation silu(gate) * up.
+kernel): the RMSNorm, the residual add with the norm after it, the rotary embedding of q and k in place, the
+gated activation silu(gate) * up, and a decode step's attention over the cache (every query alone over its
+visible keys in order: a tree node and the AR step at its position get the same bits).
 
 A decode step's torch ops are mostly dispatch on a CPU: on a 2-core EPYC an RMSNorm of one 576-wide row took
 ~25-40 us (six ops in torch's composite), a rotary embedding ~23 us, while the arithmetic is well under a

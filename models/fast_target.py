@@ -24,6 +24,11 @@ single row drafting 10 tokens makes all 16 rows carry 11 positions. With `packed
 positions go through the embeddings, norms, projections and MLPs (the products are most of a small model's
 per-token cost, and on a CPU their cost follows the rows they get); the padding positions join only the
 attention, as zeros, so every (B, L) shape of the attention and the cache stays as it is.
+
+Where a layer's products run the CPU panel kernel (fp32), `_layer_rows` runs the norms, residual adds, rotary
+embedding, SiLU gate and attention as the row kernels of `models/row_ops.py` (six calls a layer instead of ~40
+torch ops; `SPECDRAFT_ROW_OPS=0` turns them off): every per-token computation is then row-invariant, so a tree
+verify's logits equal the AR steps' bit for bit.
 """
 
 from __future__ import annotations

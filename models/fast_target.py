@@ -111,8 +111,11 @@ def rotate(t: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * signed_sin
 
 
-# per decoder layer: (its q/k/v and gate/up modules when last seen, their stacked products or None)
-_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], Any]] = weakref.WeakKeyDictionary()
+# per decoder layer: (its q/k/v and gate/up modules when last seen, their stacked products or None, whether the
+# row kernels fit the layer: `_row_fit`, checked once with the stacks)
+_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], Any, bool]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _stacks(layer: Any) -> tuple[StackedPanels, StackedPanels] | None:
@@ -125,7 +128,8 @@ def _stacks(layer: Any) -> tuple[StackedPanels, StackedPanels] | None:
     if seen is None or any(a is not b for a, b in zip(seen[0], mods, strict=True)):
         qkv, gate_up = list(mods[:3]), list(mods[3:])
         ok = StackedPanels.stackable(qkv) and StackedPanels.stackable(gate_up)
-        seen = _STACKS[layer] = (mods, (StackedPanels(qkv), StackedPanels(gate_up)) if ok else None)
+        stacks = (StackedPanels(qkv), StackedPanels(gate_up)) if ok else None
+        seen = _STACKS[layer] = (mods, stacks, stacks is not None and _row_fit(layer))
     return seen[1]
 
 
@@ -161,18 +165,23 @@ class Packing:
         return t.reshape(-1, t.shape[-1]).index_select(0, self.rows)
 
 
-def _rows_ok(layer: Any, stacks: tuple[StackedPanels, StackedPanels] | None) -> bool:
-    """Whether `_layer` takes the row kernels (`models/row_ops.py`) for `layer`: its products on the panel
-    kernel (stacked), RMSNorms both, a SiLU gate, a head the kernel rotates."""
+def _row_fit(layer: Any) -> bool:
+    """Whether the row kernels (`models/row_ops.py`) compute `layer` (its products stacked on the panel kernel):
+    RMSNorms both, a SiLU gate, a head the kernel rotates, the kernel library built."""
+    d = int(layer.self_attn.head_dim)
     return (
-        stacks is not None
-        and row_ops.wanted()
-        and all(type(n).__name__ in NORMS for n in (layer.input_layernorm, layer.post_attention_layernorm))
+        all(type(n).__name__ in NORMS for n in (layer.input_layernorm, layer.post_attention_layernorm))
         and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
-        and int(layer.self_attn.head_dim) % 2 == 0
-        and int(layer.self_attn.head_dim) <= row_ops.MAX_HEAD_DIM
+        and d % 2 == 0
+        and d <= row_ops.MAX_HEAD_DIM
         and row_ops.row_lib() is not None
     )
+
+
+def _rows_ok(layer: Any, stacks: tuple[StackedPanels, StackedPanels] | None) -> bool:
+    """Whether `_layer` takes the row kernels for `layer` (`stacks`: `_stacks(layer)`, which checked the fit
+    once): a stacked panel layer they fit, unless `SPECDRAFT_ROW_OPS=0`."""
+    return stacks is not None and _STACKS[layer][2] and row_ops.wanted()
 
 
 def _attend(

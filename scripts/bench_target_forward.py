@@ -111,12 +111,18 @@ def main(argv: list[str] | None = None) -> None:
         table.add_column(col)
     rows = []
     for s in a.sizes:
-        hf, fast = statistics.median(ms[first][s]), statistics.median(ms[second][s])
-        paired = statistics.median(f / h for f, h in zip(ms[second][s], ms[first][s], strict=True))
+        a_ms, b_ms = statistics.median(ms[first][s]), statistics.median(ms[second][s])
+        paired = statistics.median(y / x for y, x in zip(ms[second][s], ms[first][s], strict=True))
         rows.append(
-            {"nodes": s, f"{first}_ms": hf, f"{second}_ms": fast, "ratio": fast / hf, "paired_ratio": paired}
+            {
+                "nodes": s,
+                f"{first}_ms": a_ms,
+                f"{second}_ms": b_ms,
+                "ratio": b_ms / a_ms,
+                "paired_ratio": paired,
+            }
         )
-        table.add_row(str(s), f"{hf:.2f}", f"{fast:.2f}", f"{fast / hf:.3f}", f"{paired:.3f}")
+        table.add_row(str(s), f"{a_ms:.2f}", f"{b_ms:.2f}", f"{b_ms / a_ms:.3f}", f"{paired:.3f}")
     tokens = sum(len(o) for o in outs[first])
     tok_s = {k: tokens / sum(ar[k]) for k in kinds}
     same = sum(x == y for x, y in zip(outs[first], outs[second], strict=True))

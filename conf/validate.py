@@ -99,6 +99,14 @@ FRACTION = within(0, 1)  # [0, 1)
 DECAY = within(0, 1, lo_open=True, hi_open=False)  # (0, 1]
 
 
+def _probability(v: Any) -> bool:
+    """A number (or its string) strictly between 0 and 1."""
+    try:
+        return 0.0 < float(v) < 1.0
+    except (TypeError, ValueError):
+        return False
+
+
 def _plain_name_ok(v: Any) -> bool:
     return (
         isinstance(v, str)
@@ -331,6 +339,9 @@ EVAL: Table = {
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),
     "prefill_rows": COUNT,
+    "batch_min_prob": Rule(
+        lambda v: v in ("off", "auto") or _probability(v), "off, auto or a probability in (0, 1)"
+    ),
     "scheduler": one_of("fifo", "length", "both", "groups", "all"),
     "length_predictor": ANY,  # a file path, checked when the throughput table loads it
     "reserve_quantile": DECAY,  # (0, 1]

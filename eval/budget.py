@@ -171,6 +171,27 @@ class CostCurve:
         return CostCurve(ms)
 
 
+def marginal_min_prob(curve: CostCurve) -> float:
+    """The drafter probability a tree node needs to pay for its place in the verify on this cost curve.
+
+    A node accepted with probability p adds p tokens to a step's expected output (a tree's expected accepted
+    length is the sum of its nodes' acceptance probabilities), and one more verified node costs
+    cost(2) - cost(1) against cost(1) for a plain step's one token; so a node pays when
+    p >= (cost(2) - cost(1)) / cost(1). On a per-row batch curve (`BatchDecoder.row_cost_curve`) this grows with
+    the batch: ~0.1 at batch 1 on a 2-core CPU, ~0.35 at batch 16, where the batch's products stop being
+    bound by streaming the weights. With ReDrafter's `min_prob` (a node's probability: the product of the
+    drafter's probabilities along its beam) each row then drafts only where its drafter is confident enough.
+
+    Args:
+        curve: verify ms per node count (1 and 2 measured or interpolated).
+
+    Returns:
+        The threshold, clamped to [0, 0.99].
+    """
+    one = curve(1)
+    return min(max((curve(2) - one) / one, 0.0), 0.99) if one > 0 else 0.0
+
+
 @dataclass
 class NodeBudget:
     """Fits the node cap of one proposer on this machine (see module docstring); state carries over calls.

@@ -181,7 +181,7 @@ class ReDrafterProposer:
     """Beam search with a ReDrafter RNN drafter + dynamic tree attention (prefix dedup).
 
     Args:
-        drafter: exposes `beam_search(hidden (F,), root: int, beam_width, draft_len, context, head, copy)
+        drafter: exposes `beam_search(hidden (F,), root: int, beam_width, draft_len, context, head, copy, min_logp)
             -> (beams (W, 1+draft_len) long, cum (W, 1+draft_len))` with `beams[:, 0] == root`.
         beam_width: W.
         beam_length: 1 + draft_len (root included).
@@ -364,8 +364,8 @@ class ReDrafterProposer:
         context = self._update_memory(hidden, tokens) if self.uses_context else None
         copy = self._update_copy_index(tokens) if self.copy_ngram else None
         beams, cum = self._search.beam_search(
-            hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy
-        )  # (W, 1+D) each
+            hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy, self.min_logp
+        )  # (W, 1+D) each (a search that stops early once every beam is below `min_prob`)
         return self._pack(beams, cum, tokens.device)
 
     def _pack(self, beams: Tensor, cum: Tensor, device: torch.device) -> DraftTree:
@@ -414,8 +414,15 @@ class ReDrafterProposer:
         roots = torch.stack([t[-1] for t in tokens])  # (R,)
         feats = torch.stack([h[-1] for h in hidden])  # (R, F)
         beams, cum = beam_search_rows(
-            self._search, feats, roots, self.beam_width, self.draft_len, self.head, copies
-        )  # (R, W, 1 + D) each
+            self._search,
+            feats,
+            roots,
+            self.beam_width,
+            self.draft_len,
+            self.head,
+            copies,
+            min_logp=self.min_logp,
+        )  # (R, W, 1 + D) each (stopped early once every row's beams are below `min_prob`)
         return [p._pack(b, c, t.device) for p, b, c, t in zip(ps, beams, cum, tokens, strict=True)]
 
     def _commit_fixed(self, tokens: Tensor) -> None:

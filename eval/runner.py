@@ -43,6 +43,8 @@ class Method:
     reference: str
     draft_len: int | None = None  # max draft depth (acceptance rate denominator)
     factory: Callable[[], Any] | None = None  # spec methods: a fresh proposer (the batched throughput table)
+    # ReDrafter: min_prob -> a factory of its proposers pruned below that probability (eval.batch_min_prob)
+    pruned: Callable[[float], Callable[[], Any]] | None = None
     # fixed-shape spec methods with a budget: run every node cap once (CUDA graphs captured), state restored
     prepare: Callable[[list[int], int], None] | None = None
 

@@ -15,18 +15,30 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdraft.eval.batch_decode import make_batch_decoder
-from specdraft.eval.budget import NodeBudget
+from specdraft.eval.budget import CostCurve, NodeBudget
 from specdraft.eval.decode import Proposer
 from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
 from specdraft.eval.scheduler import SCHEDULERS, schedule_order
 
-Factory = Callable[[], Proposer] | None  # None: AR
+
+@dataclass(frozen=True)
+class PerBatchFactory:
+    """A method whose proposers depend on the batch size's per-row verify cost (`BatchDecoder.row_cost_curve`):
+    `make(threshold(curve))` is the proposer factory at that batch size, e.g. a ReDrafter whose `min_prob` is
+    `budget.marginal_min_prob` of the curve (confident nodes only, fewer as the batch grows)."""
+
+    threshold: Callable[[CostCurve], float]  # the setting at a batch size, from its per-row cost curve
+    make: Callable[[float], Callable[[], Proposer]]  # setting -> proposer factory
+
+
+Factory = Callable[[], Proposer] | PerBatchFactory | None  # None: AR
 
 
 def throughput_rows(
@@ -100,13 +112,26 @@ def throughput_rows(
         )  # a snug cache: sized by the first call
         dec.generate(prompts[:b], 4, stop_ids)  # warm-up (allocator, kernels)
         ar_rate: dict[str, float] = {}
-        curve = dec.row_cost_curve(log=log) if node_budget and any(f for _, f in methods) else None
-        for name, factory in methods:
+        per_batch = any(isinstance(f, PerBatchFactory) for _, f in methods)
+        wanted = (node_budget and any(f for _, f in methods)) or per_batch
+        curve = dec.row_cost_curve(log=log) if wanted else None
+        for name, method in methods:
             fifo_rate, measured = 0.0, None
+            setting: float | None = None
+            factory: Callable[[], Proposer] | None
+            if isinstance(method, PerBatchFactory):
+                assert curve is not None
+                setting = method.threshold(curve)
+                factory = method.make(setting)
+                log(
+                    f"[throughput {bench}] batch {b} {name}: setting {setting:.3f} from this batch's cost curve"
+                )
+            else:
+                factory = method
             budget: NodeBudget | None = None
             if node_cap is not None and factory:
                 budget = NodeBudget.fixed(node_cap)
-            elif curve and factory:
+            elif curve and factory and node_budget:
                 budget = NodeBudget(
                     curve,
                     label=f"{name} at batch {b}",
@@ -121,6 +146,7 @@ def throughput_rows(
                 extra = predict_s if sched in ("length", "groups") else 0.0
                 if sched.endswith("groups"):
                     bound = reserve if sched == "groups" else measured
+                    nodes = None  # (not collected across groups)
                     toks, gs = serve_grouped(
                         model, prompts, list(bound or []), max_new_tokens, b * worst, stop_ids, factory,
                         budget=budget, sample=kw, cuda_graphs=cuda_graphs,
@@ -132,6 +158,8 @@ def throughput_rows(
                         prompts, max_new_tokens, stop_ids, factory, order=order, budget=budget, **kw
                     )
                     toks = [t for t, _ in out]
+                    sizes = [n for _, st in out for n in st.tree_sizes]
+                    nodes = sum(sizes) / len(sizes) if sizes else None
                     gs = GroupedStats(
                         time_s=out[0][1].batch.time_s if out else 0.0, new_tokens=sum(map(len, toks))
                     )
@@ -154,6 +182,7 @@ def throughput_rows(
                         "tokens_per_s": rate,
                         "tokens_per_step": sum(len(t) for t in toks) / max(gs.request_steps, 1),
                         "batch_steps": gs.steps,
+                        "nodes_per_step": nodes,  # verified tree nodes per request and step (1: AR)
                         "idle_row_steps": gs.idle_row_steps,
                         "row_utilisation": gs.row_utilisation if gs.groups else None,
                         "kv_budget": b
@@ -163,6 +192,7 @@ def throughput_rows(
                         "predict_s": extra,
                         "node_cap": budget.cap if budget else None,  # after this call (1: no drafting)
                         "budget_refits": budget.refits if budget else None,  # fits redone so far
+                        "setting": setting,  # a PerBatchFactory's value at this batch size (else None)
                         "speedup_vs_ar_same_batch": rate / ar if ar else None,
                         "speedup_vs_batch1_ar": rate / batch1_ar if batch1_ar else None,
                         "speedup_vs_fifo": rate / fifo_rate if fifo_rate else None,
@@ -215,6 +245,7 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
             "scheduler",
             "tok/s",
             "tok/step/request",
+            "nodes/step",
             "rows used",
             "vs AR same batch",
             "vs batch-1 AR",
@@ -229,12 +260,19 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
             used = r.get("row_utilisation")
             table.add_row(
                 str(r["batch"]), r["method"], r.get("scheduler", "fifo"), f"{r['tokens_per_s']:.1f}",
-                f"{r['tokens_per_step']:.2f}", "-" if used is None else f"{used:.0%}",
+                f"{r['tokens_per_step']:.2f}", "-" if r.get("nodes_per_step") is None else f"{r['nodes_per_step']:.2f}",
+                "-" if used is None else f"{used:.0%}",
                 fmt(r["speedup_vs_ar_same_batch"]), fmt(r["speedup_vs_batch1_ar"]), fmt(r.get("speedup_vs_fifo")),
-                _batches(r), "-" if r.get("node_cap") is None else str(r["node_cap"]),
+                _batches(r), _cap(r),
                 "sampled" if r["identical"] is None else f"{r['identical']}/{r['requests']}",
             )  # fmt: skip
         console.print(table)
+
+
+def _cap(r: dict[str, Any]) -> str:
+    """The table's node cap cell: the cap, with a per-batch setting (`PerBatchFactory`) after it."""
+    cap = "-" if r.get("node_cap") is None else str(r["node_cap"])
+    return cap if r.get("setting") is None else f"{cap}, p >= {r['setting']:.2f}"
 
 
 def plot_throughput(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:

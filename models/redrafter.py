@@ -265,7 +265,8 @@ class ReDrafter(PreTrainedModel):
         return torch.stack(logits, dim=2)  # (B, L, D, Vd)
 
     # ---- decoding ---------------------------------------------------------------------------------------
-    # `drafter.beam_search(hidden (F,), root, beam_width, draft_len, context=None, head=None, copy=None)
+    # `drafter.beam_search(hidden (F,), root, beam_width, draft_len, context=None, head=None, copy=None,
+    # min_logp=None)
     # -> (beams, cum)`: the one beam search (models/redrafter_beam.py), bound as a method.
     beam_search = redrafter_beam.beam_search
 

@@ -27,6 +27,7 @@ def beam_search(
     context: tuple[Tensor, Tensor] | None = None,
     head: Callable[[Tensor], Tensor] | None = None,
     copy: NgramIndex | None = None,
+    min_logp: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Beam search over the drafter's slots from the newest committed position (`beam_search_rows`, one row).
 
@@ -40,6 +41,7 @@ def beam_search(
         head: (W, X) -> (W, Vd) draft-vocabulary logits (None: the drafter's head; e.g. an `Int8Linear`).
         copy: copy gate only (`copy_ngram` > 0): the committed tokens before the root; each beam's candidate is
             looked up on them + the beam (root and drafted tokens), as in training.
+        min_logp: stop early once every beam's log-prob is below this (`beam_search_rows`).
 
     Returns:
         beams (W', 1 + D) long target ids sorted by score (W' = W unless fewer distinct beams exist); cum
@@ -50,7 +52,7 @@ def beam_search(
     roots = torch.tensor([root], dtype=torch.long, device=dev)  # (1,)
     copies = None if copy is None else [copy]
     beams, cum = beam_search_rows(
-        drafter, hidden.reshape(1, -1), roots, beam_width, draft_len, head, copies, context
+        drafter, hidden.reshape(1, -1), roots, beam_width, draft_len, head, copies, context, min_logp
     )
     return beams[0], cum[0]
 
@@ -65,6 +67,7 @@ def beam_search_rows(
     head: Callable[[Tensor], Tensor] | None = None,
     copies: Sequence[NgramIndex] | None = None,
     context: tuple[Tensor, Tensor] | None = None,
+    min_logp: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`beam_search` for R rows at once: one drafter forward per slot over all R * W beams (the batched
     decoder drafts every row in one call instead of R). Step 1 expands only each row's root, so its top-W
@@ -79,6 +82,10 @@ def beam_search_rows(
         head: (..., X) -> (..., Vd) draft-vocabulary logits (None: the drafter's head).
         copies: copy gate only: each row's index of its committed tokens before the root (R of them).
         context: prefix attention only, R = 1: keys, values (1 + M, A), the sink first.
+        min_logp: a caller that prunes beam positions below this log-prob (the proposer's `min_prob`): the
+            search stops after the first slot where every row's every beam is below it (one host sync per
+            slot), since a beam's log-prob only falls as it grows; the slots not searched repeat the last
+            token with log-prob -inf, so the pruned tree is the full search's exactly. None: all D slots.
 
     Returns:
         beams (R, W', 1 + D) long target ids, each row's sorted by score (W' = min(W, Vd)); cum (R, W', 1 + D)
@@ -112,6 +119,11 @@ def beam_search_rows(
         token = drafter.to_target_ids(draft)  # (R, W') target ids
         beams = torch.cat([_rows(beams, parent), token[..., None]], dim=-1)  # (R, W, k + 2)
         cum = torch.cat([_rows(cum, parent), scores[..., None]], dim=-1)  # (R, W, k + 2)
+        if min_logp is not None and k + 1 < draft_len and bool((scores < min_logp).all()):
+            rest = draft_len - k - 1  # slots left: every node there would be pruned
+            beams = torch.cat([beams, beams[..., -1:].expand(-1, -1, rest)], dim=-1)  # (R, W, 1 + D)
+            cum = torch.cat([cum, cum.new_full((*cum.shape[:2], rest), float("-inf"))], dim=-1)
+            break
         state = _rows(state, parent)  # (R, W, E)
     return beams, cum
 

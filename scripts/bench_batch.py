@@ -6,6 +6,8 @@
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --lookup-branch 10
     # ... with each drafter's node budget fitted per batch size on that batch size's measured cost curve
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --budget
+    # ... and again with beam positions below drafter probability 0.3 / 0.6 / the batch's break-even pruned
+    python scripts/bench_batch.py --drafter outputs/redrafter_smollm2_copy/export --batch 1 4 16 --cap 8 --min-prob 0.3 0.6 auto
     # trees cut to 2 nodes at every batch size (no fitting steps), drafting rows together against one by one
     python scripts/bench_batch.py --drafter <exports> --batch 4 16 --requests 48 --cap 2 --draft-rows both --repeats 2
     # on a GPU: every batched verify has a fixed shape and is replayed as a CUDA graph (--graphs auto: on
@@ -100,6 +102,26 @@ def _row_by_row(factory: Callable[[], Any], wrap: Callable[[Any], Any]) -> Calla
     return lambda: wrap(factory())
 
 
+def _pruned(drafter: Any, settings: dict[str, Any], min_prob: float) -> Callable[[], Any]:
+    """A factory of `drafter`'s proposers (`make_proposer` with `settings`) pruning below `min_prob`."""
+    from specdraft.eval.proposers import make_proposer
+
+    return partial(make_proposer, drafter, min_prob=min_prob, **settings)
+
+
+def _probability(p: argparse.ArgumentParser, value: str) -> float | None:
+    """A `--min-prob` value: a probability in (0, 1), or None for `auto` (exits with a usage line otherwise)."""
+    if value == "auto":
+        return None
+    try:
+        prob = float(value)
+    except ValueError:
+        prob = -1.0
+    if not 0.0 < prob < 1.0:
+        p.error(f"--min-prob {value}: expected a probability in (0, 1) or auto")
+    return prob
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, run every method at every batch size and scheduler, print (and save) the table."""
     from specdraft.eval.bench_common import add_target_args
@@ -133,6 +155,15 @@ def main(argv: list[str] | None = None) -> None:
         help="every drafter's trees cut to this many nodes at every batch size, no fitting (instead of --budget)",
     )
     p.add_argument(
+        "--min-prob",
+        nargs="+",
+        default=[],
+        help="ReDrafter drafters again with beam positions below each of these drafter probabilities pruned "
+        "(eval.draft_min_prob: rows draft only where the drafter is confident; a batched verify leaves the "
+        "pruned nodes out of its products); auto: per batch size, the probability at which a node pays for "
+        "its verify on that batch's measured cost curve (eval.budget.marginal_min_prob)",
+    )
+    p.add_argument(
         "--draft-rows",
         default="together",
         choices=["together", "each", "both"],
@@ -160,14 +191,17 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--prefill-rows {a.prefill_rows}: use 0 (auto) or a row count >= 1")
     if a.cap is not None and (a.budget or a.cap < 1):
         p.error("--cap takes a node count >= 1 and replaces --budget")
+    probs = [_probability(p, v) for v in a.min_prob]  # None: auto
 
     from rich.console import Console
 
     from specdraft.eval.bench_common import first_turns, load_bench, write_json
+    from specdraft.eval.budget import marginal_min_prob
     from specdraft.eval.decode import model_device
     from specdraft.eval.graphs import graphs_wanted, report_captures
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer
-    from specdraft.eval.throughput import Factory, print_throughput, throughput_rows
+    from specdraft.eval.throughput import Factory, PerBatchFactory, print_throughput, throughput_rows
+    from specdraft.models.registry import spec_of
 
     bench = load_bench(a)
     model, stop = bench.model, bench.stop_ids
@@ -191,6 +225,17 @@ def main(argv: list[str] | None = None) -> None:
 
         each = [(f"{n} (rows each)", _row_by_row(cast(Callable, f), OneRowAtATime)) for n, f in methods[1:]]
         methods = [methods[0], *each] if a.draft_rows == "each" else [*methods, *each]
+    for prob in probs:  # confidence-pruned trees (ReDrafter's beam positions below prob dropped)
+        for name, d in bench.drafters:
+            if spec_of(d).proposer != "redrafter_beams":
+                print(f"--min-prob: {name} is not a ReDrafter ({spec_of(d).name}): left out")
+                continue
+            make = partial(_pruned, d, fixed)
+            methods.append(
+                (f"{name}@p=auto", PerBatchFactory(marginal_min_prob, make))
+                if prob is None
+                else (f"{name}@p={prob:g}", make(prob))
+            )
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     predicted, reserve, predict_s = None, None, 0.0

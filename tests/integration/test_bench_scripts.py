@@ -110,6 +110,26 @@ def test_bench_batch_fixed_cap(eval_assets: Path, tmp_path: Path) -> None:
         _main("bench_batch")([*argv, "--cap", "2", "--budget"])
 
 
+def test_bench_batch_min_prob(eval_assets: Path, tmp_path: Path) -> None:
+    """`--min-prob 0.5 auto`: the ReDrafter again with confidence-pruned trees, at 0.5 and at each batch size's
+    break-even probability (from that batch's cost curve); outputs equal batch-1 AR's, and a tiny random
+    drafter (probabilities ~1/vocab) is pruned to its root, so those rows verify one node a step."""
+    out = tmp_path / "min_prob.json"
+    argv = [*_common(eval_assets, out), "--requests", "3", "--batch", "1", "2", "--max-new-tokens", "6"]
+    _main("bench_batch")([*argv, "--min-prob", "0.5", "auto"])
+    rows = {(r["method"], r["batch"]): r for r in _load(out)["rows"]}
+    assert all(r["identical"] == 3 for r in rows.values())
+    for b in (1, 2):
+        auto = rows[("redrafter:drafter@p=auto", b)]
+        assert 0.0 <= auto["setting"] < 1.0
+        assert rows[("redrafter:drafter@p=0.5", b)]["nodes_per_step"] == 1.0
+        assert rows[("redrafter:drafter@p=0.5", b)]["setting"] is None
+        assert rows[("redrafter:drafter", b)]["nodes_per_step"] > 1.0
+        assert rows[("ar", b)]["nodes_per_step"] == 1.0
+    with pytest.raises(SystemExit):
+        _main("bench_batch")([*argv, "--min-prob", "1.5"])
+
+
 def test_bench_batch_packing(eval_assets: Path, tmp_path: Path, capsys) -> None:
     """Padded against packed eager verifies, paired: a row per batch size and method, the same tokens both
     ways."""

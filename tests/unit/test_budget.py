@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.eval.budget import FULL, CostCurve, NodeBudget, machine_key, typical_ms
+from specdraft.eval.budget import FULL, CostCurve, NodeBudget, machine_key, marginal_min_prob, typical_ms
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.eval.tree import DraftTree
@@ -489,3 +489,12 @@ def test_warm_up_runs_every_cap_once_and_restores_the_proposer(family):
     assert caps[-1] == FULL and set(caps[:-1]) >= {c for c in (2, 4, 8, 16) if c < full}
     ref, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
     assert method.run(prompt, 24, None)[0] == ref
+
+
+def test_marginal_min_prob_is_the_break_even_node_probability():
+    """A node accepted with probability p pays when p * cost(1) >= cost(2) - cost(1): golden values, the
+    interpolated 2-node cost, and the clamps (a flat curve keeps every node; a steep one at most 0.99)."""
+    assert marginal_min_prob(CostCurve({1: 10.0, 2: 13.0, 4: 20.0})) == pytest.approx(0.3)
+    assert marginal_min_prob(CostCurve({1: 10.0, 4: 16.0})) == pytest.approx(0.2)  # cost(2) = 12
+    assert marginal_min_prob(CostCurve({1: 10.0, 2: 9.0})) == 0.0
+    assert marginal_min_prob(CostCurve({1: 10.0, 2: 40.0})) == 0.99

@@ -118,6 +118,8 @@ def test_every_preset_is_in_range(preset: str) -> None:
         ("eval.acceptance=lossy", "eval.acceptance=lossy: expected one of exact, typical"),
         ("eval.baselines=[magic]", "eval.baselines=[magic]"),
         ("eval.benches=[]", "eval.benches=[]: expected a non-empty list"),
+        ("eval.batch_min_prob=1.5", "eval.batch_min_prob=1.5: expected off, auto or a probability in (0, 1)"),
+        ("eval.batch_min_prob=often", "eval.batch_min_prob=often: expected off, auto or a probability"),
         ("eval.dtype=int8", "eval.dtype=int8"),
         ("eval.device=tpu", "eval.device=tpu"),
         ("eval.assistant_model=layers:0", "eval.assistant_model=layers:0"),

@@ -5,6 +5,8 @@ advances alike); the batched decoder drafts each step in one call and its output
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.decode import RowBatchedProposer, ar_generate
 from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import ReDrafterProposer
+from specdraft.eval.tree import PAD, pack_beams
 from specdraft.models import redrafter_beam
 from specdraft.models.copy_lookup import NgramIndex
 from specdraft.testing import random_prompts, tiny_proposer, tiny_proposer_factory, tiny_target
@@ -49,6 +52,77 @@ def test_beam_search_rows_equals_one_search_per_row(copy):
         assert torch.equal(beams[r], one_b)
         torch.testing.assert_close(cum[r], one_c, rtol=1e-12, atol=1e-12)
     assert (beams[:, :, 0] == roots[:, None]).all()
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_beam_search_stops_early_where_everything_left_is_pruned(copy, monkeypatch):
+    """`min_logp`: the search stops after the first slot where every row's beams are below it, and the
+    positions the proposer keeps (cum >= min_logp) are the full search's exactly, tokens and log-probs, for
+    thresholds that stop it at every depth; the slots it skipped are -inf (pruned)."""
+    model = tiny_target("llama", CPU)
+    drafter = tiny_proposer("redrafter_copy" if copy else "redrafter", model).drafter
+    torch.manual_seed(4)
+    hidden = 30 * torch.randn(
+        3, model.config.hidden_size, dtype=torch.float64
+    )  # peaked drafts: varied depths
+    roots = torch.randint(0, 128, (3,))
+    texts = random_prompts([9, 4, 15], seed=3)
+
+    def search(min_logp):
+        copies = [NgramIndex(3) for _ in texts] if copy else None
+        for c, t in zip(copies or [], texts, strict=False):
+            c.extend(t)
+        calls = []
+        inner = drafter.state_logits
+        monkeypatch.setattr(drafter, "state_logits", lambda *a, **k: calls.append(1) or inner(*a, **k))
+        out = redrafter_beam.beam_search_rows(drafter, hidden, roots, 3, 4, copies=copies, min_logp=min_logp)
+        monkeypatch.undo()
+        return (*out, len(calls))
+
+    beams, cum, n = search(None)
+    assert n == 4
+    best = cum.amax(dim=(0, 1))  # (1 + D,) the best log-prob at each depth, over rows and beams
+    depths = set()
+    for t in [float(x) for x in best[1:]] + [0.5 * float(best[1]), float(best[1]) + 1e-6, -1e9]:
+        b, c, calls = search(t)
+        keep = cum >= t
+        assert torch.equal(c >= t, keep)
+        assert torch.equal(b[keep], beams[keep]) and torch.equal(c[keep], cum[keep])
+        stop = int((best[1:] >= t).sum()) + 1  # slots searched: the confident ones and the first that is not
+        assert calls == min(stop, 4)
+        assert (c[..., 1 + calls :] == float("-inf")).all()
+        depths.add(calls)
+    assert {1, 4} < depths  # stopped at once, in between, and not at all (ties may merge two depths)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+@pytest.mark.parametrize("min_prob", [0.2, 0.3, 0.5, 0.7])
+def test_min_prob_tree_is_the_full_width_search_pruned(copy, min_prob):
+    """A ReDrafter proposer with `min_prob` p stops its search at the first slot where every beam is below p,
+    yet its tree (tokens, topology) is the full-depth search's with every position below p pruned."""
+    model = tiny_target("llama", CPU)
+    family = "redrafter_copy" if copy else "redrafter"
+    drafter = tiny_proposer(family, model).drafter
+    g = torch.Generator().manual_seed(6)
+    prop = ReDrafterProposer(drafter, 8, 5, min_prob=min_prob)
+    prompt = random_prompts([12], seed=4)[0]
+    tokens = torch.tensor(prompt[1:] + [prompt[0]])
+    ref = NgramIndex(3) if copy else None
+    if ref is not None:
+        ref.extend(prompt[1:])
+    sizes = []
+    for step in range(4):
+        scale = 3.0 + 3.0 * step  # drafts from flat to peaked: branches, early stops and whole chains
+        hidden = scale * torch.randn(len(tokens), model.config.hidden_size, dtype=torch.float64, generator=g)
+        tree = prop.propose(hidden, tokens)
+        sizes.append(tree.num_nodes)
+        beams, cum = drafter.beam_search(hidden[-1], int(tokens[-1]), 8, 4, copy=ref)  # (8, 5) each
+        want, _ = pack_beams(beams.masked_fill(cum < math.log(min_prob), PAD))
+        assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents), step
+        if ref is not None:  # the next call indexes this root and the new tokens before its own root
+            ref.extend([int(tokens[-1]), 5 + step])
+        tokens = torch.tensor([5 + step, 9 + step])
+    assert max(sizes) > 1  # something was drafted
 
 
 @pytest.mark.parametrize("family", BATCHED)

@@ -99,7 +99,7 @@ FRACTION = within(0, 1)  # [0, 1)
 DECAY = within(0, 1, lo_open=True, hi_open=False)  # (0, 1]
 
 
-def _probability(v: Any) -> bool:
+def is_probability(v: Any) -> bool:
     """A number (or its string) strictly between 0 and 1."""
     try:
         return 0.0 < float(v) < 1.0
@@ -340,7 +340,7 @@ EVAL: Table = {
     "batch_sizes": each(POSITIVE),
     "prefill_rows": COUNT,
     "batch_min_prob": Rule(
-        lambda v: v in ("off", "auto") or _probability(v), "off, auto or a probability in (0, 1)"
+        lambda v: v in ("off", "auto") or is_probability(v), "off, auto or a probability in (0, 1)"
     ),
     "scheduler": one_of("fifo", "length", "both", "groups", "all"),
     "length_predictor": ANY,  # a file path, checked when the throughput table loads it

@@ -94,13 +94,12 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     from specdraft.eval.budget import CostCurve, machine_key
     from specdraft.eval.decode import model_device
     from specdraft.eval.graphs import graphs_wanted
-    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer
+    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer, pruned_factories
     from specdraft.eval.static_decode import make_decoder
     from specdraft.hardware import draft_dtype_for
     from specdraft.models.base_llm import target_fingerprint
     from specdraft.models.hub import load_drafter
     from specdraft.models.linear_layout import match_target_layout
-    from specdraft.models.registry import spec_of
 
     e = cfg.eval
     sampling = {"temperature": float(e.temperature), "top_k": int(e.top_k), "top_p": float(e.top_p)}
@@ -153,11 +152,10 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             )  # fmt: skip
             # with graphs (a GPU) each row's draft step takes its fixed shape and CUDA graph there too
             methods[-1].factory = partial(eager, static=batch_graphs, graphs=batch_graphs)
-            if spec_of(drafter).proposer == "redrafter_beams":  # eval.batch_min_prob's pruned rows
-                methods[-1].pruned = partial(
-                    _pruned, drafter, e.beam_width, e.beam_length, bool(e.int8_draft_head), lookup_tokens,
-                    str(e.draft_block),
-                )  # fmt: skip
+            methods[-1].pruned = pruned_factories(  # eval.batch_min_prob's rows (ReDrafter only, else None)
+                drafter, beam_width=e.beam_width, beam_length=e.beam_length, tree_nodes=e.tree_nodes,
+                int8_head=bool(e.int8_draft_head), lookup_tokens=lookup_tokens, draft_block=str(e.draft_block),
+            )  # fmt: skip
             if e.adaptive == "on":  # next to it: the same drafter, pruned per step by confidence (LLMCad)
                 from specdraft.eval.adaptive import AdaptiveProposer
 
@@ -223,19 +221,6 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     return methods, skipped
 
 
-def _pruned(
-    drafter, beam_width, beam_length, int8_head: bool, lookup_tokens: int, draft_block: str, min_prob: float
-):
-    """A factory of the batched decoder's proposers for `drafter` (eager draft steps, `make_proposer`'s
-    settings) with beam positions below drafter probability `min_prob` pruned (`eval.batch_min_prob`)."""
-    from specdraft.eval.proposers import make_proposer
-
-    return partial(
-        make_proposer, drafter, beam_width, beam_length, None, int8_head, lookup_tokens, min_prob,
-        draft_block=draft_block,
-    )  # fmt: skip
-
-
 def machine_info(model) -> dict[str, Any]:
     """Where the numbers were measured: `hardware.host_info` of the model's device (its GPU, if any), the
     device, dtype and the target's Linear layout (`models.linear_layout`: the LM head's class)."""
@@ -292,8 +277,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
     """`eval.batch_sizes`: the batched throughput table over each benchmark's first turns (greedy, or sampled
     at `eval.temperature` > 0)."""
     from specdraft.data.benchmarks import first_turn_ids
-    from specdraft.eval.budget import marginal_min_prob
-    from specdraft.eval.throughput import Factory, PerBatchFactory, print_throughput, throughput_rows
+    from specdraft.eval.throughput import Factory, print_throughput, pruned_method, throughput_rows
 
     e = cfg.eval
     if not e.batch_sizes:
@@ -302,13 +286,12 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
     pairs += [(m.name.replace("+fallback", ""), m.factory) for m in methods if m.kind == "spec" and m.factory]
     pruning = str(e.get("batch_min_prob", "off"))
     if pruning != "off":  # each ReDrafter again, its trees pruned to confident nodes (per batch size: auto)
-        for m in methods:
-            if m.kind == "spec" and m.pruned is not None:
-                name = m.name.replace("+fallback", "")
-                if pruning == "auto":
-                    pairs.append((f"{name}@p=auto", PerBatchFactory(marginal_min_prob, m.pruned)))
-                else:
-                    pairs.append((f"{name}@p={float(pruning):g}", m.pruned(float(pruning))))
+        prob = None if pruning == "auto" else float(pruning)
+        pairs += [
+            pruned_method(m.name.replace("+fallback", ""), m.pruned, prob)
+            for m in methods
+            if m.kind == "spec" and m.pruned is not None
+        ]
     scheduler = str(e.get("scheduler", "fifo"))
     schedulers = {
         "fifo": ["fifo"],

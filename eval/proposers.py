@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -540,6 +541,17 @@ def make_proposer(
 
         return LookupBranch(proposer, lookup_tokens)
     return proposer
+
+
+def pruned_factories(drafter: torch.nn.Module, **settings) -> Callable[[float], Callable[[], Any]] | None:
+    """min_prob -> a factory of `drafter`'s proposers (`make_proposer` with `settings`) whose trees drop the beam
+    positions below that drafter probability (`eval.batch_min_prob`, `bench_batch.py --min-prob`); None for a
+    family whose proposer takes no `min_prob` (only ReDrafter's beam search prunes by it)."""
+    from specdraft.models.registry import spec_of
+
+    if spec_of(drafter).proposer != "redrafter_beams":
+        return None
+    return lambda min_prob: partial(make_proposer, drafter, min_prob=min_prob, **settings)
 
 
 def _family_proposer(

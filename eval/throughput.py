@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from specdraft.eval.batch_decode import make_batch_decoder
-from specdraft.eval.budget import CostCurve, NodeBudget
+from specdraft.eval.budget import CostCurve, NodeBudget, marginal_min_prob
 from specdraft.eval.decode import Proposer
 from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
 from specdraft.eval.scheduler import SCHEDULERS, schedule_order
@@ -39,6 +39,22 @@ class PerBatchFactory:
 
 
 Factory = Callable[[], Proposer] | PerBatchFactory | None  # None: AR
+
+
+def pruned_method(
+    name: str, make: Callable[[float], Callable[[], Proposer]], min_prob: float | None
+) -> tuple[str, Factory]:
+    """The method `name` with its trees pruned below drafter probability `min_prob` (`name@p=0.3`), or below each
+    batch size's break-even (None: `name@p=auto`, `budget.marginal_min_prob` of that batch's cost curve).
+
+    Args:
+        name: the unpruned method's name.
+        make: min_prob -> proposer factory (`proposers.pruned_factories`).
+        min_prob: a probability in (0, 1), or None for auto.
+    """
+    if min_prob is None:
+        return f"{name}@p=auto", PerBatchFactory(marginal_min_prob, make)
+    return f"{name}@p={min_prob:g}", make(min_prob)
 
 
 def throughput_rows(

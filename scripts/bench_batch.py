@@ -102,24 +102,15 @@ def _row_by_row(factory: Callable[[], Any], wrap: Callable[[Any], Any]) -> Calla
     return lambda: wrap(factory())
 
 
-def _pruned(drafter: Any, settings: dict[str, Any], min_prob: float) -> Callable[[], Any]:
-    """A factory of `drafter`'s proposers (`make_proposer` with `settings`) pruning below `min_prob`."""
-    from specdraft.eval.proposers import make_proposer
-
-    return partial(make_proposer, drafter, min_prob=min_prob, **settings)
-
-
 def _probability(p: argparse.ArgumentParser, value: str) -> float | None:
     """A `--min-prob` value: a probability in (0, 1), or None for `auto` (exits with a usage line otherwise)."""
+    from specdraft.conf.validate import is_probability
+
     if value == "auto":
         return None
-    try:
-        prob = float(value)
-    except ValueError:
-        prob = -1.0
-    if not 0.0 < prob < 1.0:
+    if not is_probability(value):
         p.error(f"--min-prob {value}: expected a probability in (0, 1) or auto")
-    return prob
+    return float(value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,12 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
     from specdraft.eval.bench_common import first_turns, load_bench, write_json
-    from specdraft.eval.budget import marginal_min_prob
     from specdraft.eval.decode import model_device
     from specdraft.eval.graphs import graphs_wanted, report_captures
-    from specdraft.eval.proposers import PromptLookupProposer, make_proposer
-    from specdraft.eval.throughput import Factory, PerBatchFactory, print_throughput, throughput_rows
-    from specdraft.models.registry import spec_of
+    from specdraft.eval.proposers import PromptLookupProposer, make_proposer, pruned_factories
+    from specdraft.eval.throughput import Factory, print_throughput, pruned_method, throughput_rows
 
     bench = load_bench(a)
     model, stop = bench.model, bench.stop_ids
@@ -227,15 +216,11 @@ def main(argv: list[str] | None = None) -> None:
         methods = [methods[0], *each] if a.draft_rows == "each" else [*methods, *each]
     for prob in probs:  # confidence-pruned trees (ReDrafter's beam positions below prob dropped)
         for name, d in bench.drafters:
-            if spec_of(d).proposer != "redrafter_beams":
-                print(f"--min-prob: {name} is not a ReDrafter ({spec_of(d).name}): left out")
-                continue
-            make = partial(_pruned, d, fixed)
-            methods.append(
-                (f"{name}@p=auto", PerBatchFactory(marginal_min_prob, make))
-                if prob is None
-                else (f"{name}@p={prob:g}", make(prob))
-            )
+            make = pruned_factories(d, **fixed)
+            if make is None:
+                print(f"--min-prob: {name} is not a ReDrafter: left out")
+            else:
+                methods.append(pruned_method(name, make, prob))
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     predicted, reserve, predict_s = None, None, 0.0

@@ -13,10 +13,15 @@ nodes on a 2-core CPU in fp32). Two measured curves decide the budget:
 
 `NodeBudget.cap` = argmax over b of gain(b) / (cost(b) + draft time), where b = 1 means "do not draft" (gain
 1, no draft time): a drafter that cannot pay on this machine turns itself off. The draft time is re-measured
-at the chosen size (and at the next larger size when the model rates it within `near`: a near-tie that
-phase 1's full-size draft time cannot decide) before that last decision (a ReDrafter told to fill 2 nodes
-searches one beam of one token, several times cheaper than its full search). Output is unchanged whatever the
-budget.
+at the chosen size before that last decision (a ReDrafter told to fill 2 nodes searches one beam of one token,
+several times cheaper than its full search). Every size is rated with the tokens phase 1's steps gave with their
+first b nodes, never with the tokens of the steps that re-timed it: those come from other text, one size after
+another, so a check that met a passage the drafter copies (MT-Bench "rewrite your previous answer") would win
+for its size whatever it is (an H100 eval run, session 43, rated 8 nodes at 718 tok/s against 365-395 at 16-32
+nodes that way). Rated so, a size larger than the provisional cap never needs a check: with the same draft time
+d for both, gain(b') / (cost(b') + d) - gain(b) / (cost(b) + d) grows with d when gain(b') > gain(b), so a
+larger size that lost with phase 1's full-size draft time loses by more with the shorter real one. Output is
+unchanged whatever the budget.
 
 The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
@@ -149,14 +154,37 @@ class CostCurve:
         measure: Callable[[], dict[int, float]],
         refresh: bool = False,
         log: Callable[[str], None] = print,
+        recheck: Callable[[], float] | None = None,
+        tolerance: float = 0.25,
     ) -> CostCurve:
-        """The cached curve for `key`, or `measure()` it (a few seconds) and cache it atomically."""
+        """The cached curve for `key`, or `measure()` it (a few seconds) and cache it atomically.
+
+        Args:
+            key: `machine_key` of the model and decode path.
+            measure: () -> {nodes: ms}, the whole curve.
+            refresh: measure even when a curve is cached.
+            log: where the one-line reports go.
+            recheck: () -> ms of a 1-node verify now (a second or less); a cached curve whose cost(1) is more
+                than `tolerance` (relative) away from it is measured again: the machine's speed moved since
+                it was cached (a VM's timings drift 10-30% from day to day: a curve cached at 44 ms per
+                one-token step fitted budgets while AR ran at 33 ms, pricing the draft time a third too low).
+                None: the cached curve as it is.
+            tolerance: relative drift of cost(1) a cached curve survives.
+        """
         path = _cache_dir() / f"{key}.json"
         if path.is_file() and not refresh:
             try:
-                return CostCurve({int(k): float(v) for k, v in json.loads(path.read_text())["ms"].items()})
+                cached = CostCurve({int(k): float(v) for k, v in json.loads(path.read_text())["ms"].items()})
             except (ValueError, KeyError, TypeError):
                 log(f"cost curve {path} is unreadable: measuring it again")
+            else:
+                now = recheck() if recheck is not None else None
+                if now is None or abs(now - cached(1)) <= tolerance * cached(1):
+                    return cached
+                log(
+                    f"cost curve {path}: a 1-node verify takes {now:.1f} ms now against {cached(1):.1f} ms "
+                    "when it was cached: measuring it again"
+                )
         t0 = time.perf_counter()
         ms = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +227,8 @@ class NodeBudget:
     Two phases, so that "do not draft" is only decided with the draft time of the trees actually kept:
     1. `fit_steps` drafted steps at full size record the gain curve and the draft time; the best cap b >= 2
        becomes provisional (`cap`), and the proposer is told (`Proposer.fit_budget`), so it may draft less;
-    2. `check_steps` drafted steps at that cap measure its tokens per ms with the draft time it really has;
+    2. `check_steps` drafted steps at that cap measure the draft time it really has, which rates it with the
+       phase-1 gain curve (the same steps for every size: the checks' own tokens come from other text);
        then the next smaller size is checked the same way, as long as its phase-1 gain over its verify cost
        alone (no draft time: the best it could do) beats every rate so far, because a proposer told a smaller
        cap drafts less (fewer beams, fewer head passes) and phase 1 charged it the full-size draft time. The
@@ -220,8 +249,6 @@ class NodeBudget:
         drift_window_max: longest drift window: it doubles after each refit that keeps the cap.
         refit_scale: a refit drafts trees of at most this many times the previously settled cap, and at least
             8 nodes (`refit_cap`); 0: full-size trees.
-        near: phase 2 also checks the next larger size when phase 1's model rates it within this fraction of
-            the provisional cap (a near-tie that the full-size draft time of phase 1 cannot decide); 0: never.
     """
 
     cost: CostCurve
@@ -236,7 +263,6 @@ class NodeBudget:
     drift: float = 0.2
     drift_window_max: int = 256
     refit_scale: int = 4
-    near: float = 0.05
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -244,7 +270,8 @@ class NodeBudget:
     )  # phase 1, per step: accepted+1 with the first b nodes
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
     checks: list[tuple[float, int, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens, nodes)
-    measured: dict[int, float] = field(default_factory=dict)  # phase 2: tokens per ms at each checked cap
+    # phase 2: tokens per ms at each checked cap (phase 1's gain there over its verify cost + the measured draft)
+    measured: dict[int, float] = field(default_factory=dict)
     refits: int = 0  # refits started so far
     history: list[int] = field(default_factory=list)  # every settled cap, in order
     _left: int = -1  # phase-1 steps left (-1: `fit_steps`, the first fit)
@@ -255,7 +282,6 @@ class NodeBudget:
     _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
     _due: bool = False  # the drift test asks for a refit
     _window: int = 0  # drafted steps the drift test averages (0: `drift_window`); doubles while refits agree
-    _larger: int | None = None  # phase 2: the next larger size still to check (a near-tie)
 
     @classmethod
     def fixed(cls, cap: int, label: str = "") -> NodeBudget:
@@ -344,31 +370,22 @@ class NodeBudget:
         if len(self.checks) >= self.check_steps:
             k = len(self.checks)
             draft = typical_ms([c[0] for c in self.checks])
-            ms = sum(self.cost(c[2]) for c in self.checks) / k + draft
-            self._check_tokens[self.cap] = sum(c[1] for c in self.checks) / k
-            self.measured[self.cap] = self._check_tokens[self.cap] / ms
+            self._check_tokens[self.cap] = sum(c[1] for c in self.checks) / k  # the drift test's expectation
+            self.measured[self.cap] = self.rates([draft])[self.cap]  # phase 1's gain, this draft time
             self.checks = []
             best = max([1.0 / self.cost(1), *self.measured.values()])
             bound = self.rates([0.0])  # no draft time: what each size could reach at best
             smaller = [
                 b for b in self.sizes if 1 < b < self.cap and bound[b] > best and b not in self.measured
             ]
-            if self._larger is not None:  # a near-tie above the provisional cap: check it next
-                self.cap, self._larger = self._larger, None
-            elif smaller:
+            if smaller:
                 self.cap = max(smaller)  # check it next (the decoder tells the proposer)
             else:
                 self._settle(self.measured, [draft])
 
     def _provisional(self, rates: dict[int, float]) -> None:
-        """End of phase 1: the provisional cap (the best modelled rate among b > 1), and the next larger size to
-        check in phase 2 when the model rates it within `near` of the provisional one."""
+        """End of phase 1: the provisional cap, the best modelled rate among b > 1."""
         self.cap = max((b for b in sorted(rates) if b > 1), key=lambda b: (rates[b], -b))
-        drafted = max((len(g) for g in self.gains), default=0)  # nodes of the largest tree phase 1 saw
-        above = [b for b in sorted(rates) if self.cap < b <= drafted]
-        self._larger = None
-        if above and self.near > 0 and rates[above[0]] >= (1.0 - self.near) * rates[self.cap]:
-            self._larger = above[0]
 
     def _settle(self, measured: dict[int, float], draft_ms: list[float] | None = None) -> None:
         """Final cap among 1 and b <= the provisional cap: measured rates where there are some (the checked

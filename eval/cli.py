@@ -112,7 +112,11 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
     cost = None
     if e.node_budget == "auto" and decoder is not None:  # verify cost per node count here (cached)
-        cost = CostCurve.load_or_measure(machine_key(model, decoder.path_name()), decoder.measure_costs)
+        cost = CostCurve.load_or_measure(
+            machine_key(model, decoder.path_name()),
+            decoder.measure_costs,
+            recheck=lambda: decoder.measure_costs((1,), reps=5)[1],  # a cached curve still this machine's?
+        )
     elif e.node_budget == "auto":
         print(
             "eval.node_budget=auto: not applied on eval.decode_path=dynamic (the reference path has no budget)"

@@ -47,6 +47,30 @@ def test_cost_curve_interpolates_and_is_cached(tmp_path, monkeypatch):
     assert len(calls) == 2 and "unreadable" in msgs[0]
 
 
+def test_a_cached_curve_is_measured_again_when_the_machine_moved(tmp_path, monkeypatch):
+    """`recheck` times one 1-node verify now: within `tolerance` of the cached cost(1) the cached curve stands
+    (no full measurement), farther away (a VM 33% slower or faster than when it cached) it is measured again,
+    reported in one line, and the new curve is cached."""
+    monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path / "cost_curves"))
+    calls: list[int] = []
+
+    def measure() -> dict[int, float]:
+        calls.append(1)
+        return {1: 10.0 * len(calls), 4: 16.0 * len(calls)}
+
+    CostCurve.load_or_measure("k2", measure, log=lambda m: None)
+    same = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 12.0)  # +20%
+    assert len(calls) == 1 and same(1) == 10.0
+    msgs: list[str] = []
+    moved = CostCurve.load_or_measure("k2", measure, log=msgs.append, recheck=lambda: 13.5)  # +35%
+    assert len(calls) == 2 and moved(1) == 20.0 and moved(4) == 32.0
+    assert "13.5 ms now against 10.0 ms" in msgs[0] and "measuring it again" in msgs[0]
+    again = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 19.0)
+    assert len(calls) == 2 and again.ms == moved.ms  # the new curve was cached
+    fast = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 14.0)  # -30%
+    assert len(calls) == 3 and fast(1) == 30.0
+
+
 def _budget(costs: dict[int, float], **kw) -> NodeBudget:
     kw.setdefault("fit_steps", 10)
     return NodeBudget(CostCurve(costs), sizes=(1, 2, 4, 8), **kw)
@@ -122,29 +146,48 @@ def test_phase_two_walks_down_while_a_smaller_cap_could_pay():
     assert budget.measured == pytest.approx({8: 4 / 26, 4: 3 / 14})
 
 
-def test_phase_two_also_checks_a_near_tie_above_the_provisional_cap():
-    """Phase 1 rates 2 nodes (1.5 tok / 21 ms) a hair above 4 (1.6 / 23 ms), both charged the full-size draft
-    time; 4 is within `near` (5%), so after 2 it is checked too, and its real draft time (1 ms, not 10) makes it
-    the better one. Outside `near` (or with near=0) only 2 is checked."""
+def test_phase_two_rates_every_size_on_phase_ones_steps_not_on_its_own_text():
+    """Phase 1's steps (gains [1, 2, 2, 2, 3, 3, 3, 4]: 2 tokens from the first 4 nodes, 4 from all 8) keep 8
+    provisionally; 4 could beat it with no draft time at all (2 / 12 ms > 4 / 26 ms), so it is checked. Its
+    checks meet text the drafter copies (4 tokens a step from 4 nodes): rated on its own steps it would win
+    (4 / 18 ms), but every size is rated on phase 1's steps, the same text for all, with the draft time the
+    checks measured (6 ms): 2 / 18 ms < 4 / 26 ms; 2 nodes (2 / 15 ms with their 4 ms) lose too, so 8 stays.
+    The tokens the checks saw at 8 still set what the drift test expects there."""
+    budget = _budget({1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}, check_steps=3)
+    for _ in range(10):
+        budget.observe(0.012, 4, 8, [1, 2, 2, 2, 3, 3, 3, 4])
+    assert budget.cap == 8 and not budget.settled
+    for _ in range(3):
+        budget.observe(0.012, 3, 8)  # harder text at 8: 3 tokens a step, not phase 1's 4
+    assert budget.cap == 4 and not budget.settled
+    for _ in range(3):
+        budget.observe(0.006, 4, 4)
+    assert budget.cap == 2 and not budget.settled  # 2 / 11 ms at best: checked too
+    for _ in range(3):
+        budget.observe(0.004, 2, 2)
+    assert budget.settled and budget.cap == 8
+    assert budget.measured == pytest.approx({8: 4 / 26, 4: 2 / 18, 2: 2 / 15})
+    assert budget._expect == pytest.approx(3.0)  # the checks' own tokens at the settled cap
+
+
+def test_a_larger_size_never_beats_the_provisional_cap_with_a_shorter_draft_time():
+    """The reason phase 2 checks only smaller sizes: with the same draft time d, a larger size's rate
+    gain(b') / (cost(b') + d) falls behind the provisional cap's by more as d shrinks from phase 1's full-size
+    draft time to the real one."""
     costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 30.0}
-    for near, want in ((0.05, 4), (0.0, 2)):
-        budget = _budget(costs, check_steps=2, near=near)
-        for i in range(10):  # half the steps accept the first node; one of them accepts 2 more by node 4
-            g2 = 2 if i < 5 else 1
-            g4 = 3 if i == 0 else g2
-            budget.observe(0.010, 1, 8, [1, g2, g2, g4, g4, g4, g4, g4])
-        rates = budget.rates(budget.draft_ms)
-        assert budget.cap == 2 and rates[4] >= 0.95 * rates[2] and rates[4] < rates[2]
-        budget.observe(0.001, 2, 2)
-        budget.observe(0.001, 1, 2)  # 1.5 tok / 12 ms measured at 2
-        if want == 2:
-            assert budget.settled and budget.cap == 2
-            continue
-        assert budget.cap == 4 and not budget.settled  # the near-tie above is checked next
-        budget.observe(0.001, 2, 4)
-        budget.observe(0.001, 2, 4)  # 2 tok / 14 ms measured at 4
-        assert budget.settled and budget.cap == 4
-        assert budget.measured == pytest.approx({2: 1.5 / 12, 4: 2 / 14})
+    budget = _budget(costs, check_steps=2)
+    for i in range(10):  # half the steps accept the first node; one of them accepts 2 more by node 4
+        g2 = 2 if i < 5 else 1
+        g4 = 3 if i == 0 else g2
+        budget.observe(0.010, 1, 8, [1, g2, g2, g4, g4, g4, g4, g4])
+    full = budget.rates(budget.draft_ms)
+    assert budget.cap == 2 and full[4] >= 0.95 * full[2]  # a near-tie at the full-size draft time
+    for d in (0.0, 1.0, 5.0, 9.0):
+        r = budget.rates([d])
+        assert r[4] < r[2] and r[2] - r[4] >= full[2] - full[4]
+    budget.observe(0.001, 2, 2)
+    budget.observe(0.001, 1, 2)
+    assert budget.settled and budget.cap == 2 and budget.measured == pytest.approx({2: 1.5 / 12})
 
 
 def test_warm_start_skips_phase_one_with_another_budgets_gains():

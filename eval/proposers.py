@@ -178,6 +178,11 @@ class PromptLookupProposer:
         return tree
 
 
+# ReDrafter `min_prob` above which one beam finds every node kept (1/2, with a margin for rounding in the
+# softmax: two sequences of one depth at p each need 2p <= 1 + rounding)
+GREEDY_ABOVE = 0.5 + 1e-4
+
+
 class ReDrafterProposer:
     """Beam search with a ReDrafter RNN drafter + dynamic tree attention (prefix dedup).
 
@@ -188,7 +193,10 @@ class ReDrafterProposer:
         beam_length: 1 + draft_len (root included).
         int8_head: draft with an int8 copy of the vocabulary head (CPU only; ignored where unsupported).
         min_prob: drop beam positions whose drafter probability (product along the beam) is below this
-            (dynamic tree size; 0: keep all).
+            (dynamic tree size; 0: keep all). Above 1/2 the search is one beam wide: the drafts of one depth
+            are distinct sequences whose probabilities sum to at most 1, so at most one reaches p > 1/2, and a
+            sequence above 1/2 is the argmax at every slot of it, i.e. the greedy chain's prefix. The tree is
+            the W-wide search's pruned one, for 1/W of its head and recurrence work.
         static: fixed shapes for the static decode path: all W beams from the first slot
             (`beam_search_fixed_rows`, one row) laid out as a tree of constant topology, 1 + W * D nodes without prefix
             dedup, so a draft step makes no host sync. The copy gate looks up on the device in a buffer of
@@ -214,6 +222,8 @@ class ReDrafterProposer:
             raise ValueError(
                 f"ReDrafterProposer: beam_width={beam_width}, beam_length={beam_length} must be >= 1"
             )
+        if min_prob > GREEDY_ABOVE:  # one sequence at most reaches p > 1/2: the greedy one (see Args)
+            beam_width = 1
         # duck-typed: any module with ReDrafter's `head` and `beam_search`
         drafter = cast("ReDrafter", drafter)
         self.drafter = drafter

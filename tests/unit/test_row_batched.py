@@ -96,7 +96,7 @@ def test_beam_search_stops_early_where_everything_left_is_pruned(copy, monkeypat
 
 
 @pytest.mark.parametrize("copy", [False, True])
-@pytest.mark.parametrize("min_prob", [0.2, 0.3, 0.5, 0.7])
+@pytest.mark.parametrize("min_prob", [0.2, 0.3, 0.5, 0.55, 0.7])
 def test_min_prob_tree_is_the_full_width_search_pruned(copy, min_prob):
     """A ReDrafter proposer with `min_prob` p stops its search at the first slot where every beam is below p,
     yet its tree (tokens, topology) is the full-depth search's with every position below p pruned."""
@@ -105,6 +105,9 @@ def test_min_prob_tree_is_the_full_width_search_pruned(copy, min_prob):
     drafter = tiny_proposer(family, model).drafter
     g = torch.Generator().manual_seed(6)
     prop = ReDrafterProposer(drafter, 8, 5, min_prob=min_prob)
+    assert prop.beam_width == (
+        1 if min_prob > 0.5 else 8
+    )  # above 1/2: the greedy chain finds every kept node
     prompt = random_prompts([12], seed=4)[0]
     tokens = torch.tensor(prompt[1:] + [prompt[0]])
     ref = NgramIndex(3) if copy else None
@@ -123,6 +126,32 @@ def test_min_prob_tree_is_the_full_width_search_pruned(copy, min_prob):
             ref.extend([int(tokens[-1]), 5 + step])
         tokens = torch.tensor([5 + step, 9 + step])
     assert max(sizes) > 1  # something was drafted
+
+
+def test_rows_above_one_half_search_one_beam_and_keep_the_full_search_pruned():
+    """`propose_rows` of proposers with p > 1/2 (one beam each) gives every row the 8-wide search's tree pruned
+    below p, rows drafting nothing, one node or a chain alike."""
+    model = tiny_target("llama", CPU)
+    drafter = tiny_proposer("redrafter", model).drafter
+    ps = [ReDrafterProposer(drafter, 8, 5, min_prob=0.6) for _ in range(4)]
+    assert all(p.beam_width == 1 for p in ps)
+    g = torch.Generator().manual_seed(11)
+    sizes = set()
+    for step in range(3):
+        hidden = [
+            (2.0 + 4.0 * r + 3.0 * step)
+            * torch.randn(2, model.config.hidden_size, dtype=torch.float64, generator=g)
+            for r in range(4)
+        ]  # flat to peaked drafts across the rows
+        tokens = [torch.tensor([7 + r, 20 + 3 * r + step]) for r in range(4)]
+        trees = ps[0].propose_rows(ps, hidden, tokens)
+        assert trees is not None
+        for h, t, tree in zip(hidden, tokens, trees, strict=True):
+            beams, cum = drafter.beam_search(h[-1], int(t[-1]), 8, 4)  # (8, 5) each
+            want, _ = pack_beams(beams.masked_fill(cum < math.log(0.6), PAD))
+            assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents), step
+            sizes.add(tree.num_nodes)
+    assert len(sizes) > 1 and max(sizes) > 2  # not every row the same: roots alone and chains
 
 
 @pytest.mark.parametrize("family", BATCHED)

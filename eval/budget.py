@@ -269,7 +269,7 @@ class NodeBudget:
         default_factory=list
     )  # phase 1, per step: accepted+1 with the first b nodes
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
-    checks: list[tuple[float, int, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens, nodes)
+    checks: list[tuple[float, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens)
     # phase 2: tokens per ms at each checked cap (phase 1's gain there over its verify cost + the measured draft)
     measured: dict[int, float] = field(default_factory=dict)
     refits: int = 0  # refits started so far
@@ -345,7 +345,8 @@ class NodeBudget:
     ) -> None:
         """One drafted greedy step (call it for every one, settled or not): the proposer's time, the tokens
         the step emitted (accepted + 1) and the nodes verified; in phase 1 also `prefix_accept[b-1]` = tokens
-        the first b nodes alone would have given. Once settled, only the drift test reads the tokens."""
+        the first b nodes alone would have given. Once settled, only the drift test reads the tokens. `nodes` is
+        not read any more (phase 2 prices every size on phase 1's trees); the decoders still pass it."""
         if self.settled:
             if self.cap == 1 or self.drift_window <= 0 or self.refit_gap <= 0:
                 return
@@ -366,7 +367,7 @@ class NodeBudget:
                 if self.check_steps <= 0:
                     self._settle({})
             return
-        self.checks.append((draft_s * 1e3, accepted, nodes))
+        self.checks.append((draft_s * 1e3, accepted))
         if len(self.checks) >= self.check_steps:
             k = len(self.checks)
             draft = typical_ms([c[0] for c in self.checks])

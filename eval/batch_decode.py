@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
-from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
+from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
 from specdraft.eval.decode import (
     DecodeStats,
     Proposer,
@@ -65,6 +65,16 @@ from specdraft.models.fast_target import Packing
 
 Sampling = tuple[float, int, float, torch.Generator | None]  # (temperature, top_k, top_p, generator)
 PREFILL_TOKENS = 16384  # most padded prompt tokens one batched prefill forward takes (rows x longest prompt)
+# where a profiled call's time goes: admitting and prefilling rows, drafting every row's tree, packing and
+# verifying the trees (one target forward), the acceptance rule and its host read (plus the budget's
+# bookkeeping), and the cache commit with every row's emitted tokens and next proposer inputs
+PHASES = ("prefill", "draft", "verify", "accept", "commit")
+
+
+def cache_margin(proposer: Proposer | None) -> int:
+    """Cache positions per row beyond prompt + new tokens that a call with `proposer` (None: AR) needs: its
+    largest padded tree and a slack of 64."""
+    return budget_for(max(proposer.spec.node_budget, 1)) + 64 if proposer is not None else 2
 
 
 @dataclass
@@ -78,6 +88,7 @@ class BatchStats:
     new_tokens: int = 0  # emitted tokens over all requests
     time_s: float = 0.0  # wall time of the call
     idle_row_steps: int = 0  # rows without a request summed over steps (the forward still runs them)
+    phase_s: dict[str, float] = field(default_factory=dict)  # profile=True: synced s per phase (PHASES)
 
     @property
     def row_utilisation(self) -> float:
@@ -150,6 +161,32 @@ class BatchDecoder:
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
         self._inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # static: b -> (tokens, ancestors, depth)
         self._graphs: dict[tuple, CudaGraph[tuple[Tensor, Tensor]] | None] = {}
+        # the proposers of the last factory, kept for the next call with the same factory (their CUDA graphs
+        # and buffers with them: a timed call then replays what a warm-up captured)
+        self._made: tuple[Callable[[], Proposer], list[Proposer]] | None = None
+        self._capped = False  # whether a call fitted those proposers to a node cap (undone on reuse)
+
+    def reserve(self, max_len: int) -> None:
+        """Grow the cache to at least `max_len` positions per row now (a benchmark sizes it once before its
+        warm-ups, so that no timed call reallocates it and drops the verify graphs captured on it)."""
+        if max_len > self.cache.max_len:
+            self._new_cache(max_len)
+
+    def proposers_for(self, factory: Callable[[], Proposer] | None) -> list[Proposer]:
+        """One proposer per row from `factory` (None: AR, no proposers). A call with the factory of the previous
+        call gets the same proposers back, with their full trees restored (`fit_budget(FULL)`) if that call
+        capped them; each row's
+        proposer is reset when the row takes a request, so only what outlives a request carries over: captured
+        draft graphs, buffers, calibrations."""
+        if factory is None:
+            return []
+        if self._made is not None and self._made[0] is factory:
+            for p in self._made[1] if self._capped else ():
+                p.fit_budget(FULL)
+            self._capped = False
+            return self._made[1]
+        self._made, self._capped = (factory, [factory() for _ in range(self.batch_size)]), False
+        return self._made[1]
 
     def _new_cache(self, max_len: int) -> None:
         """Reallocate the cache at `max_len` positions per row (captured graphs read the old one: dropped)."""
@@ -394,6 +431,7 @@ class BatchDecoder:
         top_k: int = 0,
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
+        profile: bool = False,
     ) -> list[tuple[list[int], RequestStats]]:
         """Decode every request greedily, B at a time, refilling rows as requests finish.
 
@@ -401,7 +439,8 @@ class BatchDecoder:
             requests: prompt token ids per request (chat template already applied).
             max_new_tokens: budget of emitted tokens, one for all or one per request.
             stop_ids: tokens that end a request (kept); None: the model's generation-config EOS ids.
-            proposer_factory: makes one proposer per row slot (`reset()` on every refill); None: AR.
+            proposer_factory: makes one proposer per row slot (`reset()` on every refill); None: AR. The same
+                factory as the previous call's reuses that call's proposers (`proposers_for`).
             on_step: called after every batched step's compaction (tests inspect the cache there).
             order: the order in which queued requests are admitted to free rows, a permutation of the request
                 indices (`eval.scheduler.schedule_order`); None: FIFO (arrival order). Outputs do not depend on it.
@@ -411,6 +450,8 @@ class BatchDecoder:
             temperature, top_k, top_p: 0 = greedy; > 0 = sample every row from the target's warped
                 distribution (`verify.warp_probs`), losslessly, as `decode.speculative_generate` does.
             generator: RNG for sampling (on the model's device), shared by the rows in row order.
+            profile: synchronise the device at every phase boundary and add each phase's time to
+                `stats.batch.phase_s` (`PHASES`; the syncs cost a little time: profile a separate call).
 
         Returns:
             (new tokens, stats) per request, in request order; `stats.batch` holds the call's throughput.
@@ -424,10 +465,10 @@ class BatchDecoder:
             raise ValueError(f"order must be a permutation of the {len(requests)} request indices")
         stops = default_stop_ids(None, self.model) if stop_ids is None else set(stop_ids)
         B, dev = self.batch_size, self.device
-        proposers = [proposer_factory() for _ in range(B)] if proposer_factory is not None else []
+        proposers = self.proposers_for(proposer_factory)
         layers = proposers[0].spec.feature_layers if proposers else ()
         keep_last = proposers[0].spec.keep_last_hidden if proposers else False
-        margin = budget_for(max(proposers[0].spec.node_budget, 1)) + 64 if proposers else 2
+        margin = cache_margin(proposers[0] if proposers else None)
         needed = max((len(p) + m for p, m in zip(requests, budgets, strict=True)), default=0) + margin
         if needed > self.cache.max_len:  # exactly what this call needs
             self._new_cache(needed)
@@ -441,8 +482,18 @@ class BatchDecoder:
         if budget is not None and budget.cap is not None:
             for p in proposers:
                 p.fit_budget(budget.cap)
+            self._capped = True
         sync_device(dev)
         t_call = time.perf_counter()
+        mark = [t_call]  # profile: when the current phase began
+
+        def lap(phase: str) -> None:
+            """profile: the time since the last lap goes to `phase` (after a device sync)."""
+            if profile:
+                sync_device(dev)
+                now = time.perf_counter()
+                batch.phase_s[phase] = batch.phase_s.get(phase, 0.0) + now - mark[0]
+                mark[0] = now
 
         def finish(st: _Row, row: int) -> None:
             self._release(row)  # its K/V are not needed any more
@@ -453,6 +504,7 @@ class BatchDecoder:
             results[st.request] = (st.out, st.stats)
 
         while True:
+            lap("commit")  # the previous step's commit and bookkeeping (first: the call's set-up)
             while queue:  # refill free rows, prefilled together; a request may finish at its first token
                 starts: list[tuple[int, _Row]] = []
                 for r in range(B):
@@ -480,11 +532,13 @@ class BatchDecoder:
                         finish(st, r)
                         rows[r] = None
             active = [r for r in range(B) if rows[r] is not None]
+            lap("prefill")
             if not active:
                 break
             if budget is not None and proposers and sampling is None and budget.tick():  # a refit: probe size
                 for p in proposers:
                     p.fit_budget(budget.refit_cap())
+                self._capped = True
             fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
             off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
             trees: dict[int, DraftTree] = {}  # drafted rows; the others verify their root alone (AR)
@@ -493,6 +547,7 @@ class BatchDecoder:
                 drafted, draft_s = _draft_rows(proposers, active, cast(list[_Row], rows), dev)
                 cap = budget.cap if budget is not None else None
                 trees = {r: t.truncated(cap) if cap else t for r, t in drafted.items()}
+            lap("draft")
             room = self.cache.max_len - max(self.cache.lengths[r] for r in active)  # in the fullest row
             if self.static:  # the padded size must fit: the largest power of two that does
                 room = 1 << (room.bit_length() - 1)
@@ -509,6 +564,7 @@ class BatchDecoder:
             logits, hidden = self._verify(
                 tokens[live], anc[live], depth[live], layers, keep_last, live, valid[live]
             )  # (R, b, V), (R, b, H'), R = hi - lo
+            lap("verify")
             gains = fitting and not off and cast(NodeBudget, budget).cap is None  # phase 1: the gain curves
             # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gains (b,)]]; rows outside
             # `live` (idle) accept nothing, with the identity path
@@ -538,6 +594,8 @@ class BatchDecoder:
                 if fit.cap != prev_cap:  # a new cap: the proposers may draft less from now on
                     for p in proposers:
                         p.fit_budget(cast(int, fit.cap))
+                    self._capped = True
+            lap("accept")
             path_t = packed[:, 2 : 2 + b]  # (B, b) padded paths
             # path[a-1] == a-1 in every row (paths ascend from 0): nothing to move, known without a sync
             in_place = all(vals[r][1 + accepted[r]] == accepted[r] - 1 for r in active)

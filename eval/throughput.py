@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specdraft.eval.batch_decode import make_batch_decoder
+from specdraft.eval.batch_decode import PHASES, BatchDecoder, cache_margin, make_batch_decoder
 from specdraft.eval.budget import CostCurve, NodeBudget, marginal_min_prob
 from specdraft.eval.decode import Proposer
 from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
@@ -77,8 +77,13 @@ def throughput_rows(
     cuda_graphs: str = "auto",
     node_cap: int | None = None,
     prefill_rows: int = 0,
+    phases: bool = False,
 ) -> list[dict[str, Any]]:
     """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
+
+    Every method is warmed up at every batch size before it is timed (`warm_up`: its CUDA graphs captured, its
+    proposers kept for the timed calls), on a cache sized once for all methods, so no timed call captures a
+    graph or reallocates the cache.
 
     Args:
         model: the target.
@@ -107,6 +112,9 @@ def throughput_rows(
         cuda_graphs: `eval.cuda_graphs` (auto | on | off): the batch decoders' fixed-shape, graph-captured
             verify (`batch_decode.make_batch_decoder`; auto: on exactly when the target is on CUDA).
         prefill_rows: admitted rows prefilled per forward (`eval.prefill_rows`; 0: all on CUDA, 1 on a CPU).
+        phases: after each method's timed calls, one more FIFO call with the device synced at every phase
+            boundary: its ms per batched step and phase (`batch_decode.PHASES`) go into the FIFO record as
+            `phase_ms_per_step` (the timed calls stay unsynced).
     """
     for s in schedulers:
         if s not in SCHEDULERS:
@@ -123,27 +131,26 @@ def throughput_rows(
     batch1_ar: float | None = None
     fitted: dict[str, NodeBudget] = {}  # per method: its budget at the previous batch size (gains carry over)
     for b in batch_sizes:
-        dec = make_batch_decoder(
-            model, b, cuda_graphs, prefill_rows=prefill_rows
-        )  # a snug cache: sized by the first call
-        dec.generate(prompts[:b], 4, stop_ids)  # warm-up (allocator, kernels)
+        dec = make_batch_decoder(model, b, cuda_graphs, prefill_rows=prefill_rows)
         ar_rate: dict[str, float] = {}
         per_batch = any(isinstance(f, PerBatchFactory) for _, f in methods)
         wanted = (node_budget and any(f for _, f in methods)) or per_batch
         curve = dec.row_cost_curve(log=log) if wanted else None
+        made: list[tuple[str, Callable[[], Proposer] | None, float | None]] = []  # (name, factory, setting)
         for name, method in methods:
-            fifo_rate, measured = 0.0, None
-            setting: float | None = None
-            factory: Callable[[], Proposer] | None
             if isinstance(method, PerBatchFactory):
                 assert curve is not None
-                setting = method.threshold(curve)
-                factory = method.make(setting)
+                value = method.threshold(curve)
+                made.append((name, method.make(value), value))
                 log(
-                    f"[throughput {bench}] batch {b} {name}: setting {setting:.3f} from this batch's cost curve"
+                    f"[throughput {bench}] batch {b} {name}: setting {value:.3f} from this batch's cost curve"
                 )
             else:
-                factory = method
+                made.append((name, method, None))
+        # one cache for every method (each call's prompts + budget + largest tree), sized before any capture
+        dec.reserve(worst + max(cache_margin(f() if f is not None else None) for _, f, _ in made))
+        for name, factory, setting in made:
+            fifo_rate, measured = 0.0, None
             budget: NodeBudget | None = None
             if node_cap is not None and factory:
                 budget = NodeBudget.fixed(node_cap)
@@ -157,6 +164,8 @@ def throughput_rows(
                 if name in fitted:  # its gain curve from the previous batch size
                     budget.warm_start(fitted[name])
                 fitted[name] = budget
+            warm_up(dec, prompts, max_new_tokens, stop_ids, factory, budget, node_cap)
+            first = len(rows)  # this method's first record (its FIFO one when fifo is measured)
             for sched in schedulers:
                 kw = _sample_kw(sample, model)
                 extra = predict_s if sched in ("length", "groups") else 0.0
@@ -221,7 +230,55 @@ def throughput_rows(
                     f"[throughput {bench}] batch {b} {name} {sched}: {rate:.1f} tok/s, "
                     f"{rows[-1]['batch_steps']} steps, rows used {rows[-1]['row_utilisation'] or 0:.0%}"
                 )
+            if phases:
+                out = dec.generate(
+                    prompts, max_new_tokens, stop_ids, factory, budget=budget, profile=True,
+                    **_sample_kw(sample, model),
+                )  # fmt: skip
+                st = out[0][1].batch if out else None
+                steps = max(st.steps, 1) if st else 1
+                rows[first]["phase_ms_per_step"] = {
+                    k: 1000 * (st.phase_s.get(k, 0.0) if st else 0.0) / steps for k in PHASES
+                }
+                rows[first]["profiled_tokens_per_s"] = st.tokens_per_s if st else None
     return rows
+
+
+def warm_up(
+    dec: BatchDecoder,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    factory: Callable[[], Proposer] | None,
+    budget: NodeBudget | None,
+    node_cap: int | None,
+) -> None:
+    """Serve the first B prompts once with `factory` (None: AR) before its timed calls, the rows finishing one
+    by one (budgets 2, 4, ..., 2B tokens), so every padded row count drafts and every tree size verifies once:
+    on a GPU each of their CUDA graphs is captured here, not inside a timed call, and the factory's proposers
+    (with their draft graphs) stay with `dec` for the timed calls (`BatchDecoder.proposers_for`). A drafter
+    runs at its full trees, or at `node_cap`; with a fitted `budget` under graphs, at each size the budget
+    may settle on too (each under its own fixed budget: `budget` itself is not touched).
+
+    Args:
+        dec: the batch decoder of this batch size, its cache already sized (`BatchDecoder.reserve`).
+        prompts: the requests (the first B are served).
+        max_new_tokens: the timed calls' budget (warm-up budgets stay below it).
+        stop_ids: end-of-generation tokens.
+        factory: the method's proposer factory, the one its timed calls pass.
+        budget: the method's fitted node budget, if any; node_cap: its fixed cap, if any.
+    """
+    few = prompts[: dec.batch_size]
+    lengths = [max(1, min(max_new_tokens, 2 * (i + 1))) for i in range(len(few))]
+    if factory is None:
+        dec.generate(few, lengths, stop_ids)
+        return
+    caps: list[int | None] = [node_cap] if node_cap is not None else [None]
+    if budget is not None and node_cap is None and dec.graphs:
+        full = factory().spec.node_budget or max(budget.sizes)  # 0: the proposer declares none
+        caps += [c for c in budget.sizes if 1 < c < full]
+    for cap in caps:
+        dec.generate(few, lengths, stop_ids, factory, budget=None if cap is None else NodeBudget.fixed(cap))
 
 
 def _sample_kw(sample: dict[str, Any] | None, model: torch.nn.Module) -> dict[str, Any]:
@@ -283,6 +340,31 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
                 "sampled" if r["identical"] is None else f"{r['identical']}/{r['requests']}",
             )  # fmt: skip
         console.print(table)
+
+
+def print_phases(rows: list[dict[str, Any]], console=None) -> None:
+    """Where each method's batched step goes (the records with `phase_ms_per_step`, `throughput_rows(phases=
+    True)`): ms per step and phase, and the time outside the verify forward (draft + accept + commit) as a
+    fraction of it; prefills are per request, not per step, and stay out of that fraction."""
+    from rich.console import Console
+    from rich.table import Table
+
+    timed = [r for r in rows if r.get("phase_ms_per_step")]
+    if not timed:
+        return
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    table = Table(title="ms per batched step and phase (a separate call, synced at every phase boundary)")
+    for col in ("bench", "batch", "method", *PHASES, "step", "outside verify / verify", "tok/s synced"):
+        table.add_column(col)
+    for r in timed:
+        ph = r["phase_ms_per_step"]
+        outside = ph["draft"] + ph["accept"] + ph["commit"]
+        table.add_row(
+            r["bench"], str(r["batch"]), r["method"], *(f"{ph[k]:.2f}" for k in PHASES),
+            f"{sum(ph.values()):.2f}", f"{outside / max(ph['verify'], 1e-9):.2f}",
+            f"{r.get('profiled_tokens_per_s') or 0:.1f}",
+        )  # fmt: skip
+    console.print(table)
 
 
 def _cap(r: dict[str, Any]) -> str:

@@ -14,6 +14,9 @@
     # exactly when the target is on CUDA; off: the eager batched path, for an A/B in another run)
     python scripts/bench_batch.py --device cuda --dtype bf16 --batch 1 4 16 64 --lookup 10 \
         --drafter outputs/redrafter_smollm2_copy/export --budget --json $OUT/bench_batch_gpu.json
+    # where a batched step's time goes: ms per step for prefill, draft, verify, accept and commit (a separate,
+    # synced call per method; every method is warmed up first, its CUDA graphs captured before timing)
+    python scripts/bench_batch.py --drafter outputs/redrafter_smollm2_copy/export --batch 1 16 --phases
     # FIFO vs length-aware admission (S3 predictor from scripts/train_length_predictor.py) vs the oracle order
     python scripts/bench_batch.py --requests 32 --batch 4 8 --max-new-tokens 128 --scheduler fifo length oracle \
         --length-predictor outputs/redrafter_smollm2/length_predictor.safetensors
@@ -172,6 +175,12 @@ def main(argv: list[str] | None = None) -> None:
         "--graphs", default="auto", help="auto | on | off: fixed-shape batched verify as CUDA graphs"
     )
     p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also one call per (batch size, method) synced at every phase boundary: ms per step for prefill, "
+        "draft, verify, accept and commit, and the time outside the verify as a fraction of it",
+    )
+    p.add_argument(
         "--prefill-rows",
         type=int,
         default=0,
@@ -190,7 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.decode import model_device
     from specdraft.eval.graphs import graphs_wanted, report_captures
     from specdraft.eval.proposers import PromptLookupProposer, make_proposer, pruned_factories
-    from specdraft.eval.throughput import Factory, print_throughput, pruned_method, throughput_rows
+    from specdraft.eval.throughput import (
+        Factory,
+        print_phases,
+        print_throughput,
+        pruned_method,
+        throughput_rows,
+    )
 
     bench = load_bench(a)
     model, stop = bench.model, bench.stop_ids
@@ -243,11 +258,13 @@ def main(argv: list[str] | None = None) -> None:
             model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
             schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
             node_budget=a.budget, cuda_graphs=a.graphs, node_cap=a.cap, prefill_rows=a.prefill_rows,
+            phases=a.phases,
         )  # fmt: skip
         for r in rows:
             r["repeat"] = rep
         passes.append(rows)
     print_throughput(passes[-1], Console(width=160))
+    print_phases(passes[-1], Console(width=160))
     medians = median_speedups(passes) if a.repeats > 1 else []
     if medians:
         print_medians(medians, Console(width=160))

@@ -339,6 +339,7 @@ EVAL: Table = {
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),
     "prefill_rows": COUNT,
+    "refill_rows": COUNT,
     "batch_min_prob": Rule(
         lambda v: v in ("off", "auto") or is_probability(v), "off, auto or a probability in (0, 1)"
     ),

@@ -137,6 +137,10 @@ class BatchDecoder:
             padded to the longest prompt, at most `PREFILL_TOKENS` padded tokens); 1: one forward per prompt.
         pack_padding: on a CPU, leave the padding of an eager verify out of the per-token products
             (`fast_target.Packing`); False: compute every padded position (an A/B: the same tokens).
+        refill_rows: free rows needed before queued requests are admitted (fewer when the queue holds
+            fewer, and always when no row is active): on a GPU each refill is one eager prefill forward
+            (~22 ms for SmolLM2 on an H100, session 44), and a drafter's rows finish at different steps, so
+            refilling them one by one costs a forward each; 1: refill every free row at once.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class BatchDecoder:
         graphs: bool = False,
         prefill_rows: int = 1,
         pack_padding: bool = True,
+        refill_rows: int = 1,
     ) -> None:
         emb = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
         self.model, self.device, self.dtype = model, emb.device, emb.dtype
@@ -155,8 +160,10 @@ class BatchDecoder:
             raise ValueError("graphs=True needs static=True and a model on a CUDA device")
         if prefill_rows < 1:
             raise ValueError(f"prefill_rows={prefill_rows}: must be >= 1")
+        if not 1 <= refill_rows <= batch_size:
+            raise ValueError(f"refill_rows={refill_rows}: must be in [1, batch size {batch_size}]")
         self.batch_size, self.static, self.graphs = batch_size, static, graphs
-        self.prefill_rows, self.pack_padding = prefill_rows, pack_padding
+        self.prefill_rows, self.pack_padding, self.refill_rows = prefill_rows, pack_padding, refill_rows
         self.cache = BatchKVCache(model, batch_size, max_len)
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
         self._inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # static: b -> (tokens, ancestors, depth)
@@ -199,7 +206,7 @@ class BatchDecoder:
 
     def _forward(
         self,
-        rows: slice,
+        rows: slice | list[int],
         tokens: Tensor,
         ancestors: Tensor,
         depth: Tensor,
@@ -212,7 +219,8 @@ class BatchDecoder:
         """One target forward of R rows over L new positions each, written after each row's committed ones.
 
         Args:
-            rows: the cache rows (R of them).
+            rows: the cache rows (R of them): a slice, or a list of row indices (a prefill of rows that are not
+                adjacent; their keys are read as a copy).
             tokens: (R, L) long; ancestors: (R, L, L) bool ancestor-or-self; depth: (R, L) long.
             layers, keep_last: the proposer's features (as `decode.target_forward`).
             span: positions attention reads per row; None: the longest of these rows' filled prefixes + L
@@ -228,10 +236,15 @@ class BatchDecoder:
             requested layers.
         """
         c, (r, n) = self.cache, tokens.shape
-        lengths = c.lengths_t[rows]  # (R,)
+        if isinstance(rows, slice):
+            where: slice | Tensor = rows
+            host = c.lengths[rows]
+        else:
+            where, host = torch.tensor(rows, device=self.device), [c.lengths[i] for i in rows]  # (R,)
+        lengths = c.lengths_t[where]  # (R,)
         if span is None:
-            span = max(c.lengths[rows]) + n  # attend over the filled prefix only (host lengths: no sync)
-        c.prepare_write(rows, lengths[:, None] + torch.arange(n, device=self.device), span)  # (R, L)
+            span = max(host) + n  # attend over the filled prefix only (host lengths: no sync)
+        c.prepare_write(where, lengths[:, None] + torch.arange(n, device=self.device), span)  # (R, L)
         rel = torch.arange(c.span, device=self.device)[None] - lengths[:, None]  # (R, S)
         in_tree = (rel >= 0) & (rel < n)
         col = rel.clamp(0, n - 1)[:, None, :].expand(r, n, c.span)  # (R, L, S)
@@ -371,8 +384,8 @@ class BatchDecoder:
         keep_last: bool,
         sampling: Sampling | None,
     ) -> None:
-        """Prefill each started row's prompt (the other rows keep their caches), `prefill_rows` contiguous rows
-        per forward (their prompts padded to the longest; the padding's K/V land past each row's length and
+        """Prefill each started row's prompt (the other rows keep their caches), `prefill_rows` rows per forward,
+        adjacent or not (their prompts padded to the longest; the padding's K/V land past each row's length and
         are overwritten later); set each state's root (argmax, or drawn with `sampling`, in row order) and its
         proposer inputs: hidden (P, H') and next tokens (P,).
 
@@ -380,12 +393,12 @@ class BatchDecoder:
             starts: (row, state) of the rows admitted this round, rows ascending.
             prompts: their prompts (P_i,) each, in the same order.
         """
-        groups: list[list[int]] = []  # indices into `starts`: contiguous rows, at most `prefill_rows`
-        for k, (row, _) in enumerate(starts):
+        groups: list[list[int]] = []  # indices into `starts`: at most `prefill_rows` rows each
+        for k in range(len(starts)):
             g = groups[-1] if groups else None
             widest = max([len(prompts[j]) for j in g] + [len(prompts[k])]) if g else 0
             fits = g is not None and len(g) < self.prefill_rows and widest * (len(g) + 1) <= PREFILL_TOKENS
-            if g is not None and fits and starts[g[-1]][0] == row - 1:
+            if g is not None and fits:
                 g.append(k)
             else:
                 groups.append([k])
@@ -393,7 +406,9 @@ class BatchDecoder:
             lens = [len(prompts[k]) for k in g]
             if min(lens) == 0:
                 raise ValueError(f"request {starts[g[lens.index(0)]][1].request}: empty prompt")
-            r0, n, p = starts[g[0]][0], len(g), max(lens)
+            at = [starts[k][0] for k in g]  # the group's rows, ascending
+            n, p = len(g), max(lens)
+            rows: slice | list[int] = slice(at[0], at[0] + n) if at[-1] - at[0] == n - 1 else at
             for k in g:
                 self.cache.set_length(starts[k][0], 0)
             padded = [prompts[k] + [prompts[k][-1]] * (p - len(prompts[k])) for k in g]
@@ -402,7 +417,7 @@ class BatchDecoder:
             depth = torch.arange(p, device=self.device)[None].expand(n, -1)  # (n, P)
             last = torch.tensor([x - 1 for x in lens], device=self.device)  # (n,)
             logits, hidden = self._forward(
-                slice(r0, r0 + n), ids, causal, depth, layers, keep_last, logits_at=last
+                rows, ids, causal, depth, layers, keep_last, logits_at=last
             )  # (n, 1, V), (n, P, H')
             if sampling is None:
                 roots = logits[:, 0].float().argmax(-1).tolist()
@@ -505,7 +520,12 @@ class BatchDecoder:
 
         while True:
             lap("commit")  # the previous step's commit and bookkeeping (first: the call's set-up)
-            while queue:  # refill free rows, prefilled together; a request may finish at its first token
+            # refill free rows, prefilled together, once `refill_rows` are free (or as many as are queued, or
+            # no row is active); a request may finish at its first token
+            while queue and (
+                sum(st is None for st in rows) >= min(self.refill_rows, len(queue))
+                or all(st is None for st in rows)
+            ):
                 starts: list[tuple[int, _Row]] = []
                 for r in range(B):
                     while rows[r] is None and queue:
@@ -750,7 +770,12 @@ def _pack_trees(
 
 
 def make_batch_decoder(
-    model: nn.Module, batch_size: int, cuda_graphs: str = "auto", max_len: int = 1, prefill_rows: int = 0
+    model: nn.Module,
+    batch_size: int,
+    cuda_graphs: str = "auto",
+    max_len: int = 1,
+    prefill_rows: int = 0,
+    refill_rows: int = 0,
 ) -> BatchDecoder:
     """The batch decoder `eval.cuda_graphs` asks for: fixed-shape verify captured as CUDA graphs when on
     (auto: exactly when the target is on CUDA), else the eager path.
@@ -761,11 +786,15 @@ def make_batch_decoder(
         cuda_graphs: "auto" | "on" | "off".
         max_len: initial cache capacity per row (default 1: sized snugly by the first call).
         prefill_rows: `eval.prefill_rows`, rows prefilled per forward (0: `auto_prefill_rows`).
+        refill_rows: `eval.refill_rows`, free rows before a refill (0: `auto_refill_rows`; at most B).
     """
     device = model_device(model)
     graphs = graphs_wanted(device, cuda_graphs)
     rows = prefill_rows or auto_prefill_rows(device, batch_size)
-    return BatchDecoder(model, batch_size, max_len, static=graphs, graphs=graphs, prefill_rows=rows)
+    refill = min(refill_rows or auto_refill_rows(device, batch_size), batch_size)
+    return BatchDecoder(
+        model, batch_size, max_len, static=graphs, graphs=graphs, prefill_rows=rows, refill_rows=refill
+    )
 
 
 def auto_prefill_rows(device: torch.device, batch_size: int) -> int:
@@ -774,3 +803,11 @@ def auto_prefill_rows(device: torch.device, batch_size: int) -> int:
     the longest prompt costs compute (AR at batch 16 on a 2-core EPYC, 32 MT-Bench first turns: 0.61-0.77x
     of row by row)."""
     return batch_size if device.type == "cuda" else 1
+
+
+def auto_refill_rows(device: torch.device, batch_size: int) -> int:
+    """`eval.refill_rows=0`: a quarter of the rows on a GPU, where every refill is an eager prefill forward
+    (~22 ms for SmolLM2 on an H100 whatever its rows: at batch 16 a drafter spent 4.2 ms a step refilling
+    rows one by one, AR 0.9, session 44); every free row at once on a CPU, where a prefill costs its tokens,
+    not its launches (and `auto_prefill_rows` prefills one row per forward there anyway)."""
+    return max(1, batch_size // 4) if device.type == "cuda" else 1

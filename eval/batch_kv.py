@@ -88,7 +88,9 @@ class BatchKVCache(Cache):
         self.num_rows, self.max_len = batch_size, max_len
         self.lengths = [0] * batch_size  # host copy of `lengths_t`
         self.lengths_t = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
-        self.rows = slice(0, batch_size)  # the rows the next forward writes
+        self.rows: slice | Tensor = slice(
+            0, batch_size
+        )  # the rows the next forward writes (a slice or (R,) long)
         self.kv_heads = kv_heads
         self.write_index = torch.zeros(0, dtype=torch.long, device=device)  # (R * kv * L,) `prepare_write`'s
         self.span = max_len  # positions the next forward's attention reads per row (<= max_len)
@@ -104,21 +106,25 @@ class BatchKVCache(Cache):
         super().__init__(layers=list[Any](layers))
         self.kv_layers = layers  # the same objects, typed
 
-    def prepare_write(self, rows: slice, write_pos: Tensor, span: int | None = None) -> None:
-        """The next forward runs rows `rows` (R of them), writes their L positions at `write_pos` (R, L) and
+    def prepare_write(self, rows: slice | Tensor, write_pos: Tensor, span: int | None = None) -> None:
+        """The next forward runs rows `rows` (R of them: a slice, or (R,) long row indices, e.g. a prefill of
+        rows that are not adjacent; their keys are then read as a copy), writes their L positions at `write_pos` (R, L) and
         attends over each row's first `span` positions (None: all `max_len`; every write must fall below it)."""
         self.rows = rows
         self.write_index = self.flat_index(rows, write_pos)  # (R * kv * L,): once per forward, not per layer
         self.span = self.max_len if span is None else min(span, self.max_len)
 
-    def flat_index(self, rows: slice, pos: Tensor) -> Tensor:
+    def flat_index(self, rows: slice | Tensor, pos: Tensor) -> Tensor:
         """Row indices into a layer buffer viewed as (B * kv_heads * max_len, head_dim) of positions `pos`
         (R, L) of rows `rows` (R of them), for every key/value head: (R * kv_heads * L,), laid out as
         (R, kv_heads, L) (`index_copy_` / `index_select` move whole head_dim rows: on a CPU ~100x cheaper
         than `scatter_` / `gather` with an expanded index, which visit every element)."""
         kv = self.kv_heads
-        start = rows.start or 0
-        r = torch.arange(start, start + pos.shape[0], device=pos.device)  # (R,)
+        if isinstance(rows, slice):
+            start = rows.start or 0
+            r = torch.arange(start, start + pos.shape[0], device=pos.device)  # (R,)
+        else:
+            r = rows.to(pos.device)  # (R,)
         heads = torch.arange(kv, device=pos.device)
         return ((r[:, None, None] * kv + heads[None, :, None]) * self.max_len + pos[:, None, :]).reshape(-1)
 

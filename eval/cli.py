@@ -345,6 +345,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),
             cuda_graphs=str(e.cuda_graphs),
             prefill_rows=int(e.get("prefill_rows", 0) or 0),
+            refill_rows=int(e.get("refill_rows", 0) or 0),
             sample={"temperature": float(e.temperature), "top_k": int(e.get("top_k", 0) or 0),
                     "top_p": float(e.get("top_p", 1.0)), "seed": int(e.seed)} if e.temperature > 0 else None,
         )  # fmt: skip

@@ -56,6 +56,9 @@ class EvalConfig:
     prefill_rows: int = (
         0  # throughput: admitted rows prefilled per forward (0: auto, all on CUDA, 1 on a CPU)
     )
+    refill_rows: int = (
+        0  # throughput: free rows before queued requests are admitted (0: auto, B/4 on CUDA, 1 on a CPU)
+    )
     batch_min_prob: str = "off"  # throughput: also each ReDrafter pruned below off | auto (break-even per batch) | a probability
     scheduler: str = "fifo"  # throughput: fifo | length (longest predicted first) | both | groups (S3) | all
     reserve_quantile: float = (

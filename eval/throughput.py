@@ -78,6 +78,7 @@ def throughput_rows(
     node_cap: int | None = None,
     prefill_rows: int = 0,
     phases: bool = False,
+    refill_rows: int = 0,
 ) -> list[dict[str, Any]]:
     """One record per (batch size, method, scheduler); `methods[0]` must be AR (factory None), the reference.
 
@@ -112,6 +113,8 @@ def throughput_rows(
         cuda_graphs: `eval.cuda_graphs` (auto | on | off): the batch decoders' fixed-shape, graph-captured
             verify (`batch_decode.make_batch_decoder`; auto: on exactly when the target is on CUDA).
         prefill_rows: admitted rows prefilled per forward (`eval.prefill_rows`; 0: all on CUDA, 1 on a CPU).
+        refill_rows: free rows before queued requests are admitted (`eval.refill_rows`; 0: a quarter of the
+            rows on CUDA, 1 on a CPU: `batch_decode.auto_refill_rows`).
         phases: after each method's timed calls, one more FIFO call with the device synced at every phase
             boundary: its ms per batched step and phase (`batch_decode.PHASES`) go into the FIFO record as
             `phase_ms_per_step` (the timed calls stay unsynced).
@@ -131,7 +134,7 @@ def throughput_rows(
     batch1_ar: float | None = None
     fitted: dict[str, NodeBudget] = {}  # per method: its budget at the previous batch size (gains carry over)
     for b in batch_sizes:
-        dec = make_batch_decoder(model, b, cuda_graphs, prefill_rows=prefill_rows)
+        dec = make_batch_decoder(model, b, cuda_graphs, prefill_rows=prefill_rows, refill_rows=refill_rows)
         ar_rate: dict[str, float] = {}
         per_batch = any(isinstance(f, PerBatchFactory) for _, f in methods)
         wanted = (node_budget and any(f for _, f in methods)) or per_batch

@@ -186,7 +186,15 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="admitted rows prefilled per forward (eval.prefill_rows; 0: all on CUDA, 1 on a CPU)",
     )
+    p.add_argument(
+        "--refill-rows",
+        type=int,
+        default=0,
+        help="free rows before queued requests are admitted (eval.refill_rows; 0: B/4 on CUDA, 1 on a CPU)",
+    )
     a = p.parse_args(argv)
+    if a.refill_rows < 0:
+        p.error(f"--refill-rows {a.refill_rows}: use 0 (auto) or a row count >= 1")
     if a.prefill_rows < 0:
         p.error(f"--prefill-rows {a.prefill_rows}: use 0 (auto) or a row count >= 1")
     if a.cap is not None and (a.budget or a.cap < 1):
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
             schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
             node_budget=a.budget, cuda_graphs=a.graphs, node_cap=a.cap, prefill_rows=a.prefill_rows,
-            phases=a.phases,
+            phases=a.phases, refill_rows=a.refill_rows,
         )  # fmt: skip
         for r in rows:
             r["repeat"] = rep

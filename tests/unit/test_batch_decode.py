@@ -432,8 +432,8 @@ def test_batched_prefills_equal_batch1_ar(family, shape):
 
 
 def test_prefill_groups_follow_rows_and_the_token_cap(monkeypatch):
-    """A prefill forward takes contiguous rows only, at most `prefill_rows` of them and at most
-    `PREFILL_TOKENS` padded tokens; `prefill_rows=0` is refused."""
+    """A prefill forward takes at most `prefill_rows` rows and at most `PREFILL_TOKENS` padded tokens;
+    `prefill_rows=0` is refused."""
     import specdraft.eval.batch_decode as bd
 
     model = tiny_target("llama", CPU)
@@ -451,7 +451,7 @@ def test_prefill_groups_follow_rows_and_the_token_cap(monkeypatch):
     st = [bd._Row(i, 5, bd.RequestStats(), 0.0) for i in range(4)]
     prompts = random_prompts([3, 9, 4, 2], seed=1)
     dec._prefill([(0, st[0]), (1, st[1]), (3, st[3])], [prompts[0], prompts[1], prompts[3]], (), False, None)
-    assert seen == [(0, 2), (3, 1)]  # rows 0-1 together (prefill_rows=2), row 3 alone (not contiguous)
+    assert seen == [(0, 2), (3, 1)]  # rows 0-1 together (prefill_rows=2), then row 3
     monkeypatch.setattr(bd, "PREFILL_TOKENS", 12)
     seen.clear()
     dec._prefill([(0, st[0]), (1, st[1])], [prompts[0], prompts[1]], (), False, None)
@@ -481,3 +481,77 @@ def test_drafters_read_their_own_rows(family, shape):
     together = BatchDecoder(model, 3, static=static).generate(prompts, budgets, set(), factory)
     assert [s.accepted for _, s in together] == alone
     assert sum(map(sum, alone)) > 0
+
+
+@pytest.mark.parametrize("shape", ["eager", "fixed"])
+def test_rows_that_are_not_adjacent_prefill_in_one_forward(shape):
+    """Rows 0, 2 and 3 admitted together (`prefill_rows=3`) take one forward over row indices, not a slice:
+    each holds exactly its prompt's K/V afterwards, and row 1, mid-request, keeps its own untouched."""
+    import specdraft.eval.batch_decode as bd
+
+    model = tiny_target("qwen2", CPU)
+    dec = BatchDecoder(model, 4, 64, static=shape == "fixed", prefill_rows=3)
+    prompts = random_prompts([5, 7, 3, 9], seed=2)
+    st = [bd._Row(i, 5, bd.RequestStats(), 0.0) for i in range(4)]
+    dec._prefill([(1, st[1])], [prompts[1]], (), False, None)
+    seen: list[object] = []
+    forward = dec._forward
+
+    def spy(rows, *args, **kwargs):
+        seen.append(rows)
+        return forward(rows, *args, **kwargs)
+
+    dec._forward = spy  # type: ignore[method-assign]
+    starts = [(0, st[0]), (2, st[2]), (3, st[3])]
+    dec._prefill(starts, [prompts[0], prompts[2], prompts[3]], (), False, None)
+    assert seen == [[0, 2, 3]]
+    for r in range(4):
+        n = len(prompts[r])
+        assert dec.cache.lengths[r] == n and dec.committed[r] == prompts[r]
+        for layer, (k, v) in zip(dec.cache.kv_layers, _reference_kv(model, prompts[r]), strict=True):
+            torch.testing.assert_close(layer.keys[r, :, :n], k, rtol=0, atol=1e-10)
+            torch.testing.assert_close(layer.values[r, :, :n], v, rtol=0, atol=1e-10)
+        ref = ar_generate(model, None, prompts[r], 1, stop_ids=set())[0]
+        assert st[r].root == ref[0]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", ["ar", "redrafter_copy"])
+def test_refills_wait_for_refill_rows_free_rows(family, shape):
+    """`refill_rows=3` of 3 rows admits queued requests only once every row is free (or the queue is
+    shorter): fewer prefill forwards than refilling each row as it frees, more idle row-steps, and every
+    request still gets its batch-1 AR output. Out of range: refused; auto is B/4 on CUDA, 1 on a CPU."""
+    from specdraft.eval.batch_decode import auto_refill_rows
+
+    model = tiny_target("llama", _device(shape))
+    prompts = random_prompts(LENGTHS, seed=6)
+    stops, refs = _references(model, prompts, BUDGETS)
+    forwards, idle = {}, {}
+    for refill in (1, 3):
+        dec = BatchDecoder(
+            model, 3, static=shape != "eager", graphs=shape == "graph", prefill_rows=3, refill_rows=refill
+        )
+        calls: list[int] = []
+        forward = dec._forward
+
+        def spy(rows, tokens, *args, calls=calls, forward=forward, **kwargs):
+            if kwargs.get("logits_at") is not None:
+                calls.append(tokens.shape[0])
+            return forward(rows, tokens, *args, **kwargs)
+
+        dec._forward = spy  # type: ignore[method-assign]
+        factory = (
+            None
+            if family == "ar"
+            else tiny_proposer_factory(family, model, static=shape != "eager", graphs=shape == "graph")
+        )
+        res = dec.generate(prompts, BUDGETS, stops, factory)
+        assert [out for out, _ in res] == refs
+        forwards[refill], idle[refill] = len(calls), res[0][1].batch.idle_row_steps
+        assert sum(calls) == len(prompts)
+    assert forwards[3] < forwards[1] and idle[3] > idle[1]
+    with pytest.raises(ValueError, match="refill_rows=4"):
+        BatchDecoder(model, 3, refill_rows=4)
+    assert auto_refill_rows(torch.device("cuda"), 16) == 4 and auto_refill_rows(CPU, 16) == 1
+    assert auto_refill_rows(torch.device("cuda"), 2) == 1
+    assert make_batch_decoder(tiny_target("llama", CPU), 4, refill_rows=9).refill_rows == 4

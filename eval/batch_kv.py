@@ -1,14 +1,15 @@
 """A preallocated KV cache for B rows with per-row lengths: batched tree verification and compaction.
 
 The batched sibling of `static_kv.StaticKVCache` (its `static=True` shape): per layer one
-(B, kv_heads, max_len, head_dim) buffer for keys and one for values, allocated once. Row r holds
+(B, kv_heads, max_len, head_dim) buffer for keys and one for values, all of them views of ONE buffer of every
+layer (layers, 2, B, kv_heads, max_len, head_dim), allocated once. Row r holds
 `lengths[r]` committed positions. A forward over rows `rows` writes its L new positions of row r at
 `write_pos[r]` (set by the decoder, usually [length_r, length_r + L)); attention reads the first `span`
 positions of those rows (the decoder passes the longest row's length + L, so attention and the GQA key
 expansion scale with what is filled rather than with `max_len`), and the decoder's 4D mask hides every stale
-position. Afterwards each row's accepted
-path is compacted in place (one index_select + index_copy_ per buffer for all rows) and each length advances by its
-own accepted count:
+position. Afterwards each row's accepted path is compacted in place (one index_select + index_copy_ over the
+one buffer, for every layer and row at once: 2 kernels, not 4 per layer; only the first max_r a_r slots move)
+and each length advances by its own accepted count:
 
     row 0  [ committed (len_0) | node 0 | node 1 | pad ... | stale ]  ->  [ committed | path_0 ... | stale ]
     row 1  [ committed (len_1)      | node 0 | node 1 | node 2 | stale ]  ->  ...
@@ -94,15 +95,11 @@ class BatchKVCache(Cache):
         self.kv_heads = kv_heads
         self.write_index = torch.zeros(0, dtype=torch.long, device=device)  # (R * kv * L,) `prepare_write`'s
         self.span = max_len  # positions the next forward's attention reads per row (<= max_len)
-        shape = (batch_size, kv_heads, max_len, head_dim)
-        layers = [
-            BatchKVLayer(
-                self,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(n_layers)
-        ]
+        # (layers, 2, B, kv_heads, max_len, head_dim): every layer's keys and values, one commit for all
+        self.buffer = torch.zeros(
+            n_layers, 2, batch_size, kv_heads, max_len, head_dim, dtype=dtype, device=device
+        )
+        layers = [BatchKVLayer(self, self.buffer[i, 0], self.buffer[i, 1]) for i in range(n_layers)]
         super().__init__(layers=list[Any](layers))
         self.kv_layers = layers  # the same objects, typed
 
@@ -138,25 +135,29 @@ class BatchKVCache(Cache):
 
         Args:
             path: (B, k) long node indices per row, ascending, `path[r, i] >= i`; entries past `accepted[r]`
-                are ignored. A row with `accepted[r] == 0` is left as it is.
+                are ignored (only the first max_r accepted[r] columns are read). A row with `accepted[r] == 0`
+                is left as it is.
             accepted: (B,) host counts a_r (root included); `lengths[r]` advances by a_r.
             in_place: whether every row's kept entries are already in place (`path[r, :a_r] == arange(a_r)`),
                 when the caller knows it from the host copy of the paths; None: read it from `path` (a host
                 sync on a GPU).
         """
-        k = path.shape[1]
+        k = max(accepted, default=0)  # slots past every row's accepted count stay where they are
+        path = path[:, :k]  # (B, k)
         acc = torch.tensor(accepted, dtype=torch.long, device=path.device)  # (B,)
         slot = torch.arange(k, device=path.device)[None]  # (1, k)
         src = torch.where(slot < acc[:, None], path, slot) + self.lengths_t[:, None]  # (B, k)
         if in_place is None:
             in_place = bool((src == slot + self.lengths_t[:, None]).all())
-        if not in_place:  # some row's path is not in place
+        if not in_place and k > 0:  # some row's path is not in place
             rows = slice(0, self.num_rows)
-            src_i = self.flat_index(rows, src)  # (B * kv * k,)
-            dst_i = self.flat_index(rows, self.lengths_t[:, None] + slot)
-            for layer in self.kv_layers:
-                for buf in (layer.keys, layer.values):
-                    flat = buf.view(-1, buf.shape[-1])
-                    flat.index_copy_(0, dst_i, flat.index_select(0, src_i))  # index_select copies first
+            block = self.num_rows * self.kv_heads * self.max_len  # rows of one (B, kv, max_len, d) buffer
+            first = (
+                torch.arange(self.buffer.shape[0] * 2, device=path.device)[:, None] * block
+            )  # (2 layers, 1)
+            src_i = (first + self.flat_index(rows, src)).reshape(-1)  # (2 layers * B * kv * k,)
+            dst_i = (first + self.flat_index(rows, self.lengths_t[:, None] + slot)).reshape(-1)
+            flat = self.buffer.view(-1, self.buffer.shape[-1])
+            flat.index_copy_(0, dst_i, flat.index_select(0, src_i))  # index_select copies first
         self.lengths_t += acc
         self.lengths = [n + a for n, a in zip(self.lengths, accepted, strict=True)]

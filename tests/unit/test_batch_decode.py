@@ -555,3 +555,31 @@ def test_refills_wait_for_refill_rows_free_rows(family, shape):
     assert auto_refill_rows(torch.device("cuda"), 16) == 4 and auto_refill_rows(CPU, 16) == 1
     assert auto_refill_rows(torch.device("cuda"), 2) == 1
     assert make_batch_decoder(tiny_target("llama", CPU), 4, refill_rows=9).refill_rows == 4
+
+
+def test_a_commit_moves_every_layer_in_two_kernels_and_only_the_accepted_slots():
+    """`BatchKVCache.commit` compacts every layer's keys and values of every row with one index_select and one
+    index_copy_ over the one buffer (not 4 kernels per layer), moving each row's accepted path right after its
+    prefix and nothing past the longest accepted count: a 4-layer cache against a per-row, per-layer copy."""
+    from specdraft.eval.batch_kv import BatchKVCache
+    from specdraft.testing import KernelCount
+
+    model = tiny_target("llama", CPU)
+    cache = BatchKVCache(model, 3, 32)
+    g = torch.Generator().manual_seed(0)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g, dtype=cache.buffer.dtype))
+    for r, n in enumerate([5, 9, 2]):
+        cache.set_length(r, n)
+    path = torch.tensor([[0, 2, 5, 6, 7, 0, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7], [0, 3, 4, 1, 1, 1, 1, 1]])  # (B, 8)
+    accepted = [3, 0, 2]
+    expected = cache.buffer.clone()
+    for r, (n, a) in enumerate(zip([5, 9, 2], accepted, strict=True)):
+        for i in range(a):
+            expected[:, :, r, :, n + i] = cache.buffer[:, :, r, :, n + int(path[r, i])]
+    with KernelCount() as count:
+        cache.commit(path, accepted, in_place=False)
+    assert count.ops["index_select"] == 1 and count.ops["index_copy_"] == 1, count.ops
+    assert count.count <= 30, count.ops  # a few index kernels, whatever the layers
+    torch.testing.assert_close(cache.buffer, expected, rtol=0, atol=0)
+    assert cache.lengths == [8, 9, 4] and cache.lengths_t.tolist() == [8, 9, 4]
+    assert all(layer.keys.data_ptr() == cache.buffer[i, 0].data_ptr() for i, layer in enumerate(cache.kv_layers))

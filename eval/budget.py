@@ -340,13 +340,11 @@ class NodeBudget:
             return FULL
         return max(8, self.refit_scale * self.history[-1])
 
-    def observe(
-        self, draft_s: float, accepted: int, nodes: int, prefix_accept: list[int] | None = None
-    ) -> None:
-        """One drafted greedy step (call it for every one, settled or not): the proposer's time, the tokens
-        the step emitted (accepted + 1) and the nodes verified; in phase 1 also `prefix_accept[b-1]` = tokens
-        the first b nodes alone would have given. Once settled, only the drift test reads the tokens. `nodes` is
-        not read any more (phase 2 prices every size on phase 1's trees); the decoders still pass it."""
+    def observe(self, draft_s: float, accepted: int, prefix_accept: list[int] | None = None) -> None:
+        """One drafted greedy step (call it for every one, settled or not): the proposer's time and the tokens
+        the step emitted (accepted + 1); in phase 1 also `prefix_accept[b-1]` = tokens the first b nodes alone
+        would have given. Once settled, only the drift test reads the tokens. (The nodes verified are not
+        needed: phase 2 prices every size on phase 1's trees.)"""
         if self.settled:
             if self.cap == 1 or self.drift_window <= 0 or self.refit_gap <= 0:
                 return

@@ -432,7 +432,7 @@ class StaticDecoder:
                     fit = cast(NodeBudget, budget)
                     cap = fit.cap
                     gains = vals[2 + 2 * b : 2 + 2 * b + n] if cap is None else None
-                    fit.observe(t2 - t1, a, n, gains)
+                    fit.observe(t2 - t1, a, gains)
                     if fit.cap != cap:  # a new cap: the proposer may draft less from now on
                         proposer.fit_budget(cast(int, fit.cap))
                 path_t = packed[2 : 2 + b]  # (b,) padded path, device

@@ -362,7 +362,13 @@ def test_fixed_shape_proposers_batched_equal_batch1_ar(family, shape):
 
 def test_fixed_shape_steps_never_change_shape():
     """Every batched verify of the fixed path reads the whole cache (span = max_len, no host lengths) over a
-    power-of-two tree width, so a budget's step always has the same shapes (what a CUDA graph needs)."""
+    padded tree width (`rows_budget_for`: powers of two up to 8, then multiples of 8), so a budget's step
+    always has the same shapes (what a CUDA graph needs)."""
+    from specdraft.eval.batch_decode import rows_budget_for
+
+    assert [rows_budget_for(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65)] == [
+        1, 2, 4, 8, 8, 16, 16, 24, 40, 64, 72,
+    ]  # fmt: skip
     model = tiny_target("llama", CPU)
     prompts = random_prompts(LENGTHS)
     stops, refs = _references(model, prompts, BUDGETS)
@@ -380,7 +386,7 @@ def test_fixed_shape_steps_never_change_shape():
     assert [out for out, _ in res] == refs
     assert {(rows, span) for rows, _, span in seen} == {(3, dec.cache.max_len)}
     widths = {b for _, b, _ in seen}
-    assert all(b & (b - 1) == 0 for b in widths) and len(widths) <= 5 and max(widths) > 1
+    assert all(rows_budget_for(b) == b for b in widths) and len(widths) <= 8 and max(widths) > 1
 
 
 def test_make_batch_decoder_follows_cuda_graphs():
@@ -570,7 +576,9 @@ def test_a_commit_moves_every_layer_in_two_kernels_and_only_the_accepted_slots()
     cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g, dtype=cache.buffer.dtype))
     for r, n in enumerate([5, 9, 2]):
         cache.set_length(r, n)
-    path = torch.tensor([[0, 2, 5, 6, 7, 0, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7], [0, 3, 4, 1, 1, 1, 1, 1]])  # (B, 8)
+    path = torch.tensor(
+        [[0, 2, 5, 6, 7, 0, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7], [0, 3, 4, 1, 1, 1, 1, 1]]
+    )  # (B, 8)
     accepted = [3, 0, 2]
     expected = cache.buffer.clone()
     for r, (n, a) in enumerate(zip([5, 9, 2], accepted, strict=True)):
@@ -582,4 +590,6 @@ def test_a_commit_moves_every_layer_in_two_kernels_and_only_the_accepted_slots()
     assert count.count <= 30, count.ops  # a few index kernels, whatever the layers
     torch.testing.assert_close(cache.buffer, expected, rtol=0, atol=0)
     assert cache.lengths == [8, 9, 4] and cache.lengths_t.tolist() == [8, 9, 4]
-    assert all(layer.keys.data_ptr() == cache.buffer[i, 0].data_ptr() for i, layer in enumerate(cache.kv_layers))
+    assert all(
+        layer.keys.data_ptr() == cache.buffer[i, 0].data_ptr() for i, layer in enumerate(cache.kv_layers)
+    )

@@ -83,12 +83,12 @@ def test_cap_follows_the_machine():
     mid = _budget({1: 10.0, 2: 11.0, 4: 20.0, 8: 30.0}, check_steps=0)
     for b in (flat, steep, mid):
         for _ in range(10):
-            b.observe(0.001, 4, 8, gains)  # 1 ms of drafting per step
+            b.observe(0.001, 4, gains)  # 1 ms of drafting per step
     assert flat.cap == 8 and flat.settled  # a flat cost: the biggest tree
     assert steep.cap == 1  # every node costs a full step: drafting never pays
     assert mid.cap == 2  # 2 tok / 12 ms beats 3 tok / 21 ms, 4 tok / 31 ms and 1 tok / 10 ms
     before = list(mid.gains)
-    mid.observe(0.0, 1, 1, [1, 1])  # settled: further steps are not recorded
+    mid.observe(0.0, 1, [1, 1])  # settled: further steps are not recorded
     assert mid.gains == before
 
 
@@ -105,10 +105,10 @@ def test_a_capture_step_does_not_turn_drafting_off():
     gains = [1, 2, 2, 3, 3, 3, 3, 4]
     b = _budget({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, check_steps=4)
     for i in range(10):
-        b.observe(0.4 if i == 0 else 0.001, 4, 8, gains)
+        b.observe(0.4 if i == 0 else 0.001, 4, gains)
     assert b.cap == 8 and not b.settled
     for i in range(4):
-        b.observe(0.4 if i == 0 else 0.001, 4, 8)
+        b.observe(0.4 if i == 0 else 0.001, 4)
     assert b.settled and b.cap == 8
 
 
@@ -119,11 +119,11 @@ def test_off_is_decided_with_the_draft_time_at_the_cap():
     cheap, dear = _budget(costs, check_steps=4), _budget(costs, check_steps=4)
     for b in (cheap, dear):
         for _ in range(10):
-            b.observe(0.012, 2, 8, gains)  # 12 ms of full-size drafting: 2 tok / 22 ms < 1 tok / 10 ms
+            b.observe(0.012, 2, gains)  # 12 ms of full-size drafting: 2 tok / 22 ms < 1 tok / 10 ms
         assert b.cap == 2 and not b.settled  # provisional
     for _ in range(4):
-        cheap.observe(0.001, 2, 2)  # a 2-node draft takes 1 ms: 2 tok / 11 ms
-        dear.observe(0.012, 1, 2)  # still slow, and nothing accepted: off
+        cheap.observe(0.001, 2)  # a 2-node draft takes 1 ms: 2 tok / 11 ms
+        dear.observe(0.012, 1)  # still slow, and nothing accepted: off
     assert cheap.settled and cheap.cap == 2
     assert dear.settled and dear.cap == 1
 
@@ -135,13 +135,13 @@ def test_phase_two_walks_down_while_a_smaller_cap_could_pay():
     cannot beat that and are not checked."""
     budget = _budget({1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}, check_steps=3)
     for _ in range(10):
-        budget.observe(0.012, 4, 8, [1, 2, 2, 3, 3, 3, 3, 4])
+        budget.observe(0.012, 4, [1, 2, 2, 3, 3, 3, 3, 4])
     assert budget.cap == 8 and not budget.settled
     for _ in range(3):
-        budget.observe(0.012, 4, 8)
+        budget.observe(0.012, 4)
     assert budget.cap == 4 and not budget.settled  # checked next
     for _ in range(3):
-        budget.observe(0.002, 3, 4)
+        budget.observe(0.002, 3)
     assert budget.settled and budget.cap == 4
     assert budget.measured == pytest.approx({8: 4 / 26, 4: 3 / 14})
 
@@ -155,16 +155,16 @@ def test_phase_two_rates_every_size_on_phase_ones_steps_not_on_its_own_text():
     The tokens the checks saw at 8 still set what the drift test expects there."""
     budget = _budget({1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}, check_steps=3)
     for _ in range(10):
-        budget.observe(0.012, 4, 8, [1, 2, 2, 2, 3, 3, 3, 4])
+        budget.observe(0.012, 4, [1, 2, 2, 2, 3, 3, 3, 4])
     assert budget.cap == 8 and not budget.settled
     for _ in range(3):
-        budget.observe(0.012, 3, 8)  # harder text at 8: 3 tokens a step, not phase 1's 4
+        budget.observe(0.012, 3)  # harder text at 8: 3 tokens a step, not phase 1's 4
     assert budget.cap == 4 and not budget.settled
     for _ in range(3):
-        budget.observe(0.006, 4, 4)
+        budget.observe(0.006, 4)
     assert budget.cap == 2 and not budget.settled  # 2 / 11 ms at best: checked too
     for _ in range(3):
-        budget.observe(0.004, 2, 2)
+        budget.observe(0.004, 2)
     assert budget.settled and budget.cap == 8
     assert budget.measured == pytest.approx({8: 4 / 26, 4: 2 / 18, 2: 2 / 15})
     assert budget._expect == pytest.approx(3.0)  # the checks' own tokens at the settled cap
@@ -179,14 +179,14 @@ def test_a_larger_size_never_beats_the_provisional_cap_with_a_shorter_draft_time
     for i in range(10):  # half the steps accept the first node; one of them accepts 2 more by node 4
         g2 = 2 if i < 5 else 1
         g4 = 3 if i == 0 else g2
-        budget.observe(0.010, 1, 8, [1, g2, g2, g4, g4, g4, g4, g4])
+        budget.observe(0.010, 1, [1, g2, g2, g4, g4, g4, g4, g4])
     full = budget.rates(budget.draft_ms)
     assert budget.cap == 2 and full[4] >= 0.95 * full[2]  # a near-tie at the full-size draft time
     for d in (0.0, 1.0, 5.0, 9.0):
         r = budget.rates([d])
         assert r[4] < r[2] and r[2] - r[4] >= full[2] - full[4]
-    budget.observe(0.001, 2, 2)
-    budget.observe(0.001, 1, 2)
+    budget.observe(0.001, 2)
+    budget.observe(0.001, 1)
     assert budget.settled and budget.cap == 2 and budget.measured == pytest.approx({2: 1.5 / 12})
 
 
@@ -197,12 +197,12 @@ def test_warm_start_skips_phase_one_with_another_budgets_gains():
     gains = [1, 2, 2, 3, 3, 3, 3, 4]
     small = _budget({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, check_steps=2)  # batch 1: flat, big trees pay
     for _ in range(10):
-        small.observe(0.001, 4, 8, gains)
+        small.observe(0.001, 4, gains)
     big = _budget({1: 10.0, 2: 11.0, 4: 20.0, 8: 30.0}, check_steps=2)  # batch 16: steep
     big.warm_start(small)
     assert big.cap == 2 and not big.settled and big.gains == small.gains  # no phase-1 step was taken
-    big.observe(0.0005, 2, 2)
-    big.observe(0.0005, 2, 2)
+    big.observe(0.0005, 2)
+    big.observe(0.0005, 2)
     assert big.settled and big.cap == 2
     fresh = _budget({1: 10.0, 2: 11.0, 4: 20.0, 8: 30.0})
     fresh.warm_start(_budget({1: 10.0}))  # nothing fitted there: phase 1 as usual
@@ -217,7 +217,7 @@ def test_fixed_budget_cuts_trees_from_the_first_step_and_never_refits():
     assert (b.cap, b.settled, b.history) == (4, True, [4]) and not b.off_for_good
     for _ in range(300):
         assert not b.tick()
-        b.observe(0.001, 1, 4)
+        b.observe(0.001, 1)
     assert (b.cap, b.settled, b.refits) == (4, True, 0)
     assert NodeBudget.fixed(1).off_for_good
     with pytest.raises(ValueError, match="cap=0"):
@@ -350,7 +350,7 @@ def test_refit_follows_the_text():
     assert not budget.tick()  # not settled yet: nothing to count
     bad, good = [1] * 8, [1, 2, 2, 3, 3, 3, 3, 4]
     for _ in range(10):
-        budget.observe(0.001, 1, 8, bad)
+        budget.observe(0.001, 1, bad)
     assert budget.settled and budget.cap == 1 and budget.history == [1] and not budget.off_for_good
     gaps = []
     for _ in range(3):  # drafts still never accepted: each refit keeps drafting off, the gap doubles
@@ -360,35 +360,35 @@ def test_refit_follows_the_text():
         gaps.append(n - 1)
         assert budget.cap is None and not budget.settled  # phase 1 again: full-size trees
         for _ in range(4):
-            budget.observe(0.001, 1, 8, bad)
+            budget.observe(0.001, 1, bad)
         assert budget.cap == 1
     assert gaps == [5, 10, 20] and budget.refits == 3 and len(budget.gains) == 10  # the newest fit_steps
     while not budget.tick():
         pass
     for _ in range(4):  # now the drafts are right
-        budget.observe(0.001, 4, 8, good)
+        budget.observe(0.001, 4, good)
     # curve: 6 old steps (gain 1) + 4 new ones: 8 nodes (6 + 16) / 10 = 2.2 tok / 15 ms beats 1 / 10 ms
     assert budget.settled and budget.cap == 8 and budget.history[-1] == 8
     assert budget._expect == pytest.approx(2.2)
     for _ in range(40):  # tokens at the cap as expected (within 20%): no refit, however long
         assert not budget.tick()
-        budget.observe(0.001, 2 + (_ % 2), 8)  # mean 2.5: +14%
+        budget.observe(0.001, 2 + (_ % 2))  # mean 2.5: +14%
     for _ in range(4):  # they drop to 1 per step: a drift, so the next step starts a refit
         budget.tick()
-        budget.observe(0.001, 1, 8)
+        budget.observe(0.001, 1)
     assert budget.tick() and budget.cap is None and budget.refits == 5
     for _ in range(4):
-        budget.observe(0.001, 1, 8, bad)
+        budget.observe(0.001, 1, bad)
     assert budget.cap == 8  # the newest 10: 4 good, 6 bad (2 older, 4 new): 2.2 / 15 ms still pays
     never = _budget(costs, check_steps=0, refit_gap=0, drift_window=4)
     for _ in range(10):
-        never.observe(0.001, 4, 8, good)
+        never.observe(0.001, 4, good)
     for _ in range(8):
-        never.observe(0.001, 1, 8)
+        never.observe(0.001, 1)
     assert never.cap == 8 and not any(never.tick() for _ in range(1000))  # refit_gap=0: final
     off = _budget(costs, check_steps=0, refit_gap=0)
     for _ in range(10):
-        off.observe(0.001, 1, 8, bad)
+        off.observe(0.001, 1, bad)
     assert off.cap == 1 and off.off_for_good  # the decoders stop keeping skipped positions
 
 
@@ -430,18 +430,18 @@ def test_refits_probe_a_multiple_of_the_settled_cap():
     assert budget.refit_cap() == FULL  # nothing settled yet: the first fit is full size
     deep = list(range(1, 9)) + [8] * 56  # 64 nodes: 8 tokens from node 8 on
     for _ in range(10):
-        budget.observe(0.0, 8, 64, deep[:2])  # only 2 nodes' worth of gain: cap 2
+        budget.observe(0.0, 8, deep[:2])  # only 2 nodes' worth of gain: cap 2
     assert budget.cap == 2 and budget.refit_cap() == 8
     for _ in range(4):  # a drift: 8 tokens a step where 2 were expected
         budget.tick()
-        budget.observe(0.0, 8, 2)
+        budget.observe(0.0, 8)
     assert budget.tick() and budget.cap is None
     for _ in range(4):  # the refit drafts 8-node trees (its gain lists stop at 8)
-        budget.observe(0.0, 8, 8, deep[:8])
+        budget.observe(0.0, 8, deep[:8])
     assert budget.cap == 8 and budget.refit_cap() == 32  # settled on the probe: the next refit probes 4x that
     full = _budget(costs, check_steps=0, refit_scale=0)
     for _ in range(10):
-        full.observe(0.0, 8, 64, deep[:2])
+        full.observe(0.0, 8, deep[:2])
     assert full.cap == 2 and full.refit_cap() == FULL
 
 
@@ -452,26 +452,26 @@ def test_a_two_node_cap_is_refitted_on_a_timer_too():
     costs = {1: 10.0, 2: 10.0, 4: 14.0, 8: 40.0}
     budget = _budget(costs, check_steps=0, refit_gap=5, refit_steps=4, drift_window=4)
     for _ in range(10):
-        budget.observe(0.001, 2, 8, [1, 2, 2, 2, 2, 2, 2, 2])  # 2 tokens at 2 nodes: 2 / 11 ms beats 2 / 15
+        budget.observe(0.001, 2, [1, 2, 2, 2, 2, 2, 2, 2])  # 2 tokens at 2 nodes: 2 / 11 ms beats 2 / 15
     assert budget.settled and budget.cap == 2
     gaps = []
     for _ in range(2):
         n = 0
         while not budget.tick():
             n += 1
-            budget.observe(0.001, 2, 2)  # exactly as expected: no drift
+            budget.observe(0.001, 2)  # exactly as expected: no drift
         gaps.append(n)
         for _ in range(4):
-            budget.observe(0.001, 2, 8, [1, 2, 2, 2, 2, 2, 2, 2])
+            budget.observe(0.001, 2, [1, 2, 2, 2, 2, 2, 2, 2])
         assert budget.cap == 2
     assert gaps == [5, 10]
     while not budget.tick():
-        budget.observe(0.001, 2, 2)
+        budget.observe(0.001, 2)
     for _ in range(4):  # the text now pays 4 nodes: the timer's refit (4 steps) finds it
-        budget.observe(0.001, 2, 8, [1, 2, 3, 4, 4, 4, 4, 4])
+        budget.observe(0.001, 2, [1, 2, 3, 4, 4, 4, 4, 4])
     assert budget.cap == 4
     assert budget._expect == pytest.approx(2.8)  # the newest 10 steps: 4 new (4 tokens), 6 older (2 tokens)
-    assert not any(budget.tick() or budget.observe(0.001, 3, 4) for _ in range(100))  # 4 holds: no timer
+    assert not any(budget.tick() or budget.observe(0.001, 3) for _ in range(100))  # 4 holds: no timer
 
 
 def test_the_drift_window_doubles_while_refits_keep_the_cap():
@@ -483,25 +483,25 @@ def test_the_drift_window_doubles_while_refits_keep_the_cap():
     )
     good = [1, 2, 2, 3, 3, 3, 3, 4]
     for _ in range(4):
-        budget.observe(0.001, 4, 8, good)
+        budget.observe(0.001, 4, good)
     assert budget.cap == 8
 
     def steps_to_refit(tokens: int) -> int:
         n = 0
         while not budget.tick():
-            budget.observe(0.001, tokens, 8)  # no token accepted where 3 are expected: a drift
+            budget.observe(0.001, tokens)  # no token accepted where 3 are expected: a drift
             n += 1
         for _ in range(4):  # the refit sees the same gains: the same cap
-            budget.observe(0.001, 4, 8, good)
+            budget.observe(0.001, 4, good)
         assert budget.cap == 8
         return n
 
     assert [steps_to_refit(0) for _ in range(4)] == [4, 8, 16, 16]  # doubled, capped at 16
     bad = [1] * 8
     while not budget.tick():
-        budget.observe(0.001, 0, 8)
+        budget.observe(0.001, 0)
     for _ in range(4):  # now the drafts are never accepted: the refit turns drafting off (a new cap)
-        budget.observe(0.001, 1, 8, bad)
+        budget.observe(0.001, 1, bad)
     assert budget.cap == 1 and budget._window == 4  # reset
 
 

@@ -83,6 +83,24 @@ def test_a_reused_proposer_drafts_full_trees_again_after_a_capped_call() -> None
     assert dec.proposers_for(tiny_proposer_factory("redrafter", model)) is not first
 
 
+@pytest.mark.parametrize(
+    "family", ["redrafter_copy", "medusa", "eagle", "eagle3", "eagle_int8", "eagle+lookup"]
+)
+def test_proposers_reused_across_calls_stay_lossless(family: str) -> None:
+    """Every family's proposers, kept from one call to the next (`proposers_for`), decode other prompts of
+    other lengths exactly as batch-1 AR does: what a request leaves in a proposer is reset with the row."""
+    from specdraft.eval.decode import ar_generate
+
+    model = tiny_target("qwen2")
+    factory = tiny_proposer_factory(family, model)
+    dec = BatchDecoder(model, 2)
+    for seed, lengths in ((1, [9, 4, 13]), (2, [3, 17, 6, 8])):
+        prompts = random_prompts(lengths, seed=seed)
+        out = [t for t, _ in dec.generate(prompts, 14, set(), factory)]
+        assert out == [ar_generate(model, None, p, 14, stop_ids=set())[0] for p in prompts]
+    assert dec.proposers_for(factory)[0] is dec.proposers_for(factory)[0]
+
+
 @pytest.mark.parametrize("spec", [False, True], ids=["ar", "redrafter"])
 def test_a_profiled_call_splits_its_time_into_phases(spec: bool) -> None:
     """`generate(profile=True)`: every phase of `PHASES` gets time, and together they account for the call's

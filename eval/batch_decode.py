@@ -3,8 +3,9 @@
 Every row r of a `BatchKVCache` decodes its own request with its own proposer; a step verifies all rows'
 trees in ONE target forward:
 
-    refill free rows from the queue: prefill the admitted rows' prompts (contiguous rows in one padded
-        forward, `prefill_rows`), root_r = argmax, emit root_r, proposer_r.reset()
+    refill free rows from the queue once `refill_rows` are free: prefill the admitted rows' prompts (up to
+        `prefill_rows` rows, adjacent or not, in one padded forward), root_r = argmax, emit root_r,
+        proposer_r.reset()
     repeat while a row is active:
         tree_r = proposer_r.propose(new states of row r)          # (AR mode: the root alone)
         pad every tree to b = max_r N_r nodes (dummy nodes see only their row's root, never accepted)
@@ -141,7 +142,7 @@ class BatchDecoder:
             rows are emptied), so attention and GQA key expansion cost what is filled, not max_len.
         static: fixed-shape verify (power-of-two trees, whole-cache attention, device-side mask and positions).
         graphs: capture each budget's verify forward as a CUDA graph (needs `static` and a CUDA model).
-        prefill_rows: most rows admitted together whose prompts are prefilled in one forward (contiguous rows,
+        prefill_rows: most rows admitted together whose prompts are prefilled in one forward (any rows,
             padded to the longest prompt, at most `PREFILL_TOKENS` padded tokens); 1: one forward per prompt.
         pack_padding: on a CPU, leave the padding of an eager verify out of the per-token products
             (`fast_target.Packing`); False: compute every padded position (an A/B: the same tokens).

@@ -24,7 +24,8 @@ Two shapes of the same step, as for the single-prompt `static_decode.StaticDecod
     the longest active row's filled prefix (`span`), so the cost follows what is filled; only the rows
     from the first to the last active one run (once the queue is empty, finished rows at either end drop
     out of the forward);
-  * fixed (`static=True`): trees padded to the next power of two, copied into persistent (B, b) buffers,
+  * fixed (`static=True`): trees padded to `rows_budget_for` (powers of two up to 8, then multiples of 8),
+    copied into persistent (B, b) buffers,
     attention over the whole cache with the mask and write positions computed on the device from the
     per-row lengths, so every step of a budget has the same shapes and addresses; with `graphs=True`
     (CUDA) each budget's forward is captured once as a CUDA graph and replayed

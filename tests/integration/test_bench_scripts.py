@@ -1,4 +1,5 @@
-"""The benchmark scripts (scripts/bench_decode.py, bench_batch.py, bench_batch_packing.py, bench_adaptive.py, bench_ttt.py) end to
+"""The benchmark scripts (scripts/bench_decode.py, bench_batch.py, bench_batch_packing.py, bench_adaptive.py, bench_ttt.py,
+bench_commit.py) end to
 end on a tiny target, a random ReDrafter and prompt lookup: their tables, their JSON (command, machine, rows),
 every method's output equal to AR's, and both EAGLE unrolls agreeing."""
 
@@ -79,6 +80,32 @@ def test_bench_batch(eval_assets: Path, tmp_path: Path, capsys) -> None:
     assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in methods for b in (1, 2)}
     assert all(r["identical"] == r["requests"] == 3 for r in rows)  # batched outputs equal batch-1 AR
     assert "mini_mt" in capsys.readouterr().out
+
+
+def test_bench_batch_phases_and_refill_rows(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    """`--phases`: every method's FIFO record carries ms per step for each phase and the phase table is
+    printed; `--refill-rows 2` (rows admitted two at a time) keeps every output equal to batch-1 AR."""
+    out = tmp_path / "phases.json"
+    _main("bench_batch")(
+        [*_common(eval_assets, out), "--requests", "3", "--batch", "1", "2", "--max-new-tokens", "6",
+         "--phases", "--refill-rows", "2"]
+    )  # fmt: skip
+    rows = _load(out)["rows"]
+    assert all(r["identical"] == r["requests"] == 3 for r in rows)
+    assert all(
+        set(r["phase_ms_per_step"]) == {"prefill", "draft", "verify", "accept", "commit"} for r in rows
+    )
+    assert all(r["phase_ms_per_step"]["verify"] > 0 and r["profiled_tokens_per_s"] > 0 for r in rows)
+    assert "ms per batched step and phase" in capsys.readouterr().out
+
+
+def test_bench_commit(capsys) -> None:
+    """scripts/bench_commit.py times both commits and prints their ratio."""
+    _main("bench_commit")(["--rows", "2", "--nodes", "8", "--prefix", "16", "--reps", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert (
+        "per-layer, every slot" in out and "one buffer, accepted slots" in out and "x" in out.splitlines()[-1]
+    )
 
 
 def test_bench_batch_draft_rows_ab_with_repeats(eval_assets: Path, tmp_path: Path, capsys) -> None:

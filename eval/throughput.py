@@ -347,8 +347,10 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
 
 def print_phases(rows: list[dict[str, Any]], console=None) -> None:
     """Where each method's batched step goes (the records with `phase_ms_per_step`, `throughput_rows(phases=
-    True)`): ms per step and phase, and the time outside the verify forward (draft + accept + commit) as a
-    fraction of it; prefills are per request, not per step, and stay out of that fraction."""
+    True)`): ms per step and phase, the time outside the verify forward (draft + accept + commit) as a
+    fraction of it (prefills are per request, not per step, and stay out of it), and the speedup over the
+    synced AR call of the same batch size if drafting took no time (`free_draft_speedup`): below 1, no
+    drafter of this acceptance can beat batched AR on this machine at this batch size."""
     from rich.console import Console
     from rich.table import Table
 
@@ -357,17 +359,38 @@ def print_phases(rows: list[dict[str, Any]], console=None) -> None:
         return
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     table = Table(title="ms per batched step and phase (a separate call, synced at every phase boundary)")
-    for col in ("bench", "batch", "method", *PHASES, "step", "outside verify / verify", "tok/s synced"):
+    cols = ("bench", "batch", "method", *PHASES, "step", "outside verify / verify", "tok/s synced")
+    for col in (*cols, "vs AR, drafting free"):
         table.add_column(col)
     for r in timed:
         ph = r["phase_ms_per_step"]
         outside = ph["draft"] + ph["accept"] + ph["commit"]
+        ar = next(
+            (x for x in timed if (x["bench"], x["batch"], x["method"]) == (r["bench"], r["batch"], "ar")),
+            None,
+        )
+        free = free_draft_speedup(r, ar) if ar is not None else None
         table.add_row(
             r["bench"], str(r["batch"]), r["method"], *(f"{ph[k]:.2f}" for k in PHASES),
             f"{sum(ph.values()):.2f}", f"{outside / max(ph['verify'], 1e-9):.2f}",
-            f"{r.get('profiled_tokens_per_s') or 0:.1f}",
+            f"{r.get('profiled_tokens_per_s') or 0:.1f}", "-" if free is None else f"{free:.2f}x",
         )  # fmt: skip
     console.print(table)
+
+
+def free_draft_speedup(method: dict[str, Any], ar: dict[str, Any]) -> float | None:
+    """`method`'s synced tokens/s with its draft phase taken out of its time (tok/s x step / (step - draft)),
+    over AR's synced tokens/s at the same batch size: the most any drafter with these trees and acceptance can
+    reach there. None without the profiled rates."""
+    ph, rate, base = (
+        method["phase_ms_per_step"],
+        method.get("profiled_tokens_per_s"),
+        ar.get("profiled_tokens_per_s"),
+    )
+    step = sum(ph.values())
+    if not rate or not base or step - ph["draft"] <= 0:
+        return None
+    return rate * step / (step - ph["draft"]) / base
 
 
 def _cap(r: dict[str, Any]) -> str:

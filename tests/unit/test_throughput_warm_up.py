@@ -120,15 +120,28 @@ def test_a_profiled_call_splits_its_time_into_phases(spec: bool) -> None:
 
 
 def test_print_phases_shows_the_profiled_records(capsys) -> None:
-    """The phase table lists the records that carry `phase_ms_per_step` (others are skipped)."""
+    """The phase table lists the records that carry `phase_ms_per_step` (others are skipped), with the time
+    outside the verify over the verify and the speedup over AR if drafting were free."""
+    from specdraft.eval.throughput import free_draft_speedup
+
     ph = {"prefill": 1.0, "draft": 2.0, "verify": 4.0, "accept": 0.5, "commit": 1.5}
+    ar_ph = {"prefill": 1.0, "draft": 0.0, "verify": 3.0, "accept": 0.5, "commit": 0.5}
     rows = [
+        {
+            "bench": "toy",
+            "batch": 4,
+            "method": "ar",
+            "phase_ms_per_step": ar_ph,
+            "profiled_tokens_per_s": 8.0,
+        },
         {"bench": "toy", "batch": 4, "method": "m", "phase_ms_per_step": ph, "profiled_tokens_per_s": 10.0},
         {"bench": "toy", "batch": 4, "method": "other"},
     ]
+    assert free_draft_speedup(rows[1], rows[0]) == pytest.approx(10.0 * 9.0 / 7.0 / 8.0)  # 1.61x
+    assert free_draft_speedup(rows[0], rows[0]) == pytest.approx(1.0)
     print_phases(rows)
     out = capsys.readouterr().out
-    assert "1.00" in out and "other" not in out  # (2 + 0.5 + 1.5) / 4 = 1.00 outside the verify
+    assert "1.00" in out and "1.61x" in out and "other" not in out  # (2 + 0.5 + 1.5) / 4 = 1.00 outside
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -192,9 +192,8 @@ class BatchDecoder:
     def proposers_for(self, factory: Callable[[], Proposer] | None) -> list[Proposer]:
         """One proposer per row from `factory` (None: AR, no proposers). A call with the factory of the previous
         call gets the same proposers back, with their full trees restored (`fit_budget(FULL)`) if that call
-        capped them; each row's
-        proposer is reset when the row takes a request, so only what outlives a request carries over: captured
-        draft graphs, buffers, calibrations."""
+        capped them; each row's proposer is reset when the row takes a request, so only what outlives a
+        request carries over: captured draft graphs, buffers, calibrations."""
         if factory is None:
             return []
         if self._made is not None and self._made[0] is factory:
@@ -204,6 +203,13 @@ class BatchDecoder:
             return self._made[1]
         self._made, self._capped = (factory, [factory() for _ in range(self.batch_size)]), False
         return self._made[1]
+
+    def _fit_proposers(self, proposers: list[Proposer], nodes: int) -> None:
+        """Tell every row's proposer the node cap `nodes` (`Proposer.fit_budget`), remembering that they are
+        capped (`proposers_for` restores their full trees on reuse)."""
+        for p in proposers:
+            p.fit_budget(nodes)
+        self._capped = True
 
     def _new_cache(self, max_len: int) -> None:
         """Reallocate the cache at `max_len` positions per row (captured graphs read the old one: dropped)."""
@@ -505,9 +511,7 @@ class BatchDecoder:
         queue = deque(range(len(requests)) if order is None else order)
         sampling: Sampling | None = (temperature, top_k, top_p, generator) if temperature > 0 else None
         if budget is not None and budget.cap is not None:
-            for p in proposers:
-                p.fit_budget(budget.cap)
-            self._capped = True
+            self._fit_proposers(proposers, budget.cap)
         sync_device(dev)
         t_call = time.perf_counter()
         mark = [t_call]  # profile: when the current phase began
@@ -566,9 +570,7 @@ class BatchDecoder:
             if not active:
                 break
             if budget is not None and proposers and sampling is None and budget.tick():  # a refit: probe size
-                for p in proposers:
-                    p.fit_budget(budget.refit_cap())
-                self._capped = True
+                self._fit_proposers(proposers, budget.refit_cap())
             fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
             off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
             trees: dict[int, DraftTree] = {}  # drafted rows; the others verify their root alone (AR)
@@ -622,9 +624,7 @@ class BatchDecoder:
                         draft_s[r], accepted[r], vals[r][2 + 2 * b : 2 + 2 * b + n] if gains else None
                     )
                 if fit.cap != prev_cap:  # a new cap: the proposers may draft less from now on
-                    for p in proposers:
-                        p.fit_budget(cast(int, fit.cap))
-                    self._capped = True
+                    self._fit_proposers(proposers, cast(int, fit.cap))
             lap("accept")
             path_t = packed[:, 2 : 2 + b]  # (B, b) padded paths
             # path[a-1] == a-1 in every row (paths ascend from 0): nothing to move, known without a sync

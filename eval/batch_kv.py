@@ -89,9 +89,8 @@ class BatchKVCache(Cache):
         self.num_rows, self.max_len = batch_size, max_len
         self.lengths = [0] * batch_size  # host copy of `lengths_t`
         self.lengths_t = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
-        self.rows: slice | Tensor = slice(
-            0, batch_size
-        )  # the rows the next forward writes (a slice or (R,) long)
+        # the rows the next forward writes: a slice, or (R,) long row indices
+        self.rows: slice | Tensor = slice(0, batch_size)
         self.kv_heads = kv_heads
         self.write_index = torch.zeros(0, dtype=torch.long, device=device)  # (R * kv * L,) `prepare_write`'s
         self.span = max_len  # positions the next forward's attention reads per row (<= max_len)
@@ -105,8 +104,9 @@ class BatchKVCache(Cache):
 
     def prepare_write(self, rows: slice | Tensor, write_pos: Tensor, span: int | None = None) -> None:
         """The next forward runs rows `rows` (R of them: a slice, or (R,) long row indices, e.g. a prefill of
-        rows that are not adjacent; their keys are then read as a copy), writes their L positions at `write_pos` (R, L) and
-        attends over each row's first `span` positions (None: all `max_len`; every write must fall below it)."""
+        rows that are not adjacent, whose keys are then read as a copy), writes their L positions at `write_pos`
+        (R, L) and attends over each row's first `span` positions (None: all `max_len`; every write must fall
+        below it)."""
         self.rows = rows
         self.write_index = self.flat_index(rows, write_pos)  # (R * kv * L,): once per forward, not per layer
         self.span = self.max_len if span is None else min(span, self.max_len)

@@ -278,7 +278,8 @@ def warm_up(
         return
     caps: list[int | None] = [node_cap] if node_cap is not None else [None]
     if budget is not None and node_cap is None and dec.graphs:
-        full = factory().spec.node_budget or max(budget.sizes)  # 0: the proposer declares none
+        # the proposers the warm-up and the timed calls share; 0: the proposer declares no budget
+        full = dec.proposers_for(factory)[0].spec.node_budget or max(budget.sizes)
         caps += [c for c in budget.sizes if 1 < c < full]
     for cap in caps:
         dec.generate(few, lengths, stop_ids, factory, budget=None if cap is None else NodeBudget.fixed(cap))

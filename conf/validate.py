@@ -343,6 +343,7 @@ EVAL: Table = {
     "batch_min_prob": Rule(
         lambda v: v in ("off", "auto") or is_probability(v), "off, auto or a probability in (0, 1)"
     ),
+    "batch_width": one_of("off", "auto"),
     "scheduler": one_of("fifo", "length", "both", "groups", "all"),
     "length_predictor": ANY,  # a file path, checked when the throughput table loads it
     "reserve_quantile": DECAY,  # (0, 1]

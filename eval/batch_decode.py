@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
+from specdraft.eval.batch_width import WidthPolicy
 from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
 from specdraft.eval.decode import (
     DecodeStats,
@@ -463,6 +464,7 @@ class BatchDecoder:
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
         profile: bool = False,
+        width: WidthPolicy | None = None,
     ) -> list[tuple[list[int], RequestStats]]:
         """Decode every request greedily, B at a time, refilling rows as requests finish.
 
@@ -483,6 +485,10 @@ class BatchDecoder:
             generator: RNG for sampling (on the model's device), shared by the rows in row order.
             profile: synchronise the device at every phase boundary and add each phase's time to
                 `stats.batch.phase_s` (`PHASES`; the syncs cost a little time: profile a separate call).
+            width: one verify width per step chosen from every row's calibrated confidence, with a fallback
+                to plain steps (`batch_width.WidthPolicy`, `eval.batch_width`), within a fixed `budget`'s cap if
+                one is given (a fitted budget is refused); greedy calls only; its state (calibration, fallback)
+                carries over calls. Outputs do not depend on it.
 
         Returns:
             (new tokens, stats) per request, in request order; `stats.batch` holds the call's throughput.
@@ -492,6 +498,10 @@ class BatchDecoder:
         )
         if len(budgets) != len(requests):
             raise ValueError(f"{len(budgets)} max_new_tokens for {len(requests)} requests")
+        if budget is not None and width is not None and not (budget.settled and budget.refit_gap <= 0):
+            raise ValueError(
+                "generate: a width policy takes a fixed node budget (NodeBudget.fixed), not a fitted one"
+            )
         if order is not None and sorted(order) != list(range(len(requests))):
             raise ValueError(f"order must be a permutation of the {len(requests)} request indices")
         stops = default_stop_ids(None, self.model) if stop_ids is None else set(stop_ids)
@@ -512,6 +522,11 @@ class BatchDecoder:
         sampling: Sampling | None = (temperature, top_k, top_p, generator) if temperature > 0 else None
         if budget is not None and budget.cap is not None:
             self._fit_proposers(proposers, budget.cap)
+        limit = budget.cap if budget is not None and budget.cap is not None else FULL  # a fixed budget's cap
+        drafting_at = limit  # the node cap the proposers draft at now
+        if width is not None and width.draft_nodes and proposers and width.draft_nodes < limit:
+            drafting_at = width.draft_nodes  # as the policy left them in the previous call
+            self._fit_proposers(proposers, drafting_at)
         sync_device(dev)
         t_call = time.perf_counter()
         mark = [t_call]  # profile: when the current phase began
@@ -573,12 +588,22 @@ class BatchDecoder:
                 self._fit_proposers(proposers, budget.refit_cap())
             fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
             off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
+            widths = width if width is not None and proposers and sampling is None else None
+            off = off or (widths is not None and not widths.drafting())  # the width policy's fallback
             trees: dict[int, DraftTree] = {}  # drafted rows; the others verify their root alone (AR)
             draft_s: dict[int, float] = {}  # per row: the proposer's time this step
             if proposers and not off:
                 drafted, draft_s = _draft_rows(proposers, active, cast(list[_Row], rows), dev)
                 cap = budget.cap if budget is not None else None
                 trees = {r: t.truncated(cap) if cap else t for r, t in drafted.items()}
+                if widths is not None:  # one width for the step, from every row's confidence
+                    n_rows = B if self.static else active[-1] - active[0] + 1
+                    pad = rows_budget_for if self.static else (lambda n: n)
+                    packed = not self.static and self.pack_padding and dev.type == "cpu"  # cost: real nodes
+                    trees = widths.choose(trees, 1e3 * sum(draft_s.values()), n_rows, pad, packed)
+                    if widths.draft_nodes and min(widths.draft_nodes, limit) != drafting_at:
+                        drafting_at = min(widths.draft_nodes, limit)  # draft what the batch keeps, and more
+                        self._fit_proposers(proposers, drafting_at)
             lap("draft")
             room = self.cache.max_len - max(self.cache.lengths[r] for r in active)  # in the fullest row
             if self.static:  # the padded size must fit: the largest power of two that does
@@ -616,6 +641,11 @@ class BatchDecoder:
                     packed[r, 2 : 2 + a], packed[r, 2 + b : 2 + b + a] = path, tokens[r, path]
             vals = packed.tolist()  # the step's one host sync
             accepted = [int(vals[r][0]) if rows[r] is not None else 0 for r in range(B)]
+            if widths is not None and trees:  # the calibration learns which verified nodes were accepted
+                widths.observe(
+                    {r: vals[r][2 : 2 + accepted[r]] for r in trees},
+                    {r: t.num_nodes for r, t in trees.items()},
+                )
             if budget is not None and proposers and sampling is None and not off:  # fit or drift test
                 fit, prev_cap = cast(NodeBudget, budget), cast(NodeBudget, budget).cap
                 for r in active:
@@ -656,7 +686,7 @@ class BatchDecoder:
                     st.stats.compression.append(float(cast(float, proposers[r].last_compression)))
                 if proposers:  # the proposer's next inputs: the newly committed positions
                     new_h, new_t = new_hs[r - lo, :a], new_ts[r - lo, :a]  # (a, H'), (a,)
-                    if off and not cast(NodeBudget, budget).off_for_good:  # kept for its next call
+                    if off and not (budget is not None and budget.off_for_good):  # kept for its next call
                         new_h = torch.cat([cast(Tensor, st.new_hidden), new_h])
                         new_t = torch.cat([cast(Tensor, st.new_tokens), new_t])
                     st.new_hidden, st.new_tokens = new_h, new_t

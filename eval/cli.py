@@ -281,13 +281,20 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
     """`eval.batch_sizes`: the batched throughput table over each benchmark's first turns (greedy, or sampled
     at `eval.temperature` > 0)."""
     from specdraft.data.benchmarks import first_turn_ids
-    from specdraft.eval.throughput import Factory, print_throughput, pruned_method, throughput_rows
+    from specdraft.eval.throughput import (
+        Factory,
+        print_throughput,
+        pruned_method,
+        throughput_rows,
+        width_method,
+    )
 
     e = cfg.eval
     if not e.batch_sizes:
         return []
     pairs: list[tuple[str, Factory]] = [("ar", None)]
     pairs += [(m.name.replace("+fallback", ""), m.factory) for m in methods if m.kind == "spec" and m.factory]
+    drafters = [(n, f) for n, f in pairs[1:] if callable(f)]  # (name, proposer factory)
     pruning = str(e.get("batch_min_prob", "off"))
     if pruning != "off":  # each ReDrafter again, its trees pruned to confident nodes (per batch size: auto)
         prob = None if pruning == "auto" else float(pruning)
@@ -296,6 +303,8 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             for m in methods
             if m.kind == "spec" and m.pruned is not None
         ]
+    if str(e.get("batch_width", "off")) == "auto":  # each drafter again, one verify width per step
+        pairs += [width_method(n, f) for n, f in drafters]
     scheduler = str(e.get("scheduler", "fifo"))
     schedulers = {
         "fifo": ["fifo"],

@@ -60,6 +60,7 @@ class EvalConfig:
         0  # throughput: free rows before queued requests are admitted (0: auto, B/4 on CUDA, 1 on a CPU)
     )
     batch_min_prob: str = "off"  # throughput: also each ReDrafter pruned below off | auto (break-even per batch) | a probability
+    batch_width: str = "off"  # throughput: also each drafter with one verify width per step from calibrated confidence: off | auto
     scheduler: str = "fifo"  # throughput: fifo | length (longest predicted first) | both | groups (S3) | all
     reserve_quantile: float = (
         0.9  # groups: reserve each response's predicted-bucket bound at this quantile (0, 1]

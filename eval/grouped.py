@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from specdraft.eval.batch_decode import make_batch_decoder
+from specdraft.eval.batch_width import WidthPolicy
 from specdraft.eval.budget import NodeBudget
 from specdraft.eval.decode import Proposer
 from specdraft.eval.scheduler import first_fit_decreasing
@@ -97,6 +98,7 @@ def serve_grouped(
     budget: NodeBudget | None = None,
     sample: dict[str, Any] | None = None,
     cuda_graphs: str = "auto",
+    width: WidthPolicy | None = None,
 ) -> tuple[list[list[int]], GroupedStats]:
     """Decreasing-first-fit groups under `kv_budget`, each decoded as its own batch; overflows re-admitted.
 
@@ -115,6 +117,8 @@ def serve_grouped(
         sample: `BatchDecoder.generate` sampling keywords; None: greedy. A resumed overflow continues from
             its emitted prefix, so its tokens still follow the target's distribution.
         cuda_graphs: `eval.cuda_graphs` for each group's batch decoder (`batch_decode.make_batch_decoder`).
+        width: instead of `budget`, a per-step width policy shared by every group (its cost curve is one batch
+            size's, as for `budget`).
 
     Returns:
         (new tokens per request in request order, stats); each output equals the request's batch-1 greedy one.
@@ -140,6 +144,7 @@ def serve_grouped(
                 stop_ids,
                 proposer_factory,
                 budget=budget,
+                width=width,
                 **(sample or {}),
             )
             add_call(stats, out, len(g), reserved)

@@ -17,12 +17,19 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from specdraft.eval.batch_decode import PHASES, BatchDecoder, cache_margin, make_batch_decoder
-from specdraft.eval.budget import CostCurve, NodeBudget, marginal_min_prob
+from specdraft.eval.batch_decode import (
+    PHASES,
+    BatchDecoder,
+    cache_margin,
+    make_batch_decoder,
+    rows_budget_for,
+)
+from specdraft.eval.batch_width import WidthPolicy
+from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, marginal_min_prob
 from specdraft.eval.decode import Proposer
 from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
 from specdraft.eval.scheduler import SCHEDULERS, schedule_order
@@ -38,7 +45,21 @@ class PerBatchFactory:
     make: Callable[[float], Callable[[], Proposer]]  # setting -> proposer factory
 
 
-Factory = Callable[[], Proposer] | PerBatchFactory | None  # None: AR
+@dataclass(frozen=True)
+class PerStepWidth:
+    """A method served with one verify width per batched step chosen from every row's calibrated confidence
+    (`batch_width.WidthPolicy` on the batch size's per-row cost curve), instead of a node budget."""
+
+    make: Callable[[], Proposer]  # the method's proposer factory (full trees)
+
+
+Factory = Callable[[], Proposer] | PerBatchFactory | PerStepWidth | None  # None: AR
+
+
+def width_method(name: str, factory: Callable[[], Proposer]) -> tuple[str, Factory]:
+    """The method `name` again, its trees cut each step to the width the batch's confidence pays for
+    (`name@width`, `eval.batch_width=auto`)."""
+    return f"{name}@width", PerStepWidth(factory)
 
 
 def pruned_method(
@@ -133,15 +154,20 @@ def throughput_rows(
     reference: list[list[int]] | None = None
     batch1_ar: float | None = None
     fitted: dict[str, NodeBudget] = {}  # per method: its budget at the previous batch size (gains carry over)
+    learnt: dict[str, WidthPolicy] = {}  # per method: its width policy at the previous batch size
     for b in batch_sizes:
         dec = make_batch_decoder(model, b, cuda_graphs, prefill_rows=prefill_rows, refill_rows=refill_rows)
         ar_rate: dict[str, float] = {}
-        per_batch = any(isinstance(f, PerBatchFactory) for _, f in methods)
+        per_batch = any(isinstance(f, PerBatchFactory | PerStepWidth) for _, f in methods)
         wanted = (node_budget and any(f for _, f in methods)) or per_batch
         curve = dec.row_cost_curve(log=log) if wanted else None
         made: list[tuple[str, Callable[[], Proposer] | None, float | None]] = []  # (name, factory, setting)
+        by_width: set[str] = set()  # the methods served with a per-step width
         for name, method in methods:
-            if isinstance(method, PerBatchFactory):
+            if isinstance(method, PerStepWidth):
+                made.append((name, method.make, None))
+                by_width.add(name)
+            elif isinstance(method, PerBatchFactory):
                 assert curve is not None
                 value = method.threshold(curve)
                 made.append((name, method.make(value), value))
@@ -155,9 +181,16 @@ def throughput_rows(
         for name, factory, setting in made:
             fifo_rate, measured = 0.0, None
             budget: NodeBudget | None = None
-            if node_cap is not None and factory:
+            width: WidthPolicy | None = None
+            if name in by_width:
+                assert curve is not None
+                width = WidthPolicy(curve)
+                if name in learnt:  # the calibration does not depend on the batch size
+                    width.learn_from(learnt[name])
+                learnt[name] = width
+            if node_cap is not None and factory:  # (a width policy chooses within the fixed cap)
                 budget = NodeBudget.fixed(node_cap)
-            elif curve and factory and node_budget:
+            elif curve and factory and node_budget and width is None:
                 budget = NodeBudget(
                     curve,
                     label=f"{name} at batch {b}",
@@ -167,7 +200,7 @@ def throughput_rows(
                 if name in fitted:  # its gain curve from the previous batch size
                     budget.warm_start(fitted[name])
                 fitted[name] = budget
-            warm_up(dec, prompts, max_new_tokens, stop_ids, factory, budget, node_cap)
+            warm_up(dec, prompts, max_new_tokens, stop_ids, factory, budget, node_cap, width is not None)
             first = len(rows)  # this method's first record (its FIFO one when fifo is measured)
             for sched in schedulers:
                 kw = _sample_kw(sample, model)
@@ -177,13 +210,20 @@ def throughput_rows(
                     nodes = None  # (not collected across groups)
                     toks, gs = serve_grouped(
                         model, prompts, list(bound or []), max_new_tokens, b * worst, stop_ids, factory,
-                        budget=budget, sample=kw, cuda_graphs=cuda_graphs,
+                        budget=budget, sample=kw, cuda_graphs=cuda_graphs, width=width,
                     )  # fmt: skip
                 else:
                     lengths = measured if sched == "oracle" else predicted
                     order = schedule_order(sched, len(prompts), lengths)
                     out = dec.generate(
-                        prompts, max_new_tokens, stop_ids, factory, order=order, budget=budget, **kw
+                        prompts,
+                        max_new_tokens,
+                        stop_ids,
+                        factory,
+                        order=order,
+                        budget=budget,
+                        width=width,
+                        **kw,
                     )
                     toks = [t for t, _ in out]
                     sizes = [n for _, st in out for n in st.tree_sizes]
@@ -221,6 +261,9 @@ def throughput_rows(
                         "node_cap": budget.cap if budget else None,  # after this call (1: no drafting)
                         "budget_refits": budget.refits if budget else None,  # fits redone so far
                         "setting": setting,  # a PerBatchFactory's value at this batch size (else None)
+                        "width_fallbacks": width.fallbacks
+                        if width
+                        else None,  # per-step width: pauses so far
                         "speedup_vs_ar_same_batch": rate / ar if ar else None,
                         "speedup_vs_batch1_ar": rate / batch1_ar if batch1_ar else None,
                         "speedup_vs_fifo": rate / fifo_rate if fifo_rate else None,
@@ -235,7 +278,7 @@ def throughput_rows(
                 )
             if phases:
                 out = dec.generate(
-                    prompts, max_new_tokens, stop_ids, factory, budget=budget, profile=True,
+                    prompts, max_new_tokens, stop_ids, factory, budget=budget, profile=True, width=width,
                     **_sample_kw(sample, model),
                 )  # fmt: skip
                 st = out[0][1].batch if out else None
@@ -255,13 +298,15 @@ def warm_up(
     factory: Callable[[], Proposer] | None,
     budget: NodeBudget | None,
     node_cap: int | None,
+    widths: bool = False,
 ) -> None:
     """Serve the first B prompts once with `factory` (None: AR) before its timed calls, the rows finishing one
     by one (budgets 2, 4, ..., 2B tokens), so every padded row count drafts and every tree size verifies once:
     on a GPU each of their CUDA graphs is captured here, not inside a timed call, and the factory's proposers
     (with their draft graphs) stay with `dec` for the timed calls (`BatchDecoder.proposers_for`). A drafter
     runs at its full trees, or at `node_cap`; with a fitted `budget` under graphs, at each size the budget
-    may settle on too (each under its own fixed budget: `budget` itself is not touched).
+    may settle on too (each under its own fixed budget: `budget` itself is not touched), or with `widths` (a
+    per-step width policy) under graphs, at every padded width the policy may choose.
 
     Args:
         dec: the batch decoder of this batch size, its cache already sized (`BatchDecoder.reserve`).
@@ -270,6 +315,7 @@ def warm_up(
         stop_ids: end-of-generation tokens.
         factory: the method's proposer factory, the one its timed calls pass.
         budget: the method's fitted node budget, if any; node_cap: its fixed cap, if any.
+        widths: the method's timed calls choose a width per step (`batch_width.WidthPolicy`).
     """
     few = prompts[: dec.batch_size]
     lengths = [max(1, min(max_new_tokens, 2 * (i + 1))) for i in range(len(few))]
@@ -277,10 +323,13 @@ def warm_up(
         dec.generate(few, lengths, stop_ids)
         return
     caps: list[int | None] = [node_cap] if node_cap is not None else [None]
-    if budget is not None and node_cap is None and dec.graphs:
+    if (budget is not None or widths) and node_cap is None and dec.graphs:
         # the proposers the warm-up and the timed calls share; 0: the proposer declares no budget
-        full = dec.proposers_for(factory)[0].spec.node_budget or max(budget.sizes)
-        caps += [c for c in budget.sizes if 1 < c < full]
+        full = dec.proposers_for(factory)[0].spec.node_budget or max(SIZES)
+        if widths:  # every padded width below the full tree's
+            caps += sorted({rows_budget_for(n) for n in range(1, full)} - {rows_budget_for(full)})
+        else:
+            caps += [c for c in cast(NodeBudget, budget).sizes if 1 < c < full]
     for cap in caps:
         dec.generate(few, lengths, stop_ids, factory, budget=None if cap is None else NodeBudget.fixed(cap))
 

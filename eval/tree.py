@@ -97,20 +97,28 @@ class DraftTree:
         )
 
 
-def reorder_tree(tree: DraftTree, order: list[int]) -> DraftTree:
+def reorder_tree(tree: DraftTree, order: list[int] | Tensor) -> DraftTree:
     """The nodes `order` of `tree` (old indices, every node listed after its parent, root first), renumbered
     in that order: a subset closed under ancestors, or a new ranking of all nodes.
 
+    Args:
+        tree: N nodes.
+        order: (b,) old node indices, a list or a long tensor (on the tree's device: no host read).
+
     Returns:
-        len(order) nodes, with their depths and scores.
+        b nodes, with their depths, ancestors (the old matrix's rows and columns `order`) and scores.
     """
-    assert tree.depth is not None
-    idx = torch.tensor(order, dtype=torch.long, device=tree.tokens.device)  # (b,) new -> old
+    assert tree.depth is not None and tree.ancestors is not None
+    if isinstance(order, Tensor):
+        idx = order.to(tree.tokens.device)  # (b,) new -> old
+    else:
+        idx = torch.tensor(order, dtype=torch.long, device=tree.tokens.device)
     new_of = torch.full((tree.num_nodes,), -1, dtype=torch.long, device=idx.device)
     new_of[idx] = torch.arange(idx.shape[0], device=idx.device)
     parents = torch.where(idx == 0, -1, new_of[tree.parents[idx].clamp(min=0)])  # (b,)
     scores = None if tree.scores is None else tree.scores[idx.to(tree.scores.device)]
-    return DraftTree(tree.tokens[idx], parents, tree.depth[idx], scores=scores)
+    anc = tree.ancestors.to(idx.device)[idx][:, idx]  # (b, b): ancestors keep their relation, renumbered
+    return DraftTree(tree.tokens[idx], parents, tree.depth[idx], anc, scores=scores)
 
 
 def ancestor_matrix(parents: Tensor) -> tuple[Tensor, Tensor]:

@@ -8,6 +8,8 @@
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2/export --batch 1 4 16 --budget
     # ... and again with beam positions below drafter probability 0.3 / 0.6 / the batch's break-even pruned
     python scripts/bench_batch.py --drafter outputs/redrafter_smollm2_copy/export --batch 1 4 16 --cap 8 --min-prob 0.3 0.6 auto
+    # ... and again with one verify width per step, chosen from every row's calibrated confidence
+    python scripts/bench_batch.py --drafter outputs/redrafter_smollm2_copy/export --batch 1 16 --cap 8 --min-prob 0.5 --width
     # trees cut to 2 nodes at every batch size (no fitting steps), drafting rows together against one by one
     python scripts/bench_batch.py --drafter <exports> --batch 4 16 --requests 48 --cap 2 --draft-rows both --repeats 2
     # on a GPU: every batched verify has a fixed shape and is replayed as a CUDA graph (--graphs auto: on
@@ -158,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         "its verify on that batch's measured cost curve (eval.budget.marginal_min_prob)",
     )
     p.add_argument(
+        "--width",
+        action="store_true",
+        help="every drafter again with one verify width per batched step, chosen from every row's calibrated "
+        "confidence, with a fallback to plain steps (eval.batch_width=auto; name@width; within --cap if given)",
+    )
+    p.add_argument(
         "--draft-rows",
         default="together",
         choices=["together", "each", "both"],
@@ -213,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         print_throughput,
         pruned_method,
         throughput_rows,
+        width_method,
     )
 
     bench = load_bench(a)
@@ -244,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"--min-prob: {name} is not a ReDrafter: left out")
             else:
                 methods.append(pruned_method(name, make, prob))
+    if a.width:  # every drafter again, its trees cut each step to the width the batch's confidence pays for
+        methods += [width_method(name, partial(make_proposer, d, **fixed)) for name, d in bench.drafters]
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     predicted, reserve, predict_s = None, None, 0.0

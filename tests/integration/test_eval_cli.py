@@ -236,24 +236,31 @@ def test_decode_path_and_fitted_budget(assets, tmp_path, monkeypatch, extra, nam
 def test_throughput_table_against_batch_size(assets, tmp_path, capsys):
     """`eval.batch_sizes`: batched AR and the drafter at B = 1 and 2, outputs equal to batch-1 AR, a plot;
     `eval.batch_min_prob=auto` adds the ReDrafter with its trees pruned at each batch size's break-even
-    probability (`budget.marginal_min_prob` of that batch's cost curve)."""
+    probability (`budget.marginal_min_prob` of that batch's cost curve), and `eval.batch_width=auto` every
+    drafter again with one verify width per step (`batch_width.WidthPolicy`)."""
     GlobalHydra.instance().clear()
     register_configs()
     args = [f"eval.benches=[{assets / 'mini_mt.jsonl'}]", "eval.limit=3", "eval.batch_sizes=[1,2]",
-            "eval.baselines=[tree_lookup]", "eval.fallback=true", "eval.batch_min_prob=auto"]  # fmt: skip
+            "eval.baselines=[tree_lookup]", "eval.fallback=true", "eval.batch_min_prob=auto",
+            "eval.batch_width=auto"]  # fmt: skip
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path, *args))
     res = json.loads(evaluate(cfg).read_text())
     rows = res["throughput"]
-    methods = ("ar", "redrafter:drafter", "tree_lookup", "redrafter:drafter@p=auto")
+    methods = ("ar", "redrafter:drafter", "tree_lookup", "redrafter:drafter@p=auto", "redrafter:drafter@width",
+               "tree_lookup@width")  # fmt: skip
     assert [(r["batch"], r["method"]) for r in rows] == [(b, m) for b in (1, 2) for m in methods]
     assert all(r["identical"] == r["requests"] == 3 and r["tokens_per_s"] > 0 for r in rows)
-    assert rows[4]["speedup_vs_batch1_ar"] == pytest.approx(rows[4]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    n = len(methods)
+    assert rows[n]["speedup_vs_batch1_ar"] == pytest.approx(rows[n]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert [r["width_fallbacks"] is not None for r in rows] == [
+        m.endswith("@width") for _ in (1, 2) for m in methods
+    ]
     assert [r["setting"] is not None for r in rows] == [m.endswith("auto") for _ in (1, 2) for m in methods]
     assert all(0.0 <= r["setting"] < 1.0 for r in rows if r["setting"] is not None)
     assert (tmp_path / "throughput_mini_mt.png").is_file()
     assert "throughput vs batch size" in capsys.readouterr().out
-    for wrong in ("eval.batch_sizes=[0]", "eval.batch_min_prob=1.5"):
+    for wrong in ("eval.batch_sizes=[0]", "eval.batch_min_prob=1.5", "eval.batch_width=on"):
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             bad = compose(config_name="config", overrides=_overrides(assets, tmp_path, *args[:2], wrong))
         with pytest.raises(ValueError, match=wrong.split("=")[0]):

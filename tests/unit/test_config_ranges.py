@@ -120,6 +120,7 @@ def test_every_preset_is_in_range(preset: str) -> None:
         ("eval.benches=[]", "eval.benches=[]: expected a non-empty list"),
         ("eval.batch_min_prob=1.5", "eval.batch_min_prob=1.5: expected off, auto or a probability in (0, 1)"),
         ("eval.batch_min_prob=often", "eval.batch_min_prob=often: expected off, auto or a probability"),
+        ("eval.batch_width=on", "eval.batch_width=on: expected one of off, auto"),
         ("eval.dtype=int8", "eval.dtype=int8"),
         ("eval.device=tpu", "eval.device=tpu"),
         ("eval.assistant_model=layers:0", "eval.assistant_model=layers:0"),

@@ -599,8 +599,10 @@ class BatchDecoder:
                 if widths is not None:  # one width for the step, from every row's confidence
                     n_rows = B if self.static else active[-1] - active[0] + 1
                     pad = rows_budget_for if self.static else (lambda n: n)
-                    packed = not self.static and self.pack_padding and dev.type == "cpu"  # cost: real nodes
-                    trees = widths.choose(trees, 1e3 * sum(draft_s.values()), n_rows, pad, packed)
+                    real_only = (
+                        not self.static and self.pack_padding and dev.type == "cpu"
+                    )  # cost: real nodes
+                    trees = widths.choose(trees, 1e3 * sum(draft_s.values()), n_rows, pad, real_only)
                     if widths.draft_nodes and min(widths.draft_nodes, limit) != drafting_at:
                         drafting_at = min(widths.draft_nodes, limit)  # draft what the batch keeps, and more
                         self._fit_proposers(proposers, drafting_at)

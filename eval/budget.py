@@ -136,11 +136,12 @@ class CostCurve:
 
     ms: dict[int, float]
 
-    def __call__(self, n: int) -> float:
-        """Cost of an n-node verify, interpolated linearly (extrapolated past the largest size)."""
+    def __call__(self, n: float) -> float:
+        """Cost of an n-node verify, interpolated linearly (extrapolated past the largest size); n may be a
+        mean over rows (`batch_width`: rows x cost(nodes / rows))."""
         xs = sorted(self.ms)
-        if n in self.ms:
-            return self.ms[n]
+        if n == int(n) and int(n) in self.ms:
+            return self.ms[int(n)]
         hi = next((x for x in xs if x > n), None)
         lo = max((x for x in xs if x < n), default=xs[0])
         if hi is None:  # extrapolate from the last two sizes

@@ -63,6 +63,24 @@ def test_calibration_golden_values_and_updates():
     assert pol.seen.tolist() == [0, 1, 1, 2, 0, 0]
 
 
+def _learnt_policy_and_trees(
+    g: torch.Generator, cost: CostCurve, rows: int, smallest: int, largest: int
+) -> tuple[WidthPolicy, dict[int, DraftTree]]:
+    """A policy with a random learnt calibration (8 bins, 2 ranks) and `rows` random scored trees of
+    `smallest` to `largest` - 1 nodes (root score 1)."""
+    pol = WidthPolicy(cost, bins=8, ranks=2)
+    pol.seen += torch.rand(10, generator=g, dtype=torch.float64) * 20
+    pol.hits += pol.seen * torch.rand(10, generator=g, dtype=torch.float64)
+    trees = {}
+    for r in range(rows):
+        n = int(torch.randint(smallest, largest, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        scores = torch.rand(n, generator=g).tolist()
+        scores[0] = 1.0
+        trees[r] = _tree(scores, parents)
+    return pol, trees
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("draft_ms", [0.0, 3.0])
 def test_chosen_width_is_the_brute_force_argmax(static, draft_ms):
@@ -73,16 +91,7 @@ def test_chosen_width_is_the_brute_force_argmax(static, draft_ms):
     cost = CostCurve({1: 1.0, 2: 1.3, 4: 1.9, 8: 3.1, 16: 5.0})
     pad = rows_budget_for if static else (lambda n: n)
     for trial in range(6):
-        pol = WidthPolicy(cost, bins=8, ranks=2)
-        pol.seen += torch.rand(10, generator=g, dtype=torch.float64) * 20
-        pol.hits += pol.seen * torch.rand(10, generator=g, dtype=torch.float64)
-        trees = {}
-        for r in range(5):
-            n = int(torch.randint(2, 14, (1,), generator=g))
-            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            scores = torch.rand(n, generator=g).tolist()
-            scores[0] = 1.0
-            trees[r] = _tree(scores, parents)
+        pol, trees = _learnt_policy_and_trees(g, cost, 5, 2, 14)
         out = pol.choose(trees, draft_ms, rows=5, pad=pad)
         rk = {r: ranked(t, 8, 2) for r, t in trees.items()}
         most = max(t.num_nodes for t in trees.values())
@@ -108,16 +117,7 @@ def test_packed_choice_keeps_the_batch_best_nodes_at_the_best_count(draft_ms):
     g = torch.Generator().manual_seed(5)
     cost = CostCurve({1: 1.0, 2: 1.4, 4: 2.2, 8: 3.9})
     for trial in range(6):
-        pol = WidthPolicy(cost, bins=8, ranks=2)
-        pol.seen += torch.rand(10, generator=g, dtype=torch.float64) * 20
-        pol.hits += pol.seen * torch.rand(10, generator=g, dtype=torch.float64)
-        trees = {}
-        for r in range(4):
-            n = int(torch.randint(1, 10, (1,), generator=g))
-            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            scores = torch.rand(n, generator=g).tolist()
-            scores[0] = 1.0
-            trees[r] = _tree(scores, parents)
+        pol, trees = _learnt_policy_and_trees(g, cost, 4, 1, 10)
         out = pol.choose(trees, draft_ms, rows=4, pad=lambda n: n, packed=True)
         probs = {}
         for r, t in trees.items():

@@ -520,12 +520,10 @@ class BatchDecoder:
         rows: list[_Row | None] = [None] * B
         queue = deque(range(len(requests)) if order is None else order)
         sampling: Sampling | None = (temperature, top_k, top_p, generator) if temperature > 0 else None
-        if budget is not None and budget.cap is not None:
-            self._fit_proposers(proposers, budget.cap)
-        limit = budget.cap if budget is not None and budget.cap is not None else FULL  # a fixed budget's cap
-        drafting_at = limit  # the node cap the proposers draft at now
-        if width is not None and width.draft_nodes and proposers and width.draft_nodes < limit:
-            drafting_at = width.draft_nodes  # as the policy left them in the previous call
+        limit = budget.cap if budget is not None and budget.cap is not None else FULL  # the budget's cap
+        # the node cap the proposers draft at now: the budget's, or lower where the width policy left them
+        drafting_at = min(limit, width.draft_nodes or FULL) if width is not None else limit
+        if drafting_at < FULL:
             self._fit_proposers(proposers, drafting_at)
         sync_device(dev)
         t_call = time.perf_counter()

@@ -92,6 +92,7 @@ class WidthPolicy:
     max_gap: int = 256
     hits: Tensor = field(init=False)  # (bins + ranks,) accepted verified nodes per key
     seen: Tensor = field(init=False)  # (bins + ranks,) verified nodes per key
+    base: Tensor = field(init=False)  # (bins + ranks,) each key's prior: the bin's mid score, 1/2 for ranks
     widths: list[int] = field(default_factory=list)  # the width of every drafted step
     off_steps: int = 0  # steps not drafted (fallback)
     fallbacks: int = 0  # fallbacks started
@@ -114,6 +115,12 @@ class WidthPolicy:
             )
         self.hits = torch.zeros(self.bins + self.ranks, dtype=torch.float64)
         self.seen = torch.zeros(self.bins + self.ranks, dtype=torch.float64)
+        self.base = torch.cat(
+            [
+                (torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins,
+                torch.full((self.ranks,), 0.5, dtype=torch.float64),
+            ]
+        )
 
     def learn_from(self, other: WidthPolicy) -> None:
         """Start from `other`'s calibration (the same drafter at another batch size: which nodes the target
@@ -126,13 +133,8 @@ class WidthPolicy:
         float64, on the keys' device (the counts move there once)."""
         if self.hits.device != keys.device:
             self.hits, self.seen = self.hits.to(keys.device), self.seen.to(keys.device)
-        base = torch.cat(
-            [
-                (torch.arange(self.bins, dtype=torch.float64, device=keys.device) + 0.5) / self.bins,
-                torch.full((self.ranks,), 0.5, dtype=torch.float64, device=keys.device),
-            ]
-        )  # (bins + ranks,)
-        return ((self.hits + self.prior * base) / (self.seen + self.prior))[keys]
+            self.base = self.base.to(keys.device)
+        return ((self.hits + self.prior * self.base) / (self.seen + self.prior))[keys]
 
     def drafting(self) -> bool:
         """Call once before each step: False while a fallback runs (this step verifies roots alone)."""
@@ -171,11 +173,9 @@ class WidthPolicy:
         done = [ranked(trees[r], self.bins, self.ranks) for r in order]
         # per row, its non-root nodes' acceptance probabilities in rank order, made non-increasing so that
         # any best-first selection keeps a prefix of the row (ancestors before descendants)
-        probs = [
-            self.calibrated(k[1:]).cummin(0).values if k.shape[0] > 1 else k[:0].double() for _, k in done
-        ]
-        flat = torch.cat(probs).cpu()  # (M,) the step's one host read
-        sizes = [p.shape[0] for p in probs]
+        sizes = [k.shape[0] - 1 for _, k in done]
+        every = self.calibrated(torch.cat([k[1:] for _, k in done])).split(sizes)  # one lookup for all rows
+        flat = torch.cat([p.cummin(0).values if p.shape[0] else p for p in every]).cpu()  # (M,) one host read
         base = float(len(done))  # every row emits its bonus token
         if packed:
             row_of = torch.repeat_interleave(torch.arange(len(done)), torch.tensor(sizes))  # (M,)

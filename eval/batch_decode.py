@@ -520,7 +520,8 @@ class BatchDecoder:
         rows: list[_Row | None] = [None] * B
         queue = deque(range(len(requests)) if order is None else order)
         sampling: Sampling | None = (temperature, top_k, top_p, generator) if temperature > 0 else None
-        limit = budget.cap if budget is not None and budget.cap is not None else FULL  # the budget's cap
+        # the budget's cap, or its phase-1 probe (never past the largest size that could pay on this curve)
+        limit = budget.start(proposers[0].spec.max_depth) if budget is not None and proposers else FULL
         # the node cap the proposers draft at now: the budget's, or lower where the width policy left them
         drafting_at = min(limit, width.draft_nodes or FULL) if width is not None else limit
         if drafting_at < FULL:
@@ -592,7 +593,7 @@ class BatchDecoder:
             draft_s: dict[int, float] = {}  # per row: the proposer's time this step
             if proposers and not off:
                 drafted, draft_s = _draft_rows(proposers, active, cast(list[_Row], rows), dev)
-                cap = budget.cap if budget is not None else None
+                cap = budget.drafting_cap if budget is not None else None
                 trees = {r: t.truncated(cap) if cap else t for r, t in drafted.items()}
                 if widths is not None:  # one width for the step, from every row's confidence
                     n_rows = B if self.static else active[-1] - active[0] + 1

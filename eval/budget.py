@@ -27,9 +27,17 @@ The gain depends on the text as much as on the drafter: prompt lookup gains litt
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
 final. A refit drafts `refit_steps` steps at a probe size again, the gain curve becomes the newest `fit_steps`
 drafted steps, and the cap is settled anew. The probe is `refit_scale` times the cap settled before (at least 8
-nodes; the first fit drafts full-size trees): a full-size refit of a 64-node Medusa tree costs 2.3 target steps
-a step on a 2-core CPU, and at a cap of 4 nodes sizes past 16 are never chosen anyway; a refit that settles on
-the probe's size probes twice as far the next time. It starts
+nodes): a full-size refit of a 64-node Medusa tree costs 2.3 target steps a step on a 2-core CPU, and at a cap
+of 4 nodes sizes past 16 are never chosen anyway. The first fit probes the largest size whose verify costs at
+most two one-token steps (at least 8; full-size trees on a flat GPU curve). A fit that settles on its probe
+size is refitted at once, `refit_scale` times further, so large trees are probed only while they keep winning.
+
+No fit, first or refit, drafts past the largest size that could pay at all (`could_pay`): a step verifying b
+nodes gives at most 1 + min(D, b - 1) tokens (D the proposer's declared `max_depth`: every node of its deepest
+path accepted, drafting free), so where its verify costs that many one-token steps or more, that step gives
+fewer tokens per ms than plain steps whatever the drafter. On a 2-core CPU in fp32 (1 / 16 / 32 / 64 nodes = 1 / 3.2 / 5.4 / 9.1 steps) the
+first fit of a depth-4 ReDrafter or Medusa tree drafts 16 nodes instead of 33 or 64. Where even two nodes cost
+two steps (a steep batched curve), no drafting is settled for good at once. A refit starts
   * while drafting (cap > 1), when the tokens per step at the cap drift: the mean over `drift_window` drafted
     steps is more than `drift` (relative) away from what the fit expected there, in either direction (a
     refit costs probe-size steps, so a drafter whose gains hold is not refitted for nothing); while such
@@ -226,7 +234,8 @@ class NodeBudget:
     """Fits the node cap of one proposer on this machine (see module docstring); state carries over calls.
 
     Two phases, so that "do not draft" is only decided with the draft time of the trees actually kept:
-    1. `fit_steps` drafted steps at full size record the gain curve and the draft time; the best cap b >= 2
+    1. `fit_steps` drafted steps at the probe size (`refit_cap`) record the gain curve and the draft time; the
+       best cap b >= 2
        becomes provisional (`cap`), and the proposer is told (`Proposer.fit_budget`), so it may draft less;
     2. `check_steps` drafted steps at that cap measure the draft time it really has, which rates it with the
        phase-1 gain curve (the same steps for every size: the checks' own tokens come from other text);
@@ -283,6 +292,7 @@ class NodeBudget:
     _check_tokens: dict[int, float] = field(default_factory=dict)  # phase 2: mean tokens at each checked cap
     _due: bool = False  # the drift test asks for a refit
     _window: int = 0  # drafted steps the drift test averages (0: `drift_window`); doubles while refits agree
+    _payable: int = FULL  # the largest size that could pay (`could_pay`), set by `start`
 
     @classmethod
     def fixed(cls, cap: int, label: str = "") -> NodeBudget:
@@ -318,6 +328,41 @@ class NodeBudget:
         if self.check_steps <= 0:
             self._settle({})
 
+    def could_pay(self, max_depth: int) -> int:
+        """The largest candidate size that could beat plain steps on this cost curve: b nodes give at most
+        1 + min(max_depth, b - 1) tokens a step (every node of the deepest path accepted, drafting free), so b
+        could pay only if its verify costs less than that many one-token verifies. `FULL` when `max_depth` is 0
+        (undeclared) or the curve has one point (no bound), or when the largest size could; 1 when no size > 1
+        could (never draft here).
+
+        Args:
+            max_depth: the proposer's deepest draft node (`ProposerSpec.max_depth`).
+        """
+        if max_depth <= 0 or len(self.cost.ms) < 2:  # (a `fixed` budget's curve has one point)
+            return FULL
+        one = self.cost(1)
+        ok = [b for b in self.sizes if b > 1 and (1 + min(max_depth, b - 1)) * one > self.cost(b)]
+        if not ok:
+            return 1
+        return FULL if max(ok) == max(self.sizes) else max(ok)
+
+    def start(self, max_depth: int) -> int:
+        """Call at the start of every decode call with the proposer's `spec.max_depth`: bounds every fit's
+        probe by `could_pay` and returns the node cap the proposer drafts at now (`Proposer.fit_budget`): the
+        cap once settled, else phase 1's probe size (`refit_cap`). When no size could pay, an unsettled budget
+        settles on no drafting for good (no refits: `off_for_good`)."""
+        self._payable = self.could_pay(max_depth)
+        if self._payable == 1 and not self.settled:  # (a settled budget, e.g. `fixed`, keeps its cap)
+            self.cap, self.settled, self.refit_gap = 1, True, 0
+            self.history.append(1)
+            if self.label:
+                print(
+                    f"[node budget] {self.label}: no drafting (plain target steps): on this cost curve no tree "
+                    f"of depth <= {max_depth} could pay for its verify",
+                    flush=True,
+                )
+        return self.cap if self.cap is not None else self.refit_cap()
+
     def tick(self) -> bool:
         """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
         after settling on no drafting or on 2 nodes has passed): phase 1 again, so the caller raises the
@@ -334,12 +379,32 @@ class NodeBudget:
         return True
 
     def refit_cap(self) -> int:
-        """The node cap a refit's phase 1 drafts at (`Proposer.fit_budget(budget.refit_cap())` when `tick` starts
-        one): `refit_scale` times the cap settled before, at least 8, or `FULL` (full-size trees) with
-        `refit_scale` 0 or before any fit."""
-        if self.refit_scale <= 0 or not self.history:
-            return FULL
-        return max(8, self.refit_scale * self.history[-1])
+        """The node cap a fit's phase 1 drafts at (`Proposer.fit_budget(budget.refit_cap())` when `tick` starts
+        one; `start` for the first); trees are cut to it (`drafting_cap`). A refit: `refit_scale` times the cap
+        settled before, at least 8. The first fit: the largest size whose verify costs at most two one-token
+        verifies, at least 8 (`FULL` on a flat curve); a fit that settles on its probe is refitted at once,
+        `refit_scale` times further (`_settle`), so a steep curve is not paid for at every size to learn that
+        small trees win. Full-size trees (`FULL`) with `refit_scale` 0 or `refit_gap` 0 (no refit could
+        probe further). Never past the largest size that could pay (`could_pay`, from `start`)."""
+        if self.refit_scale <= 0:
+            scaled = FULL
+        elif self.history:
+            scaled = max(8, self.refit_scale * self.history[-1])
+        elif self.refit_gap <= 0:
+            scaled = FULL
+        else:
+            cheap = (
+                [b for b in self.sizes if self.cost(b) <= 2 * self.cost(1)] if len(self.cost.ms) > 1 else []
+            )
+            scaled = FULL if not cheap or max(cheap) == max(self.sizes) else max(8, max(cheap))
+        return min(scaled, self._payable)
+
+    @property
+    def drafting_cap(self) -> int | None:
+        """The size trees are cut to now: the cap once there is one, else phase 1's probe (`refit_cap`);
+        None when nothing cuts them (full-size trees)."""
+        cap = self.cap if self.cap is not None else self.refit_cap()
+        return None if cap >= FULL else cap
 
     def observe(self, draft_s: float, accepted: int, prefix_accept: list[int] | None = None) -> None:
         """One drafted greedy step (call it for every one, settled or not): the proposer's time and the tokens
@@ -395,11 +460,14 @@ class NodeBudget:
         rates = {b: r for b, r in self.rates(draft_ms or self.draft_ms).items() if b <= top}
         rates.update(measured)
         cap = max(sorted(rates), key=lambda b: (rates[b], -b))
+        probe = self.refit_cap()  # the size this fit's phase 1 drafted at
         same = bool(self.history) and self.history[-1] == cap
         self._gap = min(2 * (self._gap or self.refit_gap), self.refit_max) if same else self.refit_gap
         grown = max(self.drift_window, min(2 * (self._window or self.drift_window), self.drift_window_max))
         self._window = grown if same else self.drift_window
-        self.cap, self.settled, self._since, self._recent, self._due = cap, True, 0, [], False
+        self.cap, self.settled, self._since, self._recent = cap, True, 0, []
+        # settled on the probe while larger sizes could pay: refit at once, `refit_scale` times further
+        self._due = cap >= probe and probe < min(self._payable, max(self.sizes)) and self.refit_gap > 0
         self._expect = self._check_tokens.get(cap) or sum(g[min(cap, len(g)) - 1] for g in self.gains) / len(
             self.gains
         )

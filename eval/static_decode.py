@@ -388,8 +388,8 @@ class StaticDecoder:
         greedy = verify_fn is None and temperature <= 0.0  # the budget fits on greedy steps only
         valid: Tensor | None
         inp: _TreeInputs | None
-        if budget is not None and budget.cap is not None:
-            proposer.fit_budget(budget.cap)
+        if budget is not None:  # its cap, or phase 1's probe (never past the largest size that could pay)
+            proposer.fit_budget(budget.start(proposer.spec.max_depth))
         while not done:
             if budget is not None and greedy and budget.tick():  # a refit: trees of the probe size again
                 proposer.fit_budget(budget.refit_cap())
@@ -398,8 +398,9 @@ class StaticDecoder:
             drafted = not off and (fallback is None or fallback.should_draft())
             if drafted:
                 tree = proposer.propose(new_hidden, new_tokens).to(device)
-                if budget is not None and budget.cap is not None:
-                    tree = tree.truncated(budget.cap)
+                cut = budget.drafting_cap if budget is not None else None
+                if cut is not None:
+                    tree = tree.truncated(cut)
             else:  # a plain target step; the proposer sees these positions with the next drafted step's
                 single.tokens.fill_(root)
                 tree = single

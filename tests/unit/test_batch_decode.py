@@ -593,3 +593,28 @@ def test_a_commit_moves_every_layer_in_two_kernels_and_only_the_accepted_slots()
     assert all(
         layer.keys.data_ptr() == cache.buffer[i, 0].data_ptr() for i, layer in enumerate(cache.kv_layers)
     )
+
+
+def test_batched_phase_one_drafts_no_tree_larger_than_could_pay():
+    """The batched decoder bounds phase 1 as the single-row one does (`NodeBudget.start`): a depth-4 proposer
+    on a per-row curve where 8 nodes cost more than five one-token steps verifies at most 4 nodes a row while
+    fitting; outputs equal batch-1 AR."""
+    from specdraft.eval.budget import CostCurve, NodeBudget
+    from specdraft.eval.tree import ProposerSpec
+
+    model = tiny_target("llama", CPU)
+    prompts = random_prompts(LENGTHS)
+    stops, refs = _references(model, prompts, BUDGETS)
+    inner = _factory("oracle", prompts, refs)
+    assert inner is not None
+
+    def factory():
+        p = inner()
+        p.spec = ProposerSpec(max_depth=4)
+        return p
+
+    budget = NodeBudget(CostCurve({1: 1e3, 2: 1.1e3, 4: 1.4e3, 8: 6e3, 16: 1e4}), fit_steps=4, check_steps=2)
+    res = BatchDecoder(model, 3).generate(prompts, BUDGETS, stops, factory, budget=budget)
+    assert [t for t, _ in res] == refs
+    assert max(n for _, s in res for n in s.tree_sizes) <= 4 and budget.gains
+    assert all(len(g) <= 4 for g in budget.gains)

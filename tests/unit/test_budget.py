@@ -9,7 +9,7 @@ import torch
 from specdraft.eval.budget import FULL, CostCurve, NodeBudget, machine_key, marginal_min_prob, typical_ms
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.static_decode import StaticDecoder
-from specdraft.eval.tree import DraftTree
+from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.eval.verify import greedy_verify, greedy_verify_packed
 from specdraft.testing import OracleBeamProposer, tiny_llama
 
@@ -541,3 +541,88 @@ def test_marginal_min_prob_is_the_break_even_node_probability():
     assert marginal_min_prob(CostCurve({1: 10.0, 4: 16.0})) == pytest.approx(0.2)  # cost(2) = 12
     assert marginal_min_prob(CostCurve({1: 10.0, 2: 9.0})) == 0.0
     assert marginal_min_prob(CostCurve({1: 10.0, 2: 40.0})) == 0.99
+
+
+# a 2-core CPU's fp32 curve (session 46): 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128 nodes in one-token steps
+CPU_CURVE = {1: 1.0, 2: 1.13, 4: 1.41, 8: 2.41, 16: 3.2, 32: 5.4, 64: 9.12, 128: 18.1}
+
+
+def test_could_pay_is_the_largest_size_whose_verify_costs_less_than_its_deepest_path():
+    """b nodes give at most 1 + min(D, b - 1) tokens a step, so b could pay only where its verify costs less than
+    that many one-token steps: a depth-4 tree on the CPU curve stops at 16 nodes (32 cost 5.4 steps for at
+    most 5 tokens), a depth-6 one at 32; an undeclared depth or a one-point curve bounds nothing, nor does a
+    flat (GPU-like) curve; where two nodes cost two steps nothing could pay."""
+    cpu = NodeBudget(CostCurve(CPU_CURVE))
+    assert cpu.could_pay(4) == 16 and cpu.could_pay(6) == 32 and cpu.could_pay(1) == 4
+    assert cpu.could_pay(0) == FULL  # undeclared
+    assert cpu.could_pay(17) == 64  # 18 tokens at most against 18.1 steps at 128
+    assert NodeBudget(CostCurve({s: 5.0 for s in CPU_CURVE})).could_pay(4) == FULL
+    assert NodeBudget.fixed(8).could_pay(4) == FULL  # one point: no bound
+    steep = NodeBudget(CostCurve({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}), sizes=(1, 2, 4, 8))
+    assert steep.could_pay(4) == 1 and steep.could_pay(100) == 1
+
+
+def test_no_step_past_could_pay_beats_plain_steps():
+    """Over random cost curves and depths: at every size past `could_pay` a step verifying that many nodes
+    gives fewer tokens per ms than plain steps even with every node of its deepest path accepted and free
+    drafting, and the bound itself could pay (it is the largest such size, not the first)."""
+    g = torch.Generator().manual_seed(7)
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128)
+    for _ in range(500):
+        steps = torch.rand(len(sizes), generator=g) * torch.tensor([0.0, 1.5, 1.5, 3, 4, 8, 12, 20])
+        budget = NodeBudget(
+            CostCurve(dict(zip(sizes, (10.0 + 10.0 * steps.cumsum(0)).tolist(), strict=True)))
+        )
+        depth = int(torch.randint(1, 20, (1,), generator=g))
+        bound, one = budget.could_pay(depth), budget.cost(1)
+        best = [(1 + min(depth, b - 1)) / budget.cost(b) for b in sizes]  # tokens per ms at best
+        assert all(r <= 1 / one for b, r in zip(sizes, best, strict=True) if b > bound)
+        if 1 < bound < FULL:
+            assert best[sizes.index(bound)] > 1 / one
+
+
+def test_start_bounds_the_probe_and_turns_drafting_off_where_nothing_could_pay():
+    """`start` returns the size phase 1 drafts at, the settled cap once there is one, and settles on no drafting
+    for good where no size could pay; a fixed budget keeps its cap. On a steep curve the first fit probes the
+    largest size costing at most two one-token steps (at least 8); settling there starts a refit at once,
+    `refit_scale` times further but never past `could_pay`; a first fit that is final (`refit_gap` 0) probes
+    up to `could_pay`, and a flat curve full-size trees."""
+    cpu = NodeBudget(CostCurve(CPU_CURVE), fit_steps=4, check_steps=0, refit_gap=1000, refit_steps=4)
+    assert cpu.refit_cap() == 8 and cpu.start(4) == 8 and cpu.drafting_cap == 8
+    for _ in range(4):  # only the eighth node pays: cap 8, the probe
+        cpu.observe(0.0, 5, [1, 1, 1, 1, 1, 1, 1, 5])
+    assert cpu.settled and cpu.cap == 8 and cpu.start(4) == 8 and cpu.drafting_cap == 8
+    assert cpu.tick() and cpu.cap is None  # at once, not 1,000 steps later
+    assert cpu.start(4) == 16 and cpu.drafting_cap == 16  # 4 x 8 = 32, bounded by what could pay
+    for _ in range(4):
+        cpu.observe(0.0, 5, [1, 1, 1, 1, 1, 1, 1, 5, 5, 5, 5, 5, 5, 5, 5, 5])
+    assert cpu.cap == 8 and not cpu.tick()  # settled below the probe: no refit due
+    final = NodeBudget(CostCurve(CPU_CURVE), refit_gap=0)
+    assert final.start(4) == 16 and final.start(0) == FULL  # undeclared depth: full-size trees
+    flat = NodeBudget(CostCurve({s: 5.0 for s in CPU_CURVE}))
+    assert flat.start(4) == FULL and flat.drafting_cap is None
+    steep = NodeBudget(CostCurve({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}), sizes=(1, 2, 4, 8), label="steep")
+    assert steep.start(4) == 1 and steep.settled and steep.off_for_good and steep.history == [1]
+    assert not any(steep.tick() for _ in range(10_000))
+    fixed = NodeBudget.fixed(8)
+    assert fixed.start(4) == 8 and fixed.drafting_cap == 8
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_phase_one_drafts_no_tree_larger_than_could_pay(static):
+    """On a curve where 8 nodes cost more than five one-token steps, a depth-4 proposer's phase 1 verifies at
+    most 4 nodes (its 17-node trees cut), the proposer is told so, and outputs equal AR; a curve where even 2
+    nodes cost 2 steps never drafts at all."""
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    dec = StaticDecoder(model, 96, static=static)
+    prompt = torch.randint(5, 128, (7,), generator=torch.Generator().manual_seed(3))
+    ref, _ = ar_generate(model, None, prompt, 24, stop_ids=set())
+    for ms, most in (({1: 1e3, 2: 1.1e3, 4: 1.4e3, 8: 6e3, 16: 1e4}, 4), ({1: 1e3, 2: 2e3, 4: 4e3}, 1)):
+        budget = NodeBudget(CostCurve(ms), fit_steps=4, check_steps=2, sizes=tuple(ms))
+        proposer = OracleBeamProposer(ref, 7, vocab=128)
+        proposer.spec = ProposerSpec(max_depth=4)
+        caps: list[int] = []
+        proposer.fit_budget = caps.append  # type: ignore[method-assign]
+        out, stats = dec.speculative_generate(None, prompt, proposer, 24, stop_ids=set(), budget=budget)
+        assert out == ref and caps[0] == most and max(stats.tree_sizes) <= most
+        assert len(budget.gains) in (0, 4) and all(len(g) <= most for g in budget.gains)

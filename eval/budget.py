@@ -35,9 +35,10 @@ size is refitted at once, `refit_scale` times further, so large trees are probed
 No fit, first or refit, drafts past the largest size that could pay at all (`could_pay`): a step verifying b
 nodes gives at most 1 + min(D, b - 1) tokens (D the proposer's declared `max_depth`: every node of its deepest
 path accepted, drafting free), so where its verify costs that many one-token steps or more, that step gives
-fewer tokens per ms than plain steps whatever the drafter. On a 2-core CPU in fp32 (1 / 16 / 32 / 64 nodes = 1 / 3.2 / 5.4 / 9.1 steps) the
-first fit of a depth-4 ReDrafter or Medusa tree drafts 16 nodes instead of 33 or 64. Where even two nodes cost
-two steps (a steep batched curve), no drafting is settled for good at once. A refit starts
+fewer tokens per ms than plain steps whatever the drafter. On a 2-core CPU in fp32 (1 / 16 / 32 / 64 nodes =
+1 / 3.2 / 5.4 / 9.1 steps) no fit of a depth-4 ReDrafter or Medusa tree drafts more than 16 nodes (33 or 64
+before). Where even two nodes cost two steps (a steep batched curve), no drafting is settled for good at once.
+A refit starts
   * while drafting (cap > 1), when the tokens per step at the cap drift: the mean over `drift_window` drafted
     steps is more than `drift` (relative) away from what the fit expected there, in either direction (a
     refit costs probe-size steps, so a drafter whose gains hold is not refitted for nothing); while such

@@ -548,10 +548,10 @@ CPU_CURVE = {1: 1.0, 2: 1.13, 4: 1.41, 8: 2.41, 16: 3.2, 32: 5.4, 64: 9.12, 128:
 
 
 def test_could_pay_is_the_largest_size_whose_verify_costs_less_than_its_deepest_path():
-    """b nodes give at most 1 + min(D, b - 1) tokens a step, so b could pay only where its verify costs less than
-    that many one-token steps: a depth-4 tree on the CPU curve stops at 16 nodes (32 cost 5.4 steps for at
-    most 5 tokens), a depth-6 one at 32; an undeclared depth or a one-point curve bounds nothing, nor does a
-    flat (GPU-like) curve; where two nodes cost two steps nothing could pay."""
+    """b nodes give at most 1 + min(D, b - 1) tokens a step, so b could pay only where its verify costs less
+    than that many one-token steps: a depth-4 tree on the CPU curve stops at 16 nodes (32 cost 5.4 steps for
+    at most 5 tokens), a depth-6 one at 32; an undeclared depth or a one-point curve bounds nothing, nor does
+    a flat (GPU-like) curve; where two nodes cost two steps nothing could pay."""
     cpu = NodeBudget(CostCurve(CPU_CURVE))
     assert cpu.could_pay(4) == 16 and cpu.could_pay(6) == 32 and cpu.could_pay(1) == 4
     assert cpu.could_pay(0) == FULL  # undeclared

@@ -26,11 +26,13 @@ unchanged whatever the budget.
 The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
 final. A refit drafts `refit_steps` steps at a probe size again, the gain curve becomes the newest `fit_steps`
-drafted steps, and the cap is settled anew. The probe is `refit_scale` times the cap settled before (at least 8
-nodes): a full-size refit of a 64-node Medusa tree costs 2.3 target steps a step on a 2-core CPU, and at a cap
-of 4 nodes sizes past 16 are never chosen anyway. The first fit probes the largest size whose verify costs at
-most two one-token steps (at least 8; full-size trees on a flat GPU curve). A fit that settles on its probe
-size is refitted at once, `refit_scale` times further, so large trees are probed only while they keep winning.
+drafted steps, and the cap is settled anew. The probe is `refit_scale` times the cap settled before (at least
+`probe_floor`, 4 nodes): a full-size refit of a 64-node Medusa tree costs 2.3 target steps a step on a 2-core CPU,
+and at a cap of 4 nodes sizes past 16 are never chosen anyway. The first fit probes the largest size whose verify
+costs at most two one-token steps (at least 4; full-size trees on a flat GPU curve). A fit that settles on its
+probe size is refitted at once, `refit_scale` times further, so large trees are probed only while they keep
+winning. (A floor of 8 made every first fit on a 2-core CPU in fp32 draft 48 steps of 8-node trees at 2.3-2.4
+one-token steps each, and every refit after "no drafting" 16 more: 1-9% of a 10-prompt run, Session 47.)
 
 No fit, first or refit, drafts past the largest size that could pay at all (`could_pay`): a step verifying b
 nodes gives at most 1 + min(D, b - 1) tokens (D the proposer's declared `max_depth`: every node of its deepest
@@ -178,7 +180,8 @@ class CostCurve:
                 than `tolerance` (relative) away from it is measured again: the machine's speed moved since
                 it was cached (a VM's timings drift 10-30% from day to day: a curve cached at 44 ms per
                 one-token step fitted budgets while AR ran at 33 ms, pricing the draft time a third too low).
-                None: the cached curve as it is.
+                Within `tolerance` the cached curve is scaled by now / cost(1), so the verify costs it gives
+                are at the speed the draft times are measured at. None: the cached curve as it is.
             tolerance: relative drift of cost(1) a cached curve survives.
         """
         path = _cache_dir() / f"{key}.json"
@@ -189,8 +192,10 @@ class CostCurve:
                 log(f"cost curve {path} is unreadable: measuring it again")
             else:
                 now = recheck() if recheck is not None else None
-                if now is None or abs(now - cached(1)) <= tolerance * cached(1):
+                if now is None:
                     return cached
+                if abs(now - cached(1)) <= tolerance * cached(1):  # the same machine, at today's speed
+                    return CostCurve({n: v * now / cached(1) for n, v in cached.ms.items()})
                 log(
                     f"cost curve {path}: a 1-node verify takes {now:.1f} ms now against {cached(1):.1f} ms "
                     "when it was cached: measuring it again"
@@ -259,7 +264,9 @@ class NodeBudget:
         drift: relative difference of that mean from the fit's expectation that starts a refit.
         drift_window_max: longest drift window: it doubles after each refit that keeps the cap.
         refit_scale: a refit drafts trees of at most this many times the previously settled cap, and at least
-            8 nodes (`refit_cap`); 0: full-size trees.
+            `probe_floor` nodes (`refit_cap`); 0: full-size trees.
+        probe_floor: the smallest probe of a fit on a steep curve (`refit_cap`): a fit that settles on it is
+            refitted at once, `refit_scale` times further.
     """
 
     cost: CostCurve
@@ -274,6 +281,7 @@ class NodeBudget:
     drift: float = 0.2
     drift_window_max: int = 256
     refit_scale: int = 4
+    probe_floor: int = 4
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -382,22 +390,22 @@ class NodeBudget:
     def refit_cap(self) -> int:
         """The node cap a fit's phase 1 drafts at (`Proposer.fit_budget(budget.refit_cap())` when `tick` starts
         one; `start` for the first); trees are cut to it (`drafting_cap`). A refit: `refit_scale` times the cap
-        settled before, at least 8. The first fit: the largest size whose verify costs at most two one-token
-        verifies, at least 8 (`FULL` on a flat curve); a fit that settles on its probe is refitted at once,
+        settled before, at least `probe_floor`. The first fit: the largest size whose verify costs at most two
+        one-token verifies, at least `probe_floor` (`FULL` on a flat curve); a fit that settles on its probe is refitted at once,
         `refit_scale` times further (`_settle`), so a steep curve is not paid for at every size to learn that
         small trees win. Full-size trees (`FULL`) with `refit_scale` 0 or `refit_gap` 0 (no refit could
         probe further). Never past the largest size that could pay (`could_pay`, from `start`)."""
         if self.refit_scale <= 0:
             scaled = FULL
         elif self.history:
-            scaled = max(8, self.refit_scale * self.history[-1])
+            scaled = max(self.probe_floor, self.refit_scale * self.history[-1])
         elif self.refit_gap <= 0:
             scaled = FULL
         else:
             cheap = (
                 [b for b in self.sizes if self.cost(b) <= 2 * self.cost(1)] if len(self.cost.ms) > 1 else []
             )
-            scaled = FULL if not cheap or max(cheap) == max(self.sizes) else max(8, max(cheap))
+            scaled = FULL if not cheap or max(cheap) == max(self.sizes) else max(self.probe_floor, max(cheap))
         return min(scaled, self._payable)
 
     @property

@@ -115,7 +115,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
         cost = CostCurve.load_or_measure(
             machine_key(model, decoder.path_name()),
             decoder.measure_costs,
-            recheck=lambda: decoder.measure_costs((1,), reps=5)[1],  # a cached curve still this machine's?
+            recheck=lambda: decoder.measure_costs((1,), reps=5)[1],  # this machine? its speed now
         )
     elif e.node_budget == "auto":
         print(

@@ -50,7 +50,7 @@ class EvalConfig:
     node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
     node_budget_refit: int = 128  # steps after settling on no drafting before a refit (0: no refits at all)
     node_budget_refit_scale: int = (
-        4  # a refit drafts <= this x the settled cap, >= 8 nodes (0: full-size trees)
+        4  # a refit drafts <= this x the settled cap, >= 4 nodes (0: full-size trees)
     )
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
     prefill_rows: int = (

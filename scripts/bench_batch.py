@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--width",
         action="store_true",
-        help="every drafter again with one verify width per batched step, chosen from every row's calibrated "
-        "confidence, with a fallback to plain steps (eval.batch_width=auto; name@width; within --cap if given)",
+        help="every drafter (and --lookup) again with one verify width per batched step, chosen from every row's "
+        "calibrated confidence, with a fallback to plain steps (eval.batch_width=auto; name@width; within --cap "
+        "if given)",
     )
     p.add_argument(
         "--draft-rows",
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         methods += [width_method(name, partial(make_proposer, d, **fixed)) for name, d in bench.drafters]
     if a.lookup:
         methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
+        if a.width:  # prompt lookup's chains cut each step to the width its calibrated ranks pay for
+            methods.append(width_method(f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
     predicted, reserve, predict_s = None, None, 0.0
     if {"length", "groups"} & set(a.scheduler):
         if not a.length_predictor:

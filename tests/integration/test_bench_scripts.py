@@ -158,19 +158,21 @@ def test_bench_batch_min_prob(eval_assets: Path, tmp_path: Path) -> None:
 
 
 def test_bench_batch_width(eval_assets: Path, tmp_path: Path) -> None:
-    """`--width`: the drafter again with one verify width per step from its calibrated confidence, within
-    `--cap`; outputs equal batch-1 AR's, the record counts the policy's fallbacks, and the widths verified
-    never pass the cap."""
+    """`--width`: the drafter and prompt lookup again with one verify width per step from their calibrated
+    confidence, within `--cap`; outputs equal batch-1 AR's, the record counts the policy's fallbacks, and the
+    widths verified never pass the cap."""
     out = tmp_path / "width.json"
     argv = [*_common(eval_assets, out), "--requests", "3", "--batch", "1", "2", "--max-new-tokens", "6"]
     _main("bench_batch")([*argv, "--cap", "4", "--width"])
     rows = {(r["method"], r["batch"]): r for r in _load(out)["rows"]}
     assert all(r["identical"] == 3 for r in rows.values())
+    lookup = next(m for m, _ in rows if m.startswith("lookup:") and not m.endswith("@width"))
     for b in (1, 2):
-        width = rows[("redrafter:drafter@width", b)]
-        assert width["width_fallbacks"] is not None and width["node_cap"] == 4
-        assert 1.0 <= width["nodes_per_step"] <= 4.0
-        assert rows[("redrafter:drafter", b)]["width_fallbacks"] is None
+        for name in ("redrafter:drafter", lookup):
+            width = rows[(f"{name}@width", b)]
+            assert width["width_fallbacks"] is not None and width["node_cap"] == 4
+            assert 1.0 <= width["nodes_per_step"] <= 4.0
+            assert rows[(name, b)]["width_fallbacks"] is None
 
 
 def test_bench_batch_packing(eval_assets: Path, tmp_path: Path, capsys) -> None:

@@ -49,8 +49,9 @@ def test_cost_curve_interpolates_and_is_cached(tmp_path, monkeypatch):
 
 def test_a_cached_curve_is_measured_again_when_the_machine_moved(tmp_path, monkeypatch):
     """`recheck` times one 1-node verify now: within `tolerance` of the cached cost(1) the cached curve stands
-    (no full measurement), farther away (a VM 33% slower or faster than when it cached) it is measured again,
-    reported in one line, and the new curve is cached."""
+    (no full measurement), scaled to the speed now (the draft times a fit adds to it are measured now), and
+    the file keeps the measured curve; farther away (a VM 33% slower or faster than when it cached) it is
+    measured again, reported in one line, and the new curve is cached."""
     monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path / "cost_curves"))
     calls: list[int] = []
 
@@ -60,12 +61,14 @@ def test_a_cached_curve_is_measured_again_when_the_machine_moved(tmp_path, monke
 
     CostCurve.load_or_measure("k2", measure, log=lambda m: None)
     same = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 12.0)  # +20%
-    assert len(calls) == 1 and same(1) == 10.0
+    assert len(calls) == 1 and same(1) == pytest.approx(12.0) and same(4) == pytest.approx(19.2)
+    kept = CostCurve.load_or_measure("k2", measure, log=lambda m: None)  # no recheck: the file, unscaled
+    assert kept.ms == {1: 10.0, 4: 16.0}
     msgs: list[str] = []
     moved = CostCurve.load_or_measure("k2", measure, log=msgs.append, recheck=lambda: 13.5)  # +35%
     assert len(calls) == 2 and moved(1) == 20.0 and moved(4) == 32.0
     assert "13.5 ms now against 10.0 ms" in msgs[0] and "measuring it again" in msgs[0]
-    again = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 19.0)
+    again = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 20.0)
     assert len(calls) == 2 and again.ms == moved.ms  # the new curve was cached
     fast = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 14.0)  # -30%
     assert len(calls) == 3 and fast(1) == 30.0
@@ -346,7 +349,9 @@ def test_refit_follows_the_text():
     that keep drafting off double the gap up to `refit_max`. While drafting, only a drift of the tokens per
     step at the cap from the fit's expectation starts a refit."""
     costs = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}
-    budget = _budget(costs, check_steps=0, refit_gap=5, refit_steps=4, refit_max=20, drift_window=4)
+    budget = _budget(  # probes of 8 nodes, the steps' gain lists' length (the floor 4 would probe 4)
+        costs, check_steps=0, refit_gap=5, refit_steps=4, refit_max=20, drift_window=4, probe_floor=8
+    )
     assert not budget.tick()  # not settled yet: nothing to count
     bad, good = [1] * 8, [1, 2, 2, 3, 3, 3, 3, 4]
     for _ in range(10):
@@ -397,7 +402,7 @@ def test_drafting_comes_back_after_a_refit(static):
     """Drafts that never pay turn drafting off; on later prompts the drafts are right, a refit sees it and
     drafting resumes (the proposer then gets every position committed while it was off, so its drafts line
     up again); outputs equal AR throughout, and the proposers' caps are lifted to the probe size for the refit
-    (`refit_cap`: at least 8 nodes)."""
+    (`refit_cap`: 4 x the cap 1 settled before, at least `probe_floor` = 4 nodes)."""
     model = tiny_llama(num_layers=2, dtype=torch.float64)
     dec = StaticDecoder(model, 96, static=static)
     flat = {1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3}  # verify costs of seconds: the draft time does not matter
@@ -417,12 +422,12 @@ def test_drafting_comes_back_after_a_refit(static):
             assert budget.history[0] == 1 and stats.tree_sizes[-1] == 1  # off
     assert budget.refits >= 1 and budget.history[-1] > 1 and budget.cap == budget.history[-1]
     assert (
-        8 in caps and sum(stats.accepted) > 0
-    )  # lifted to the probe size (8 nodes), drafting again, accepted
+        4 in caps and sum(stats.accepted) > 0
+    )  # lifted to the probe size (4 nodes), drafting again, accepted
 
 
 def test_refits_probe_a_multiple_of_the_settled_cap():
-    """The first fit drafts full-size trees; a refit drafts `refit_scale` x the cap settled before (>= 8 nodes),
+    """The first fit drafts full-size trees; a refit drafts `refit_scale` x the cap settled before (>= 4 nodes),
     so its gain curve stops there and no larger cap can be chosen; settling on the probe size lets the next
     refit probe further; `refit_scale=0` keeps full-size refits."""
     costs = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0}
@@ -584,19 +589,24 @@ def test_no_step_past_could_pay_beats_plain_steps():
 def test_start_bounds_the_probe_and_turns_drafting_off_where_nothing_could_pay():
     """`start` returns the size phase 1 drafts at, the settled cap once there is one, and settles on no drafting
     for good where no size could pay; a fixed budget keeps its cap. On a steep curve the first fit probes the
-    largest size costing at most two one-token steps (at least 8); settling there starts a refit at once,
-    `refit_scale` times further but never past `could_pay`; a first fit that is final (`refit_gap` 0) probes
-    up to `could_pay`, and a flat curve full-size trees."""
+    largest size costing at most two one-token steps (at least `probe_floor`); settling there starts a refit at
+    once, `refit_scale` times further but never past `could_pay`; a first fit that is final (`refit_gap` 0)
+    probes up to `could_pay`, and a flat curve full-size trees."""
     cpu = NodeBudget(CostCurve(CPU_CURVE), fit_steps=4, check_steps=0, refit_gap=1000, refit_steps=4)
-    assert cpu.refit_cap() == 8 and cpu.start(4) == 8 and cpu.drafting_cap == 8
-    for _ in range(4):  # only the eighth node pays: cap 8, the probe
-        cpu.observe(0.0, 5, [1, 1, 1, 1, 1, 1, 1, 5])
-    assert cpu.settled and cpu.cap == 8 and cpu.start(4) == 8 and cpu.drafting_cap == 8
+    assert cpu.refit_cap() == 4 and cpu.start(4) == 4 and cpu.drafting_cap == 4  # 8 nodes cost 2.41 steps
+    for _ in range(4):  # only the fourth node pays: cap 4, the probe
+        cpu.observe(0.0, 5, [1, 1, 1, 5])
+    assert cpu.settled and cpu.cap == 4 and cpu.start(4) == 4 and cpu.drafting_cap == 4
     assert cpu.tick() and cpu.cap is None  # at once, not 1,000 steps later
-    assert cpu.start(4) == 16 and cpu.drafting_cap == 16  # 4 x 8 = 32, bounded by what could pay
+    assert cpu.start(4) == 16 and cpu.drafting_cap == 16  # 4 x 4
     for _ in range(4):
-        cpu.observe(0.0, 5, [1, 1, 1, 1, 1, 1, 1, 5, 5, 5, 5, 5, 5, 5, 5, 5])
-    assert cpu.cap == 8 and not cpu.tick()  # settled below the probe: no refit due
+        cpu.observe(0.0, 5, [1, 1, 1, 5] + [5] * 12)
+    assert cpu.cap == 4 and not cpu.tick()  # settled below the probe: no refit due
+    floor8 = NodeBudget(CostCurve(CPU_CURVE), fit_steps=4, check_steps=0, refit_gap=1000, probe_floor=8)
+    assert floor8.start(4) == 8  # a higher floor probes past two one-token steps
+    for _ in range(4):
+        floor8.observe(0.0, 5, [1] * 7 + [5])
+    assert floor8.cap == 8 and floor8.tick() and floor8.start(4) == 16  # 4 x 8 = 32, bounded by could_pay
     final = NodeBudget(CostCurve(CPU_CURVE), refit_gap=0)
     assert final.start(4) == 16 and final.start(0) == FULL  # undeclared depth: full-size trees
     flat = NodeBudget(CostCurve({s: 5.0 for s in CPU_CURVE}))

@@ -391,9 +391,9 @@ class NodeBudget:
         """The node cap a fit's phase 1 drafts at (`Proposer.fit_budget(budget.refit_cap())` when `tick` starts
         one; `start` for the first); trees are cut to it (`drafting_cap`). A refit: `refit_scale` times the cap
         settled before, at least `probe_floor`. The first fit: the largest size whose verify costs at most two
-        one-token verifies, at least `probe_floor` (`FULL` on a flat curve); a fit that settles on its probe is refitted at once,
-        `refit_scale` times further (`_settle`), so a steep curve is not paid for at every size to learn that
-        small trees win. Full-size trees (`FULL`) with `refit_scale` 0 or `refit_gap` 0 (no refit could
+        one-token verifies, at least `probe_floor` (`FULL` on a flat curve); a fit that settles on its probe is
+        refitted at once, `refit_scale` times further (`_settle`), so a steep curve is not paid for at every
+        size to learn that small trees win. Full-size trees (`FULL`) with `refit_scale` 0 or `refit_gap` 0 (no refit could
         probe further). Never past the largest size that could pay (`could_pay`, from `start`)."""
         if self.refit_scale <= 0:
             scaled = FULL

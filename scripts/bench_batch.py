@@ -257,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.width:  # every drafter again, its trees cut each step to the width the batch's confidence pays for
         methods += [width_method(name, partial(make_proposer, d, **fixed)) for name, d in bench.drafters]
     if a.lookup:
-        methods.append((f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
+        lookup = (f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup))
+        methods.append(lookup)
         if a.width:  # prompt lookup's chains cut each step to the width its calibrated ranks pay for
-            methods.append(width_method(f"lookup:{a.lookup}", partial(PromptLookupProposer, a.lookup)))
+            methods.append(width_method(*lookup))
     predicted, reserve, predict_s = None, None, 0.0
     if {"length", "groups"} & set(a.scheduler):
         if not a.length_predictor:

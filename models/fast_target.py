@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdraft.models import row_ops
+from specdraft.models import layer_rows, row_ops
 from specdraft.models.attention import NAME
 from specdraft.models.panel_linear import StackedPanels
 
@@ -260,6 +260,20 @@ def _layer_rows(
     return x + mlp.down_proj(row_ops.silu_mul(gate, up).view(*x.shape[:-1], -1))
 
 
+def _layer_info(layer: nn.Module) -> tuple[tuple[StackedPanels, StackedPanels] | None, bool]:
+    """(the layer's stacked products, whether it takes the row kernels): what `layer_rows.plan` builds from."""
+    stacks = _stacks(layer)
+    return stacks, stacks is not None and bool(_STACKS[layer][2])
+
+
+def _fused_plan(decoder: Any) -> layer_rows.Plan | None:
+    """`layer_rows`' plan of the decoder where its one-call layer loop may run (row kernels wanted, the loop
+    not turned off), else None."""
+    if not (layer_rows.wanted() and row_ops.wanted()):
+        return None
+    return layer_rows.plan(decoder, _layer_info)
+
+
 def fast_forward(
     model: nn.Module,
     input_ids: Tensor,
@@ -307,10 +321,15 @@ def fast_forward(
     rope = rotary_tables(cos[:, None], sin[:, None])  # (B, 1, L, d) each
     keep: dict[int, Tensor] = {0: x} if 0 in layers else {}
     count = len(decoder.layers)
-    for i, layer in enumerate(decoder.layers):
-        x = _layer(layer, x, rope, attention_mask, cache, packed)
-        if i + 1 in layers:
-            keep[i + 1] = x
+    fused = _fused_plan(decoder) if packed is None else None
+    if fused is not None and layer_rows.fits(fused, x, attention_mask, cache):
+        x, kept = layer_rows.run(fused, x, rope, attention_mask, cache, layers)  # every layer, one call
+        keep.update(kept)
+    else:
+        for i, layer in enumerate(decoder.layers):
+            x = _layer(layer, x, rope, attention_mask, cache, packed)
+            if i + 1 in layers:
+                keep[i + 1] = x
     last = decoder.layers[count - 1]
     if _rows_ok(last, _stacks(last)):  # the layers ran on the row kernels: the final norm too (row-invariant)
         x = row_ops.rms_norm(x.contiguous(), decoder.norm.weight, float(decoder.norm.variance_epsilon))

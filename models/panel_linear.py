@@ -51,20 +51,22 @@ from specdraft.utils import cache_root
 
 PANEL = 16  # output columns per packed panel (two AVX2 vectors); panel_linear.c's PW
 SOURCE = Path(__file__).with_name("panel_linear.c")
-# built into the same library: a decoder layer's per-row steps (models/row_ops.py)
-SOURCES = (SOURCE, Path(__file__).with_name("row_ops.c"))
+# built into the same library: a decoder layer's per-row steps (models/row_ops.py) and the one-call layer loop
+# over them (models/layer_rows.py)
+SOURCES = (SOURCE, Path(__file__).with_name("row_ops.c"), Path(__file__).with_name("layer_rows.c"))
 # -ffp-contract=off: no FMA the sources do not write (row_ops.c's rotary embedding is torch's bit for bit)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
-def _build(cc: str) -> Path:
-    """Compile `SOURCES` into the kernel cache (once per sources, flags and compiler); returns the .so path.
+def _build(cc: str, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """Compile `sources` (default `SOURCES`) into the kernel cache (once per sources, flags and compiler);
+    returns the .so path.
 
     Raises:
         RuntimeError: the compiler failed (its first error line in the message).
     """
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    texts = [src.read_text() for src in SOURCES]
+    texts = [src.read_text() for src in sources]
     key = hashlib.sha1("\n".join([*texts, " ".join(CFLAGS), cc, version]).encode()).hexdigest()
     out = cache_root() / "kernels" / f"panel_linear-{key[:16]}.so"
     if out.is_file():
@@ -74,11 +76,11 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         res = subprocess.run(
-            [cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
+            [cc, *CFLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
         )
         if res.returncode != 0:
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:200])
-            raise RuntimeError(f"{cc} failed to build {' + '.join(src.name for src in SOURCES)}: {first}")
+            raise RuntimeError(f"{cc} failed to build {' + '.join(src.name for src in sources)}: {first}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -104,8 +106,8 @@ def panel_lib() -> ctypes.CDLL | None:
     return _LIB if panel_status()[0] is not None else None
 
 
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """(the built library with its argument types declared, "ok"), else (None, why not)."""
+def _library(sources: tuple[Path, ...] = SOURCES) -> tuple[ctypes.CDLL | None, str]:
+    """(the library built from `sources` with its argument types declared, "ok"), else (None, why not)."""
     from specdraft.models.exact_panels import declare
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -116,7 +118,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if cc is None:
         return None, f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH to build the panel kernel"
     try:
-        lib = ctypes.CDLL(str(_build(cc)))  # after torch: its libgomp.so.1 serves the kernel's OpenMP
+        lib = ctypes.CDLL(
+            str(_build(cc, sources))
+        )  # after torch: its libgomp.so.1 serves the kernel's OpenMP
     except (OSError, RuntimeError) as e:
         return None, str(e)
     fn = lib.sd_panel_linear
@@ -125,6 +129,32 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     fn.restype = None
     declare(lib)
     return lib, "ok"
+
+
+def baseline_library(source: Path) -> ctypes.CDLL:
+    """The kernel library built with `source` in place of panel_linear.c (row_ops.c as it is), declared: the
+    baseline of an A/B run of a kernel change (`scripts/bench_target_forward.py --compare kernel`).
+
+    Raises:
+        RuntimeError: the kernel does not run here, or `source` does not build (the compiler's first error).
+    """
+    if panel_lib() is None:
+        raise RuntimeError(f"the panel kernel does not run here: {panel_status()[1]}")
+    lib, why = _library((Path(source), *SOURCES[1:]))
+    if lib is None:
+        raise RuntimeError(why)
+    return lib
+
+
+def swap_library(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Make `lib` the library every exact-panel product calls from now on (`panel_lib`); returns the one it
+    replaces. fp32 panels keep the built library's `sd_panel_linear`, the row kernels the first one loaded."""
+    global _LIB
+    if panel_lib() is None:
+        raise RuntimeError(f"the panel kernel does not run here: {panel_status()[1]}")
+    old, _LIB = _LIB, lib
+    assert old is not None
+    return old
 
 
 def panel_available() -> bool:

@@ -6,9 +6,15 @@
     python scripts/bench_target_forward.py --device cuda --dtype bf16 --json $OUT/target_forward_gpu.json
     # a CPU panel target: the lean forward with torch's per-row ops against the row kernels (models/row_ops.py)
     python scripts/bench_target_forward.py --compare rows --prompts 4 --max-new-tokens 64
+    # a CPU panel target: the per-layer Python loop against all layers in one kernel call (models/layer_rows.py)
+    python scripts/bench_target_forward.py --compare layers --prompts 4 --max-new-tokens 64
+    # a kernel change: the committed panel_linear.c as the baseline against the working tree's
+    git show HEAD:models/panel_linear.c > /tmp/base.c
+    python scripts/bench_target_forward.py --compare kernel --baseline-source /tmp/base.c --prompts 4
 
 Each forward has its own decoder; they are timed back to back at every size and repetition
-(`SPECDRAFT_TARGET_FORWARD`, or `SPECDRAFT_ROW_OPS` with `--compare rows`, switched in the process), so the machine's drift hits both alike. Prints per node
+(`SPECDRAFT_TARGET_FORWARD`, `SPECDRAFT_ROW_OPS` with `--compare rows`, `SPECDRAFT_LAYER_ROWS` with `--compare
+layers`, or the kernel library with `--compare kernel`, switched in the process), so the machine's drift hits both alike. Prints per node
 count the median verify ms of each, their ratio and the median of the paired ratios, then AR tok/s of each on
 the same prompts (alternated prompt by prompt), with every AR output checked equal.
 """
@@ -19,6 +25,8 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import add_target_args, first_turns, load_bench, write_json
     from specdraft.eval.graphs import graphs_wanted, report_captures
     from specdraft.eval.static_decode import StaticDecoder
-    from specdraft.models import row_ops
+    from specdraft.models import layer_rows, panel_linear, row_ops
     from specdraft.models.fast_target import ENV, unsupported
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,12 +55,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs for the fixed-shape verify")
     p.add_argument(
         "--compare",
-        choices=["forward", "rows"],
+        choices=["forward", "rows", "layers", "kernel"],
         default="forward",
         help="forward: transformers' against the lean forward; rows: the lean forward's torch ops against its "
-        "row kernels (a CPU panel target)",
+        "row kernels (a CPU panel target); layers: the per-layer Python loop against the one-call loop "
+        "(models/layer_rows.py); kernel: --baseline-source's panel kernel against the built one",
+    )
+    p.add_argument(
+        "--baseline-source",
+        default=None,
+        help="with --compare kernel: a panel_linear.c to build as the baseline (e.g. `git show "
+        "HEAD:models/panel_linear.c`)",
     )
     a = p.parse_args(argv)
+    if (a.compare == "kernel") != (a.baseline_source is not None):
+        raise SystemExit(
+            "bench_target_forward: --baseline-source goes with --compare kernel, and only with it"
+        )
     b = load_bench(a)
     model = b.model
     why = unsupported(model)
@@ -60,25 +79,44 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench_target_forward: the lean forward does not run this target ({why})")
     device = next(model.parameters()).device
     graphs = graphs_wanted(device, a.graphs)
+    libs: dict[str, Any] = {}
+    if a.compare == "kernel":
+        try:
+            libs = {
+                "baseline": panel_linear.baseline_library(Path(a.baseline_source)),
+                "built": panel_linear.panel_lib(),
+            }
+        except (RuntimeError, OSError) as e:
+            raise SystemExit(f"bench_target_forward: --baseline-source {a.baseline_source}: {e}") from None
     # (the two variants' keys, the variable that switches them and its value for each, their column names)
     kinds, var, value, names = {
         "forward": (("hf", "fast"), ENV, {"hf": "hf", "fast": "fast"}, ("transformers", "lean")),
         "rows": (("torch_ops", "row_kernels"), row_ops.ENV, {"torch_ops": "0", "row_kernels": "1"}, ("torch ops", "row kernels")),
+        "layers": (("layer_loop", "one_call"), layer_rows.ENV, {"layer_loop": "0", "one_call": "1"}, ("layer loop", "one call")),
+        "kernel": (("baseline", "built"), None, {}, ("baseline kernel", "built kernel")),
     }[a.compare]  # fmt: skip
+
+    def switch(k: str) -> None:
+        """Make variant `k` the one the next forward runs."""
+        if var is None:
+            panel_linear.swap_library(libs[k])
+        else:
+            os.environ[var] = value[k]
+
     # a decoder per forward: under graphs each captures (and replays) its own forward's kernels
     decs = {k: StaticDecoder(model, 2048, static=graphs, graphs=graphs) for k in kinds}
     ms: dict[str, dict[int, list[float]]] = {k: {s: [] for s in a.sizes} for k in kinds}
     with torch.inference_mode():
         run = {}
         for k in kinds:
-            os.environ[var] = value[k]
+            switch(k)
             run[k] = decs[k].cost_probe(tuple(a.sizes))
             for s in a.sizes:
                 run[k](s)  # warm-up (and capture)
         for _ in range(a.rounds * a.reps):  # the two forwards back to back at every size: paired timings
             for s in a.sizes:
                 for k in kinds:
-                    os.environ[var] = value[k]
+                    switch(k)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     t0 = time.perf_counter()
@@ -91,13 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     outs: dict[str, list[list[int]]] = {k: [] for k in kinds}
     for prompt in prompts:
         for k in kinds:
-            os.environ[var] = value[k]
+            switch(k)
             decs[k].ar_generate(None, prompt, 4, stop_ids=b.stop_ids)  # warm-up
             t0 = time.perf_counter()
             out, _ = decs[k].ar_generate(None, prompt, a.max_new_tokens, stop_ids=b.stop_ids)
             ar[k].append(time.perf_counter() - t0)
             outs[k].append(out)
-    os.environ.pop(var, None)
+    if var is None:
+        switch("built")
+    else:
+        os.environ.pop(var, None)
     path = decs[kinds[0]].path_name()
     first, second = kinds
     table = Table(title=f"target forward on {device} ({next(model.parameters()).dtype}), {path} path")
@@ -132,7 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     Console().print(table)
     print(f"AR outputs equal: {same}/{len(prompts)} ({tokens} tokens each way)")
     report_captures()
-    payload = {"compare": a.compare, "path": path, "verify": rows, "ar_tok_s": tok_s, "ar_same": same}
+    payload = {
+        "compare": a.compare,
+        "baseline_source": a.baseline_source,
+        "path": path,
+        "verify": rows,
+        "ar_tok_s": tok_s,
+        "ar_same": same,
+    }
     write_json(a.json, model, payload)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdraft.models.panel_linear import panel_available
+from specdraft.models.panel_linear import SOURCE, panel_available
 from specdraft.testing import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -332,3 +332,19 @@ def test_bench_target_forward(eval_assets: Path, tmp_path: Path, capsys) -> None
         res = _load(out)
         assert res["compare"] == "rows" and set(res["ar_tok_s"]) == {"torch_ops", "row_kernels"}
         assert res["ar_same"] == 2 and "row kernels ms" in capsys.readouterr().out
+        _main("bench_target_forward")([*argv, "--layout", "panel", "--compare", "layers"])
+        res = _load(out)
+        assert set(res["ar_tok_s"]) == {"layer_loop", "one_call"} and res["ar_same"] == 2
+        base = tmp_path / "base.c"  # the kernel as built, as the baseline of a kernel A/B
+        base.write_text(SOURCE.read_text())
+        _main("bench_target_forward")(
+            [*argv, "--layout", "panel", "--compare", "kernel", "--baseline-source", str(base)]
+        )
+        res = _load(out)
+        assert set(res["ar_tok_s"]) == {"baseline", "built"} and res["ar_same"] == 2
+        assert res["baseline_source"] == str(base)
+        base.write_text("this is not C\n")
+        with pytest.raises(SystemExit, match=r"--baseline-source .*base.c: .*failed to build"):
+            _main("bench_target_forward")([*argv, "--compare", "kernel", "--baseline-source", str(base)])
+        with pytest.raises(SystemExit, match="goes with --compare kernel"):
+            _main("bench_target_forward")([*argv, "--baseline-source", str(base)])

@@ -66,11 +66,12 @@ def linear_of(weight: torch.Tensor, bias: bool = False) -> torch.nn.Linear:
 @pytest.mark.parametrize(
     ("kind", "stored"), [("q4_1", "q4"), ("q4_0", "q4"), ("q8_0", "q8"), ("bf16", "bf16"), ("f16", "f16")]
 )
-@pytest.mark.parametrize("out", [16, 40])
+@pytest.mark.parametrize("out", [16, 40, 200])
 def test_exact_weights_are_found_and_give_the_fp32_panels_bits(kind: str, stored: str, out: int) -> None:
-    """Q4_1 / Q4_0 / Q8_0 weights and bf16 / fp16 values (a partial last panel at 40 outputs, an all-zero block)
-    become exact panels of their kind; rebuilt they are the fp32 panels, and every row count (the register path
-    up to 6 rows, the per-thread rebuilt panel past it) gives the fp32 panel kernel's bits."""
+    """Q4_1 / Q4_0 / Q8_0 weights and bf16 / fp16 values (a partial last panel at 40 and 200 outputs, an all-zero
+    block) become exact panels of their kind; rebuilt they are the fp32 panels, and every row count (the register
+    path up to 6 rows, two register chunks at 7-8, the per-thread rebuilt panel past it) gives the fp32 panel
+    kernel's bits."""
     g = torch.Generator().manual_seed(0)
     w = gguf_like(torch.randn(out, 96, generator=g), kind)
     w[3, 32:64] = 0.0  # a block of zeros: d = m = 0
@@ -82,7 +83,7 @@ def test_exact_weights_are_found_and_give_the_fp32_panels_bits(kind: str, stored
         lin = linear_of(w, bias)
         exact, plain = PanelLinear(lin, exact=True), PanelLinear(lin, exact=False)
         assert isinstance(exact.panels, ExactPanels) and isinstance(plain.panels, torch.Tensor)
-        for rows in (0, 1, 2, 5, 6, 7, 13, 20):
+        for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 20):
             x = torch.randn(rows, 96, generator=g)
             assert torch.equal(exact(x).view(torch.int32), plain(x).view(torch.int32)), rows
             torch.testing.assert_close(exact(x), lin(x), rtol=1e-5, atol=1e-5)

@@ -115,9 +115,11 @@ def test_the_lean_forward_takes_them_on_panel_targets_and_stays_lossless(
 ) -> None:
     """fp32 tiny panel targets: every layer of a decode step goes through the row kernels, logits as with
     torch's ops to rounding; greedy speculative decoding equals AR (eager and fixed-shape paths) and a batch
-    equals batch 1 (packed padding included); `SPECDRAFT_ROW_OPS=0` takes torch's ops."""
+    equals batch 1 (packed padding included); `SPECDRAFT_ROW_OPS=0` takes torch's ops. The per-layer loop is
+    pinned (`SPECDRAFT_LAYER_ROWS=0`); tests/unit/test_layer_rows.py checks the one-call loop against it."""
     model = tiny_target(arch, CPU).float()
     panel_linears(model)
+    monkeypatch.setenv("SPECDRAFT_LAYER_ROWS", "0")
     calls: list[bool] = []  # per row-kernel layer: whether its positions were packed (a batch's padding out)
     layer_rows = fast_target._layer_rows
     monkeypatch.setattr(

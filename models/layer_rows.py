@@ -1,0 +1,273 @@
+"""Every decoder layer of a CPU decode step in one kernel call (`layer_rows.c`): `fast_target._layer_rows`'s
+work without its Python.
+
+`_layer_rows` runs a layer as ~11 kernel calls (norms, stacked panel products, rotary embedding, attention, the
+gate) and ~30 torch views, splits and allocations. On a 2-core AMD EPYC a SmolLM2-135M one-token step spent ~13
+of ~29 ms in that Python (docs/experiments.md, "Session 48"). `sd_decoder_layers` loops over the layers in C,
+calling the same kernels in the same order on the same inputs, so its outputs are `_layer_rows`' bit for bit,
+and writes each layer's keys and values into the decoder's preallocated cache (`RowsCache`).
+
+It applies (`plan` is not None and `fits` holds) where every layer takes the row kernels (`fast_target._rows_ok`)
+and its attention and MLP outputs are PanelLinears too, to one sequence (B = 1) of new positions with no packing,
+over an eager `eval/static_kv.StaticKVCache`; elsewhere `fast_forward` runs its layer loop as before.
+`SPECDRAFT_LAYER_ROWS=0` turns it off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.models.exact_panels import ExactPanels
+from specdraft.models.panel_linear import PanelLinear, StackedPanels, panel_lib
+
+ENV = "SPECDRAFT_LAYER_ROWS"  # "0": the per-layer Python loop of fast_target (an A/B, a way out)
+KIND_F32 = 32  # layer_rows.c: fp32 panels
+
+
+def wanted() -> bool:
+    """Whether the one-call layer loop may be used (`SPECDRAFT_LAYER_ROWS` is not "0")."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+@runtime_checkable
+class RowsCache(Protocol):
+    """The KV cache layout `sd_decoder_layers` writes (eval/static_kv.StaticKVCache, eager).
+
+    Attributes:
+        buffer: (layers, 2, 1, kv_heads, max_len, head_dim) fp32 contiguous: keys then values per layer.
+        length: committed positions (the new ones go after them).
+        static: False (the eager layout; a static cache's whole-buffer attention is for CUDA graphs).
+        max_len: positions a head holds.
+    """
+
+    buffer: Tensor
+    length: int
+    static: bool
+    max_len: int
+
+
+class _Prod(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n_out", ctypes.c_int64),
+        ("kind", ctypes.c_int32),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+        ("qkv", _Prod),
+        ("o", _Prod),
+        ("gate_up", _Prod),
+        ("down", _Prod),
+    ]
+
+
+@dataclass
+class Plan:
+    """A decoder's layers as `sd_decoder_layers` reads them.
+
+    Attributes:
+        table: one `_Layer` per layer (pointers into the model's own weights, which the model keeps alive).
+        hidden, heads, kv_heads, head_dim, inter: the geometry.
+        scale: the attention score scale.
+    """
+
+    table: ctypes.Array
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    scale: float
+
+
+# per decoder: (the modules its plan was built from, the plan or None where the loop does not apply)
+_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], Plan | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _prod(panels: Tensor | ExactPanels, n_out: int, bias: Tensor | None) -> _Prod:
+    """A product's entry: fp32 panels or exact panels, with its bias (contiguous fp32) or none."""
+    b = bias.detach() if bias is not None else None
+    bp = b.data_ptr() if b is not None else None
+    if isinstance(panels, ExactPanels):
+        return _Prod(panels.q.data_ptr(), panels.d.data_ptr(), panels.m.data_ptr(), bp, n_out, panels.code)
+    return _Prod(panels.data_ptr(), None, None, bp, n_out, KIND_F32)
+
+
+def _modules(decoder: Any) -> tuple[nn.Module, ...]:
+    """The modules a plan reads, in order (their identity is checked on every use)."""
+    return tuple(
+        m
+        for layer in decoder.layers
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        )
+    )
+
+
+def plan(decoder: Any, layer_rows: Callable[[nn.Module], tuple[Any, bool]]) -> Plan | None:
+    """The decoder's plan (built once, again when its Linears were replaced), or None where a layer does not
+    take the row kernels or its o / down product is not a PanelLinear.
+
+    Args:
+        decoder: the HF decoder (`model.get_decoder()`), every layer accepted by `fast_target.unsupported`.
+        layer_rows: layer -> (its q/k/v and gate/up StackedPanels or None, whether it takes the row kernels):
+            `fast_target`'s `_stacks` and `_rows_ok`, called only when the plan is (re)built.
+    """
+    mods = _modules(decoder)
+    seen = _PLANS.get(decoder)
+    if (
+        seen is None
+        or len(seen[0]) != len(mods)
+        or any(a is not b for a, b in zip(seen[0], mods, strict=True))
+    ):
+        seen = _PLANS[decoder] = (mods, _build(decoder, [layer_rows(layer) for layer in decoder.layers]))
+    return seen[1]
+
+
+def _build(decoder: Any, info: list[tuple[Any, bool]]) -> Plan | None:
+    """The plan of `decoder` from each layer's (stacks, takes the row kernels), or None (`plan`)."""
+    if _lib() is None or not all(ok for _, ok in info):
+        return None
+    layers = list(decoder.layers)
+    first = layers[0].self_attn
+    d = int(first.head_dim)
+    entries = []
+    geometry = set()
+    for layer, (st, _) in zip(layers, info, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = st
+        if not isinstance(qkv, StackedPanels) or not isinstance(gate_up, StackedPanels):
+            return None
+        if not isinstance(attn.o_proj, PanelLinear) or not isinstance(mlp.down_proj, PanelLinear):
+            return None
+        wq, wk, wv = qkv.sizes
+        inter = gate_up.sizes[0]
+        if wk != wv or gate_up.sizes[1] != inter or wq % d or wk % d:
+            return None
+        geometry.add((wq // d, wk // d, inter, float(attn.scaling)))
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        entries.append(
+            _Layer(
+                n1.weight.data_ptr(),
+                n2.weight.data_ptr(),
+                float(n1.variance_epsilon),
+                float(n2.variance_epsilon),
+                _prod(qkv.panels, sum(qkv.sizes), qkv.bias),
+                _prod(attn.o_proj.panels, attn.o_proj.out_features, attn.o_proj.bias),
+                _prod(gate_up.panels, 2 * inter, gate_up.bias),
+                _prod(mlp.down_proj.panels, mlp.down_proj.out_features, mlp.down_proj.bias),
+            )
+        )
+    if len(geometry) != 1:
+        return None  # layers of different shapes: not this loop's
+    heads, kv_heads, inter, scale = geometry.pop()
+    hidden = int(layers[0].input_layernorm.weight.shape[0])
+    table = (_Layer * len(entries))(*entries)
+    return Plan(table, hidden, heads, kv_heads, d, inter, scale)
+
+
+def fits(p: Plan, x: Tensor, mask: Tensor | None, cache: Any) -> bool:
+    """Whether `run` computes this step: x (1, n, H) fp32, mask None (n = 1) or (1, 1, n, length + n) fp32
+    with a contiguous last dimension, and an eager `RowsCache` of this geometry with room for n more."""
+    if x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32 or not isinstance(cache, RowsCache):
+        return False
+    buf = cache.buffer
+    n = x.shape[1]
+    if cache.static or buf.dtype != torch.float32 or not buf.is_contiguous() or buf.dim() != 6:
+        return False
+    if tuple(buf.shape[2:4]) != (1, p.kv_heads) or buf.shape[5] != p.head_dim or buf.shape[1] != 2:
+        return False
+    if buf.shape[0] != len(p.table) or cache.length + n > cache.max_len:
+        return False
+    if mask is None:
+        return n == 1
+    s = cache.length + n
+    return (
+        mask.dtype == torch.float32
+        and mask.dim() == 4
+        and tuple(mask.shape[:2]) == (1, 1)
+        and mask.shape[2] in (1, n)
+        and mask.shape[3] == s
+        and mask.stride(3) == 1
+    )
+
+
+def run(
+    p: Plan,
+    x: Tensor,
+    rope: tuple[Tensor, Tensor],
+    mask: Tensor | None,
+    cache: Any,
+    keep_layers: tuple[int, ...] | list[int] = (),
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """Every layer on x (1, n, H) (`fits` checked by the caller), appending n positions to `cache`.
+
+    Args:
+        rope: `fast_target.rotary_tables` (1, 1, n, d) each.
+        keep_layers: layer outputs to return (i = output of layer i, 1-based, as transformers numbers them).
+
+    Returns:
+        (x after the last layer (1, n, H), {i: output of layer i (1, n, H)} for i in keep_layers).
+    """
+    n, h = x.shape[1], x.shape[2]
+    out = x.contiguous().clone()  # (1, n, H): the residual stream, updated in place
+    count = len(p.table)
+    keep = {i: torch.empty_like(out) for i in keep_layers if 1 <= i <= count}
+    ptrs = (ctypes.c_void_p * count)(
+        *[keep[i + 1].data_ptr() if i + 1 in keep else None for i in range(count)]
+    )
+    cos, ssin = (t.reshape(-1, p.head_dim).contiguous() for t in rope)  # (n, d)
+    mp, mrow = (None, 0) if mask is None else (mask.data_ptr(), mask.stride(2) if mask.shape[2] > 1 else 0)
+    _lib().sd_decoder_layers(
+        p.table, count, n, h, p.heads, p.kv_heads, p.head_dim, p.inter,
+        cache.buffer.data_ptr(), cache.max_len, cache.length, cos.data_ptr(), ssin.data_ptr(), cos.shape[0],
+        mp, mrow, p.scale, out.data_ptr(), ptrs, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, keep
+
+
+def _lib() -> Any:
+    """The kernel library (`panel_lib`: the one an A/B swapped in, if any) with `sd_decoder_layers` declared, or
+    None where the panel kernel does not build."""
+    lib = panel_lib()
+    if lib is None:
+        return None
+    if id(lib) not in _DECLARED:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn = lib.sd_decoder_layers
+        fn.argtypes = [
+            ptr, i64, i64, i64, i64, i64, i64, i64,  # table, layers, M, H, heads, kv_heads, d, inter
+            ptr, i64, i64, ptr, ptr, i64,  # cache, max_len, start, cos, ssin, rope rows
+            ptr, i64, ctypes.c_float, ptr, ptr, ctypes.c_int,  # mask, mask row, scale, x, keep, threads
+        ]  # fmt: skip
+        fn.restype = None
+        _DECLARED.add(id(lib))
+    return lib
+
+
+_DECLARED: set[int] = set()  # ids of the libraries `_lib` declared (each stays loaded for the process)

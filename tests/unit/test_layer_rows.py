@@ -1,0 +1,142 @@
+"""The one-call decoder layer loop (models/layer_rows.py, layer_rows.c): `fast_target._layer_rows`' bits for every
+layer, the cache written the same, kept layers, where it applies and where it steps aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.proposers import PromptLookupProposer
+from specdraft.eval.static_decode import StaticDecoder
+from specdraft.eval.static_kv import StaticKVCache
+from specdraft.models import fast_target, layer_rows
+from specdraft.models.hf_compat import cache_kwargs
+from specdraft.models.panel_linear import PanelLinear, panel_available, panel_linears, panel_status
+from specdraft.testing import check_static_equals_ar, check_trees_lossless, random_prompts, tiny_target
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not panel_available(), reason=f"panel kernel: {panel_status()[1]}")
+
+
+def _gguf_like(model: torch.nn.Module) -> None:
+    """Every Linear weight made a dequantised Q4_1 (blocks of 32 inputs: w = d u + m, u in 0..15), so
+    `panel_linears` stores exact 4-bit panels (the embedded target's kind)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
+                w = m.weight.view(m.out_features, -1, 32)
+                lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+                d = ((hi - lo) / 15).half().float().clamp_min(1e-3)
+                mn = lo.half().float()
+                u = ((w - mn) / d).round().clamp(0, 15)
+                m.weight.copy_(torch.addcmul(mn, u, d).view_as(m.weight))
+
+
+def _forward(model, ids, mask, pos, cache, layers, env, monkeypatch):
+    monkeypatch.setenv(layer_rows.ENV, env)
+    out = fast_target.fast_forward(model, ids, mask, pos, cache, layers)
+    assert out is not None
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_one_call_equals_the_layer_loop_bit_for_bit(
+    arch: str, exact: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 tiny panel targets (Qwen2: biased q/k/v; fp32 or exact 4-bit panels): a one-token step and a
+    5-node tree verify (explicit mask and positions) through the one-call loop give the per-layer loop's final
+    states, kept layers and cache contents bit for bit; the call ran (no `_layer` call)."""
+    model = tiny_target(arch, CPU).float()
+    if exact:
+        _gguf_like(model)
+    panel_linears(model, exact=exact)
+    kinds = {type(m.panels).__name__ for m in model.modules() if isinstance(m, PanelLinear)}
+    assert kinds == ({"ExactPanels"} if exact else {"Tensor"})
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(5, 128, (1, 11), generator=g)
+    tree = torch.randint(5, 128, (1, 5), generator=g)
+    p = prompt.shape[1]
+    mask = torch.zeros(1, 1, 5, p + 5)
+    parents = [-1, 0, 0, 1, 2]
+    for i, par in enumerate(parents):  # a tree: node i sees its ancestors and itself
+        seen, j = {i}, par
+        while j >= 0:
+            seen.add(j)
+            j = parents[j]
+        for j in range(5):
+            if j not in seen:
+                mask[0, 0, i, p + j] = torch.finfo(torch.float32).min
+    pos = torch.tensor([[p, p + 1, p + 1, p + 2, p + 2]])
+    calls: list[int] = []
+    layer = fast_target._layer
+    monkeypatch.setattr(fast_target, "_layer", lambda *a, **k: calls.append(1) or layer(*a, **k))
+    results = {}
+    with torch.inference_mode():
+        for env in ("0", "1"):
+            cache = StaticKVCache(model, 32)
+            model(prompt, **cache_kwargs(model, cache), use_cache=True)  # transformers' prefill
+            cache.set_length(p)
+            calls.clear()
+            one = _forward(model, tree[:, :1], None, None, cache, (1, 2), env, monkeypatch)
+            many = _forward(model, tree, mask, pos, cache, (2, 3), env, monkeypatch)
+            results[env] = (one, many, cache.buffer.clone(), len(calls))
+    (one0, many0, buf0, n0), (one1, many1, buf1, n1) = results["0"], results["1"]
+    assert n0 == 2 * len(model.model.layers) and n1 == 0
+    for a, b in ((one0, one1), (many0, many1)):
+        assert torch.equal(a[0], b[0]) and a[1] is not None and b[1] is not None and torch.equal(a[1], b[1])
+    assert torch.equal(buf0, buf1)
+
+
+def test_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan for a panel target (built once, rebuilt when a Linear is replaced); none on another layout or
+    with the row kernels off; `fits` refuses a batch of two, a static (CUDA-graph) cache, a full cache, a
+    boolean mask and several new tokens without a mask."""
+    model = tiny_target("llama", CPU).float()
+    dec = model.get_decoder()
+    assert layer_rows.plan(dec, fast_target._layer_info) is None  # native Linears
+    panel_linears(model)
+    plan = layer_rows.plan(dec, fast_target._layer_info)
+    assert plan is not None and layer_rows.plan(dec, fast_target._layer_info) is plan
+    attn = dec.layers[1].self_attn
+    attn.o_proj = PanelLinear(torch.nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False))
+    again = layer_rows.plan(dec, fast_target._layer_info)
+    assert again is not None and again is not plan
+    monkeypatch.setenv("SPECDRAFT_ROW_OPS", "0")
+    assert fast_target._fused_plan(dec) is None
+    monkeypatch.setenv("SPECDRAFT_ROW_OPS", "1")
+    monkeypatch.setenv(layer_rows.ENV, "0")
+    assert fast_target._fused_plan(dec) is None
+    h = dec.config.hidden_size
+    cache = StaticKVCache(model, 8)
+    cache.set_length(3)
+    x1, x2 = torch.zeros(1, 1, h), torch.zeros(1, 2, h)
+    assert layer_rows.fits(again, x1, None, cache)
+    assert not layer_rows.fits(again, torch.zeros(2, 1, h), None, cache)  # two rows
+    assert not layer_rows.fits(again, x2, None, cache)  # two new tokens need a mask
+    assert layer_rows.fits(again, x2, torch.zeros(1, 1, 2, 5), cache)
+    assert not layer_rows.fits(again, x2, torch.zeros(1, 1, 2, 5, dtype=torch.bool), cache)
+    assert not layer_rows.fits(again, x2, torch.zeros(1, 1, 2, 6), cache)  # keys the cache does not hold
+    assert not layer_rows.fits(again, x1, None, StaticKVCache(model, 8, static=True))
+    cache.set_length(8)
+    assert not layer_rows.fits(again, x1, None, cache)  # no room
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoding_through_it_stays_lossless(arch: str) -> None:
+    """Greedy speculative decoding through the one-call loop (eager path) equals transformers' AR (stop tokens
+    included) and the decoder's own AR (random trees, oracle beams); a batch (the per-layer loop) equals batch 1
+    (the one-call loop)."""
+    model = tiny_target(arch, CPU).float()
+    panel_linears(model)
+    check_static_equals_ar(StaticDecoder(model, 64, static=False), model, PromptLookupProposer(4))
+    check_trees_lossless(
+        model
+    )  # random trees and oracle beams, eager (one call) and fixed-shape (loop) paths
+    prompts = random_prompts([3, 11, 6])
+    refs = [
+        StaticDecoder(model, 64).ar_generate(None, torch.tensor(p), 12, stop_ids=set())[0] for p in prompts
+    ]
+    res = BatchDecoder(model, 2).generate(prompts, 12, stop_ids=set())
+    assert [out for out, _ in res] == refs

@@ -321,9 +321,10 @@ def fast_forward(
     rope = rotary_tables(cos[:, None], sin[:, None])  # (B, 1, L, d) each
     keep: dict[int, Tensor] = {0: x} if 0 in layers else {}
     count = len(decoder.layers)
-    fused = _fused_plan(decoder) if packed is None else None
-    if fused is not None and layer_rows.fits(fused, x, attention_mask, cache):
-        x, kept = layer_rows.run(fused, x, rope, attention_mask, cache, layers)  # every layer, one call
+    fused = _fused_plan(decoder)
+    step = layer_rows.fits(fused, x, attention_mask, cache, packed) if fused is not None else None
+    if fused is not None and step is not None:  # every layer in one call
+        x, kept = layer_rows.run(fused, step, x, rope, attention_mask, cache, layers, packed)
         keep.update(kept)
     else:
         for i, layer in enumerate(decoder.layers):

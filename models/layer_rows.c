@@ -6,12 +6,13 @@
  * cProfile). Here the loop runs in C over a table of the layers' weights (`sd_layer`, filled once by
  * models/layer_rows.py), writing each layer's new keys and values into the decoder's preallocated cache:
  *
- *   h = rms_norm(x, norm1);  qkv = h @ Wqkv.T (+ b);  rope(q, k) in place;  cache[start : start + M] = k, v
- *   a = attention(q, cache[: start + M], mask);  s = x + a @ Wo.T;  h = rms_norm(s, norm2)
+ *   h = rms_norm(x, norm1);  qkv = h @ Wqkv.T (+ b);  rope(q, k) in place;  cache[new positions] = k, v
+ *   a = attention(q, cache[: span], mask);  s = x + a @ Wo.T;  h = rms_norm(s, norm2)
  *   gu = h @ Wgu.T;  x = s + (silu(gu[:, :I]) * gu[:, I:]) @ Wdown.T
  *
- * One batch row (M new positions of one sequence), the cache as models/../eval/static_kv.py lays it out: one
- * buffer (layers, 2, 1, kv_heads, max_len, d), keys then values per layer. Built into the panel kernel's library
+ * B rows of n new positions (a batch's padding packed out of the per-token products, as `_layer_rows` does),
+ * the cache as eval/static_kv.py and eval/batch_kv.py lay it out: one buffer (layers, 2, rows, kv_heads, max_len,
+ * d), keys then values per layer, written where the caller says. Built into the panel kernel's library
  * (models/panel_linear.py), which defines every function called here.
  */
 #include <stdint.h>
@@ -29,10 +30,10 @@ void sd_add_rms_norm(const float *x, const float *a, int64_t M, int64_t H, const
 void sd_rope_rows(float *t, int64_t M, int64_t stride, int64_t heads, int64_t d, const float *cos,
                   const float *ssin, int64_t R);
 void sd_silu_mul(const float *g, const float *u, int64_t M, int64_t N, int64_t stride, float *out);
-void sd_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
-                  int64_t ks, const float *v, int64_t vb, int64_t vh, int64_t vs, const float *mask, int64_t mb,
-                  int64_t ml, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t d, float scale,
-                  float *out, int nthreads);
+void sd_attention_rows(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
+                       int64_t ks, const float *v, int64_t vb, int64_t vh, int64_t vs, const float *mask,
+                       int64_t mb, int64_t ml, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t d,
+                       float scale, const int64_t *krow, float *out, int nthreads);
 
 #define KIND_F32 32 /* fp32 panels (sd_panel_linear); any other kind: exact panels (sd_qpanel_linear) */
 
@@ -59,43 +60,61 @@ static void product(const sd_prod *p, const float *x, int64_t M, int64_t K, floa
         sd_qpanel_linear(x, M, K, (const uint8_t *)p->q, p->d, p->m, p->kind, p->n_out, p->bias, y, nthreads);
 }
 
-/* x (M, H): the residual stream of M new positions, run through `nlayers` layers in place.
+/* x (T, H): the residual stream of the wanted positions of a step over B rows of n new positions each, run
+ * through `nlayers` layers in place.
  *
- * heads, kv_heads, d: attention geometry (q: heads x d columns of qkv, then k and v: kv_heads x d each);
- * inter: the MLP width I (gate_up has 2 I columns). cache: the buffer above, max_len positions a head; the new
- * positions go to [start, start + M), attention reads [0, start + M). cos, ssin: rotary tables (rope_rows,
- * d columns) used by row r % rope_rows. mask: NULL (every key visible) or (M, start + M) additive, rows
- * mask_row floats apart (0: one row for all). keep: NULL or per layer NULL / a (M, H) buffer that receives
- * x after that layer. */
-void sd_decoder_layers(const sd_layer *layers, int64_t nlayers, int64_t M, int64_t H, int64_t heads,
-                       int64_t kv_heads, int64_t d, int64_t inter, float *cache, int64_t max_len, int64_t start,
-                       const float *cos, const float *ssin, int64_t rope_rows, const float *mask, int64_t mask_row,
-                       float scale, float *x, float *const *keep, int nthreads) {
-    const int64_t wq = heads * d, wkv = kv_heads * d, wqkv = wq + 2 * wkv, S = start + M;
-    const int64_t head_stride = max_len * d, layer_stride = 2 * kv_heads * head_stride;
-    float *h = (float *)malloc((size_t)M * (H + wqkv + wq + H + 2 * inter + inter + H) * sizeof(float));
-    float *qkv = h + M * H, *att = qkv + M * wqkv, *o = att + M * wq, *gu = o + M * H, *act = gu + M * 2 * inter;
-    float *down = act + M * inter;
+ * pack: NULL (T = B n, every position wanted) or (T,) ascending flat indices into the B n positions (a batch's
+ * padding left out of every per-token product: its q, k, v are zeros, as fast_target.Packing.spread makes
+ * them). heads, kv_heads, d: attention geometry (q: heads x d columns of qkv, then k and v: kv_heads x d each);
+ * inter: the MLP width I (gate_up has 2 I columns). cache: (layers, 2, cache_rows, kv_heads, max_len, d), keys
+ * then values per layer; widx (B kv_heads n,): where each new (row, head, position) goes, as rows of one
+ * layer's keys viewed (cache_rows kv_heads max_len, d), laid out (B, kv_heads, n); krow (B,): each row's cache
+ * row; attention reads each row's first `span` positions. cos, ssin: rotary tables (rope_rows, d), position
+ * p of row b (flat index b n + p) using table row (b n + p) % rope_rows. mask: NULL (every key visible) or
+ * additive (B or 1, n or 1, span): row b, query p at mask + b mask_b + p mask_row (0: shared). keep: NULL or
+ * per layer NULL / a (T, H) buffer that receives x after that layer. */
+void sd_decoder_layers(const sd_layer *layers, int64_t nlayers, int64_t B, int64_t n, int64_t T,
+                       const int64_t *pack, int64_t H, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter,
+                       float *cache, int64_t cache_rows, int64_t max_len, const int64_t *widx, const int64_t *krow,
+                       int64_t span, const float *cos, const float *ssin, int64_t rope_rows, const float *mask,
+                       int64_t mask_b, int64_t mask_row, float scale, float *x, float *const *keep, int nthreads) {
+    const int64_t wq = heads * d, wkv = kv_heads * d, wqkv = wq + 2 * wkv, P = B * n;
+    const int64_t head_stride = max_len * d, row_stride = kv_heads * head_stride;
+    const int64_t half = cache_rows * row_stride; /* one layer's keys (then its values) */
+    float *h = (float *)malloc((size_t)(T * H + T * wqkv + P * wqkv + P * wq + T * wq + T * H + T * 2 * inter +
+                                        T * inter + T * H) * sizeof(float));
+    float *tq = h + T * H, *qkv = tq + T * wqkv, *att = qkv + P * wqkv, *tatt = att + P * wq, *o = tatt + T * wq;
+    float *gu = o + T * H, *act = gu + T * 2 * inter, *down = act + T * inter;
     for (int64_t i = 0; i < nlayers; i++) {
         const sd_layer *ly = layers + i;
-        float *keys = cache + i * layer_stride, *values = keys + kv_heads * head_stride;
-        sd_rms_norm(x, M, H, ly->norm1, ly->eps1, h);
-        product(&ly->qkv, h, M, H, qkv, nthreads);
-        sd_rope_rows(qkv, M, wqkv, heads + kv_heads, d, cos, ssin, rope_rows);
-        for (int64_t t = 0; t < M; t++)
-            for (int64_t g = 0; g < kv_heads; g++) {
-                memcpy(keys + g * head_stride + (start + t) * d, qkv + t * wqkv + wq + g * d, (size_t)d * 4);
-                memcpy(values + g * head_stride + (start + t) * d, qkv + t * wqkv + wq + wkv + g * d, (size_t)d * 4);
-            }
-        sd_attention(qkv, M * wqkv, d, wqkv, keys, layer_stride, head_stride, d, values, layer_stride, head_stride,
-                     d, mask, 0, mask_row, 1, heads, kv_heads, M, S, d, scale, att, nthreads);
-        product(&ly->o, att, M, wq, o, nthreads);
-        sd_add_rms_norm(x, o, M, H, ly->norm2, ly->eps2, x, h); /* s overwrites x: read before written, row by row */
-        product(&ly->gate_up, h, M, H, gu, nthreads);
-        sd_silu_mul(gu, gu + inter, M, inter, 2 * inter, act);
-        product(&ly->down, act, M, inter, down, nthreads);
-        for (int64_t r = 0; r < M * H; r++) x[r] += down[r];
-        if (keep && keep[i]) memcpy(keep[i], x, (size_t)M * H * sizeof(float));
+        float *keys = cache + 2 * i * half, *values = keys + half;
+        sd_rms_norm(x, T, H, ly->norm1, ly->eps1, h);
+        product(&ly->qkv, h, T, H, pack ? tq : qkv, nthreads);
+        if (pack) { /* the padding positions' q, k, v: +0 in every layer, as Packing.spread makes them */
+            memset(qkv, 0, (size_t)P * wqkv * sizeof(float));
+            for (int64_t t = 0; t < T; t++) memcpy(qkv + pack[t] * wqkv, tq + t * wqkv, (size_t)wqkv * sizeof(float));
+        }
+        sd_rope_rows(qkv, P, wqkv, heads + kv_heads, d, cos, ssin, rope_rows);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t g = 0; g < kv_heads; g++)
+                for (int64_t p = 0; p < n; p++) {
+                    const int64_t dst = widx[(b * kv_heads + g) * n + p] * d;
+                    const float *src = qkv + (b * n + p) * wqkv + wq + g * d;
+                    memcpy(keys + dst, src, (size_t)d * sizeof(float));
+                    memcpy(values + dst, src + wkv, (size_t)d * sizeof(float));
+                }
+        sd_attention_rows(qkv, n * wqkv, d, wqkv, keys, row_stride, head_stride, d, values, row_stride,
+                          head_stride, d, mask, mask_b, mask_row, B, heads, kv_heads, n, span, d, scale, krow, att,
+                          nthreads);
+        if (pack)
+            for (int64_t t = 0; t < T; t++) memcpy(tatt + t * wq, att + pack[t] * wq, (size_t)wq * sizeof(float));
+        product(&ly->o, pack ? tatt : att, T, wq, o, nthreads);
+        sd_add_rms_norm(x, o, T, H, ly->norm2, ly->eps2, x, h); /* s overwrites x: read before written */
+        product(&ly->gate_up, h, T, H, gu, nthreads);
+        sd_silu_mul(gu, gu + inter, T, inter, 2 * inter, act);
+        product(&ly->down, act, T, inter, down, nthreads);
+        for (int64_t r = 0; r < T * H; r++) x[r] += down[r];
+        if (keep && keep[i]) memcpy(keep[i], x, (size_t)T * H * sizeof(float));
     }
     free(h);
 }

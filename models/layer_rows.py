@@ -7,9 +7,11 @@ of ~29 ms in that Python (docs/experiments.md, "Session 48"). `sd_decoder_layers
 calling the same kernels in the same order on the same inputs, so its outputs are `_layer_rows`' bit for bit,
 and writes each layer's keys and values into the decoder's preallocated cache (`RowsCache`).
 
-It applies (`plan` is not None and `fits` holds) where every layer takes the row kernels (`fast_target._rows_ok`)
-and its attention and MLP outputs are PanelLinears too, to one sequence (B = 1) of new positions with no packing,
-over an eager `eval/static_kv.StaticKVCache`; elsewhere `fast_forward` runs its layer loop as before.
+It applies (`plan` is not None and `fits` gives a `Step`) where every layer takes the row kernels
+(`fast_target._rows_ok`) and its attention and MLP outputs are PanelLinears too, over the decoders' own caches:
+one sequence over an eager `eval/static_kv.StaticKVCache`, or a batch (its padding packed out, as `_layer_rows`
+does) over an `eval/batch_kv.BatchKVCache`; elsewhere (transformers' caches, CUDA) `fast_forward` runs its layer
+loop as before.
 `SPECDRAFT_LAYER_ROWS=0` turns it off (A/B runs).
 """
 
@@ -54,6 +56,26 @@ class RowsCache(Protocol):
     max_len: int
 
 
+@runtime_checkable
+class BatchRowsCache(Protocol):
+    """The batched KV cache layout `sd_decoder_layers` writes (eval/batch_kv.BatchKVCache).
+
+    Attributes:
+        buffer: (layers, 2, rows, kv_heads, max_len, head_dim) fp32 contiguous: keys then values per layer.
+        rows: the rows the next forward runs (a slice, or (R,) long indices), set by `prepare_write`.
+        write_index: (R * kv_heads * L,) rows of one layer's keys (viewed (rows * kv_heads * max_len, d)) the
+            new positions go to, laid out (R, kv_heads, L).
+        span: positions attention reads per row.
+        max_len: positions a head holds.
+    """
+
+    buffer: Tensor
+    rows: slice | Tensor
+    write_index: Tensor
+    span: int
+    max_len: int
+
+
 class _Prod(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -83,12 +105,14 @@ class Plan:
     """A decoder's layers as `sd_decoder_layers` reads them.
 
     Attributes:
-        table: one `_Layer` per layer (pointers into the model's own weights, which the model keeps alive).
+        table: one `_Layer` per layer (pointers into the model's own weights).
+        held: every tensor the table points into, kept alive with it.
         hidden, heads, kv_heads, head_dim, inter: the geometry.
         scale: the attention score scale.
     """
 
     table: ctypes.Array
+    held: list[Tensor]
     hidden: int
     heads: int
     kv_heads: int
@@ -98,22 +122,26 @@ class Plan:
 
 
 # per decoder: (the modules its plan was built from, the plan or None where the loop does not apply)
-_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], Plan | None]] = (
+_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module | Tensor, ...], Plan | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _prod(panels: Tensor | ExactPanels, n_out: int, bias: Tensor | None) -> _Prod:
-    """A product's entry: fp32 panels or exact panels, with its bias (contiguous fp32) or none."""
+def _prod(panels: Tensor | ExactPanels, n_out: int, bias: Tensor | None, held: list[Tensor]) -> _Prod:
+    """A product's entry: fp32 panels or exact panels, with its bias (contiguous fp32) or none; the tensors it
+    points into are appended to `held`."""
     b = bias.detach() if bias is not None else None
     bp = b.data_ptr() if b is not None else None
+    held.extend([b] if b is not None else [])
     if isinstance(panels, ExactPanels):
+        held.extend([panels.q, panels.d, panels.m])
         return _Prod(panels.q.data_ptr(), panels.d.data_ptr(), panels.m.data_ptr(), bp, n_out, panels.code)
+    held.append(panels)
     return _Prod(panels.data_ptr(), None, None, bp, n_out, KIND_F32)
 
 
-def _modules(decoder: Any) -> tuple[nn.Module, ...]:
-    """The modules a plan reads, in order (their identity is checked on every use)."""
+def _modules(decoder: Any) -> tuple[nn.Module | Tensor, ...]:
+    """The modules and norm weights a plan reads, in order (their identity is checked on every use)."""
     return tuple(
         m
         for layer in decoder.layers
@@ -125,6 +153,8 @@ def _modules(decoder: Any) -> tuple[nn.Module, ...]:
             layer.mlp.gate_proj,
             layer.mlp.up_proj,
             layer.mlp.down_proj,
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
         )
     )
 
@@ -158,6 +188,7 @@ def _build(decoder: Any, info: list[tuple[Any, bool]]) -> Plan | None:
     d = int(first.head_dim)
     entries = []
     geometry = set()
+    held: list[Tensor] = []
     for layer, (st, _) in zip(layers, info, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = st
@@ -171,16 +202,17 @@ def _build(decoder: Any, info: list[tuple[Any, bool]]) -> Plan | None:
             return None
         geometry.add((wq // d, wk // d, inter, float(attn.scaling)))
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        held.extend([n1.weight, n2.weight])
         entries.append(
             _Layer(
                 n1.weight.data_ptr(),
                 n2.weight.data_ptr(),
                 float(n1.variance_epsilon),
                 float(n2.variance_epsilon),
-                _prod(qkv.panels, sum(qkv.sizes), qkv.bias),
-                _prod(attn.o_proj.panels, attn.o_proj.out_features, attn.o_proj.bias),
-                _prod(gate_up.panels, 2 * inter, gate_up.bias),
-                _prod(mlp.down_proj.panels, mlp.down_proj.out_features, mlp.down_proj.bias),
+                _prod(qkv.panels, sum(qkv.sizes), qkv.bias, held),
+                _prod(attn.o_proj.panels, attn.o_proj.out_features, attn.o_proj.bias, held),
+                _prod(gate_up.panels, 2 * inter, gate_up.bias, held),
+                _prod(mlp.down_proj.panels, mlp.down_proj.out_features, mlp.down_proj.bias, held),
             )
         )
     if len(geometry) != 1:
@@ -188,65 +220,127 @@ def _build(decoder: Any, info: list[tuple[Any, bool]]) -> Plan | None:
     heads, kv_heads, inter, scale = geometry.pop()
     hidden = int(layers[0].input_layernorm.weight.shape[0])
     table = (_Layer * len(entries))(*entries)
-    return Plan(table, hidden, heads, kv_heads, d, inter, scale)
+    return Plan(table, held, hidden, heads, kv_heads, d, inter, scale)
 
 
-def fits(p: Plan, x: Tensor, mask: Tensor | None, cache: Any) -> bool:
-    """Whether `run` computes this step: x (1, n, H) fp32, mask None (n = 1) or (1, 1, n, length + n) fp32
-    with a contiguous last dimension, and an eager `RowsCache` of this geometry with room for n more."""
-    if x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32 or not isinstance(cache, RowsCache):
-        return False
-    buf = cache.buffer
-    n = x.shape[1]
-    if cache.static or buf.dtype != torch.float32 or not buf.is_contiguous() or buf.dim() != 6:
-        return False
-    if tuple(buf.shape[2:4]) != (1, p.kv_heads) or buf.shape[5] != p.head_dim or buf.shape[1] != 2:
-        return False
-    if buf.shape[0] != len(p.table) or cache.length + n > cache.max_len:
-        return False
+@dataclass
+class Step:
+    """Where `run` writes and reads this step's keys and values (`fits`).
+
+    Attributes:
+        rows: B, the rows of the step; n: new positions a row.
+        cache_rows: rows the cache buffer holds.
+        widx: (B * kv_heads * n,) long rows of one layer's keys viewed (cache_rows * kv_heads * max_len, d),
+            laid out (B, kv_heads, n): where each new key and value goes.
+        krow: (B,) long, each row's cache row (None: row b is cache row b).
+        span: positions attention reads per row.
+    """
+
+    rows: int
+    n: int
+    cache_rows: int
+    widx: Tensor
+    krow: Tensor | None
+    span: int
+
+
+def fits(p: Plan, x: Tensor, mask: Tensor | None, cache: Any, packed: Any = None) -> Step | None:
+    """The `Step` when `run` computes this forward, else None: x fp32 on the CPU, (B, n, H) or with `packed`
+    (`fast_target.Packing`) (T, H); a cache of this geometry, eager `RowsCache` (B = 1, room for n more) or
+    `BatchRowsCache` (its `prepare_write` done); mask None (n = 1 over a `RowsCache`) or fp32 (B or 1, 1, n or 1,
+    the keys attention reads) with a contiguous last dimension."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if packed is not None:
+        b, n = packed.shape
+        if x.dim() != 2 or packed.rows.dtype != torch.long:
+            return None
+    elif x.dim() == 3:
+        b, n = x.shape[0], x.shape[1]
+    else:
+        return None
+    buf = cache.buffer if isinstance(cache, (RowsCache, BatchRowsCache)) else None
+    if buf is None or buf.dtype != torch.float32 or not buf.is_contiguous() or buf.dim() != 6:
+        return None
+    if (
+        buf.shape[0] != len(p.table)
+        or buf.shape[1] != 2
+        or tuple(buf.shape[3:]) != (p.kv_heads, cache.max_len, p.head_dim)
+    ):
+        return None
+    if isinstance(cache, RowsCache):
+        if cache.static or b != 1 or buf.shape[2] != 1 or cache.length + n > cache.max_len:
+            return None
+        if mask is None and n != 1:
+            return None
+        start = cache.length
+        pos = torch.arange(start, start + n)  # (n,)
+        heads = torch.arange(p.kv_heads)[:, None] * cache.max_len  # (kv, 1)
+        step = Step(1, n, 1, (heads + pos[None]).reshape(-1), None, start + n)
+    else:
+        rows = cache.rows
+        krow = torch.arange(rows.start or 0, (rows.start or 0) + b) if isinstance(rows, slice) else rows
+        if krow.numel() != b or cache.write_index.numel() != b * p.kv_heads * n:
+            return None
+        step = Step(
+            b, n, int(buf.shape[2]), cache.write_index, krow.to(torch.long).contiguous(), int(cache.span)
+        )
     if mask is None:
-        return n == 1
-    s = cache.length + n
-    return (
+        return step
+    ok = (
         mask.dtype == torch.float32
         and mask.dim() == 4
-        and tuple(mask.shape[:2]) == (1, 1)
+        and mask.shape[0] in (1, b)
+        and mask.shape[1] == 1
         and mask.shape[2] in (1, n)
-        and mask.shape[3] == s
+        and mask.shape[3] == step.span
         and mask.stride(3) == 1
     )
+    return step if ok else None
 
 
 def run(
     p: Plan,
+    step: Step,
     x: Tensor,
     rope: tuple[Tensor, Tensor],
     mask: Tensor | None,
     cache: Any,
     keep_layers: tuple[int, ...] | list[int] = (),
+    packed: Any = None,
 ) -> tuple[Tensor, dict[int, Tensor]]:
-    """Every layer on x (1, n, H) (`fits` checked by the caller), appending n positions to `cache`.
+    """Every layer on x ((B, n, H), or (T, H) with `packed`), writing its keys and values into `cache` where
+    `step` (from `fits`) says.
 
     Args:
-        rope: `fast_target.rotary_tables` (1, 1, n, d) each.
+        rope: `fast_target.rotary_tables` (B or 1, 1, n, d) each.
         keep_layers: layer outputs to return (i = output of layer i, 1-based, as transformers numbers them).
+        packed: the `fast_target.Packing` of x, or None.
 
     Returns:
-        (x after the last layer (1, n, H), {i: output of layer i (1, n, H)} for i in keep_layers).
+        (x after the last layer, {i: output of layer i} for i in keep_layers), each shaped as x.
     """
-    n, h = x.shape[1], x.shape[2]
-    out = x.contiguous().clone()  # (1, n, H): the residual stream, updated in place
+    h = x.shape[-1]
+    out = x.contiguous().clone()  # (B, n, H) | (T, H): the residual stream, updated in place
+    t = out.numel() // h
     count = len(p.table)
     keep = {i: torch.empty_like(out) for i in keep_layers if 1 <= i <= count}
     ptrs = (ctypes.c_void_p * count)(
         *[keep[i + 1].data_ptr() if i + 1 in keep else None for i in range(count)]
     )
-    cos, ssin = (t.reshape(-1, p.head_dim).contiguous() for t in rope)  # (n, d)
-    mp, mrow = (None, 0) if mask is None else (mask.data_ptr(), mask.stride(2) if mask.shape[2] > 1 else 0)
+    cos, ssin = (r.reshape(-1, p.head_dim).contiguous() for r in rope)  # (B * n | n, d)
+    pack = packed.rows.contiguous() if packed is not None else None
+    widx = step.widx.contiguous()
+    mp, mb, mrow = (None, 0, 0) if mask is None else (
+        mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0
+    )  # fmt: skip
     _lib().sd_decoder_layers(
-        p.table, count, n, h, p.heads, p.kv_heads, p.head_dim, p.inter,
-        cache.buffer.data_ptr(), cache.max_len, cache.length, cos.data_ptr(), ssin.data_ptr(), cos.shape[0],
-        mp, mrow, p.scale, out.data_ptr(), ptrs, torch.get_num_threads(),
+        p.table, count, step.rows, step.n, t, pack.data_ptr() if pack is not None else None,
+        h, p.heads, p.kv_heads, p.head_dim, p.inter,
+        cache.buffer.data_ptr(), step.cache_rows, cache.max_len, widx.data_ptr(),
+        step.krow.data_ptr() if step.krow is not None else None, step.span,
+        cos.data_ptr(), ssin.data_ptr(), cos.shape[0], mp, mb, mrow, p.scale, out.data_ptr(), ptrs,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out, keep
 
@@ -261,9 +355,11 @@ def _lib() -> Any:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn = lib.sd_decoder_layers
         fn.argtypes = [
-            ptr, i64, i64, i64, i64, i64, i64, i64,  # table, layers, M, H, heads, kv_heads, d, inter
-            ptr, i64, i64, ptr, ptr, i64,  # cache, max_len, start, cos, ssin, rope rows
-            ptr, i64, ctypes.c_float, ptr, ptr, ctypes.c_int,  # mask, mask row, scale, x, keep, threads
+            ptr, i64, i64, i64, i64, ptr,  # table, layers, B, n, T, pack
+            i64, i64, i64, i64, i64,  # H, heads, kv_heads, d, inter
+            ptr, i64, i64, ptr, ptr, i64,  # cache, cache rows, max_len, widx, krow, span
+            ptr, ptr, i64, ptr, i64, i64,  # cos, ssin, rope rows, mask, mask batch stride, mask row stride
+            ctypes.c_float, ptr, ptr, ctypes.c_int,  # scale, x, keep, threads
         ]  # fmt: skip
         fn.restype = None
         _DECLARED.add(id(lib))

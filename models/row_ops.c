@@ -219,10 +219,25 @@ static inline __attribute__((always_inline)) void heads(const int H, const float
  * key and value row once. Every query is computed over its visible keys in order, each sum in an order fixed
  * by that sequence: its bits depend on neither L, B, the hidden keys in between nor the threads, so a tree node
  * and the AR step at the same position, seeing the same keys, get the same output. */
+void sd_attention_rows(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
+                       int64_t ks, const float *v, int64_t vb, int64_t vh, int64_t vs, const float *mask,
+                       int64_t mb, int64_t ml, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t d,
+                       float scale, const int64_t *krow, float *out, int nthreads);
+
 void sd_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
                   int64_t ks, const float *v, int64_t vb, int64_t vh, int64_t vs, const float *mask, int64_t mb,
                   int64_t ml, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t d, float scale,
                   float *out, int nthreads) {
+    sd_attention_rows(q, qb, qh, ql, k, kb, kh, ks, v, vb, vh, vs, mask, mb, ml, B, Hq, Hkv, L, S, d, scale, NULL,
+                      out, nthreads);
+}
+
+/* sd_attention with batch row b's keys and values at cache row krow[b] (k + krow[b] * kb; NULL: row b): the
+ * rows of a batched cache a step runs, read in place (models/layer_rows.c). */
+void sd_attention_rows(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
+                       int64_t ks, const float *v, int64_t vb, int64_t vh, int64_t vs, const float *mask,
+                       int64_t mb, int64_t ml, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t d,
+                       float scale, const int64_t *krow, float *out, int nthreads) {
     const int64_t groups = Hq / Hkv, items = B * L * Hkv, sp = (S + 7) / 8 * 8;
     const int par = nthreads > 1 && B * Hq * L * S * d > PAR_WORK;
 #pragma omp parallel num_threads(par ? nthreads : 1)
@@ -232,7 +247,8 @@ void sd_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const floa
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t b = it / (L * Hkv), l = (it / Hkv) % L, g = it % Hkv;
-            const float *kr = k + b * kb + g * kh, *vr = v + b * vb + g * vh;
+            const int64_t kb_ = krow ? krow[b] : b;
+            const float *kr = k + kb_ * kb + g * kh, *vr = v + kb_ * vb + g * vh;
             const float *mr = mask ? mask + b * mb + l * ml : NULL;
             int64_t n = 0;
             for (int64_t s = 0; s < S; s++) /* the visible keys, in order, and their mask values */

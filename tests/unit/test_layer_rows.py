@@ -90,7 +90,8 @@ def test_one_call_equals_the_layer_loop_bit_for_bit(
 
 
 def test_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plan for a panel target (built once, rebuilt when a Linear is replaced); none on another layout or
+    """A plan for a panel target (built once, rebuilt when a Linear or a norm weight is replaced, holding every
+    tensor it points into); none on another layout or
     with the row kernels off; `fits` refuses a batch of two, a static (CUDA-graph) cache, a full cache, a
     boolean mask and several new tokens without a mask."""
     model = tiny_target("llama", CPU).float()
@@ -103,6 +104,11 @@ def test_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     attn.o_proj = PanelLinear(torch.nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False))
     again = layer_rows.plan(dec, fast_target._layer_info)
     assert again is not None and again is not plan
+    norm = dec.layers[0].input_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)  # a new tensor
+    third = layer_rows.plan(dec, fast_target._layer_info)
+    assert third is not None and third is not again and any(t is norm.weight for t in third.held)
+    again = third
     monkeypatch.setenv("SPECDRAFT_ROW_OPS", "0")
     assert fast_target._fused_plan(dec) is None
     monkeypatch.setenv("SPECDRAFT_ROW_OPS", "1")
@@ -126,8 +132,8 @@ def test_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decoding_through_it_stays_lossless(arch: str) -> None:
     """Greedy speculative decoding through the one-call loop (eager path) equals transformers' AR (stop tokens
-    included) and the decoder's own AR (random trees, oracle beams); a batch (the per-layer loop) equals batch 1
-    (the one-call loop)."""
+    included) and the decoder's own AR (random trees, oracle beams); a batch equals batch 1 (both
+    through the one-call loop)."""
     model = tiny_target(arch, CPU).float()
     panel_linears(model)
     check_static_equals_ar(StaticDecoder(model, 64, static=False), model, PromptLookupProposer(4))
@@ -140,3 +146,58 @@ def test_decoding_through_it_stays_lossless(arch: str) -> None:
     ]
     res = BatchDecoder(model, 2).generate(prompts, 12, stop_ids=set())
     assert [out for out, _ in res] == refs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("rows", ["all", "some"])
+def test_a_batched_step_equals_the_layer_loop_bit_for_bit(
+    arch: str, rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batched 4-token chain step over a `BatchKVCache` (rows of other lengths; the padding of a shorter row
+    packed out, or rows 2 and 0 of three, not adjacent) through the one-call loop: the per-layer loop's final
+    states, kept layer and whole cache bit for bit."""
+    from specdraft.eval.batch_kv import BatchKVCache
+    from specdraft.models.fast_target import Packing
+
+    model = tiny_target(arch, CPU).float()
+    panel_linears(model)
+    g = torch.Generator().manual_seed(5)
+    base = BatchKVCache(model, 3, 24)
+    base.buffer.copy_(
+        torch.randn(base.buffer.shape, generator=g)
+    )  # committed keys and values (and stale ones)
+    lengths = torch.tensor([5, 9, 7])
+    n = 4
+    pick = torch.tensor([2, 0]) if rows == "some" else None
+    lens = lengths[pick] if pick is not None else lengths  # (R,)
+    r = lens.shape[0]
+    pos = lens[:, None] + torch.arange(n)  # (R, n)
+    span = int(lens.max()) + n
+    s = torch.arange(span)
+    visible = (s[None, None] < lens[:, None, None]) | (
+        (s[None, None] >= lens[:, None, None]) & (s[None, None] <= pos[:, :, None])
+    )  # (R, n, span): the committed prefix and the chain up to each node
+    mask = torch.zeros(r, 1, n, span).masked_fill(~visible[:, None], torch.finfo(torch.float32).min)
+    ids = torch.randint(5, 128, (r, n), generator=g)
+    valid = torch.ones(r, n, dtype=torch.bool)
+    if pick is None:
+        valid[0, 2:] = False  # row 0 drafts 1 token: 2 padding positions
+    packed = Packing.of(valid)
+    assert (packed is None) == (pick is not None)
+    results = {}
+    with torch.inference_mode():
+        for env in ("0", "1"):
+            cache = BatchKVCache(model, 3, 24)
+            cache.buffer.copy_(base.buffer)
+            cache.prepare_write(pick if pick is not None else slice(0, 3), pos, span)
+            monkeypatch.setenv(layer_rows.ENV, env)
+            if env == "1":
+                plan = layer_rows.plan(model.get_decoder(), fast_target._layer_info)
+                x = torch.zeros(int(valid.sum()), 32) if packed is not None else torch.zeros(r, n, 32)
+                assert plan is not None and layer_rows.fits(plan, x, mask, cache, packed) is not None
+            out = fast_target.fast_forward(model, ids, mask, pos, cache, (2,), packed)
+            assert out is not None
+            results[env] = (out, cache.buffer.clone())
+    (a, buf0), (b, buf1) = results["0"], results["1"]
+    assert torch.equal(a[0], b[0]) and a[1] is not None and b[1] is not None and torch.equal(a[1], b[1])
+    assert torch.equal(buf0, buf1)

@@ -280,7 +280,12 @@ def fits(p: Plan, x: Tensor, mask: Tensor | None, cache: Any, packed: Any = None
     else:
         rows = cache.rows
         krow = torch.arange(rows.start or 0, (rows.start or 0) + b) if isinstance(rows, slice) else rows
-        if krow.numel() != b or cache.write_index.numel() != b * p.kv_heads * n:
+        if krow.numel() != b or cache.write_index.numel() != b * p.kv_heads * n or b == 0:
+            return None
+        cells = int(buf.shape[2]) * p.kv_heads * cache.max_len  # rows of one layer's keys: the C side trusts
+        if not 0 < int(cache.span) <= cache.max_len or int(krow.min()) < 0 or int(krow.max()) >= buf.shape[2]:
+            return None  # what it is told (the per-layer loop's index_copy_ would raise)
+        if int(cache.write_index.min()) < 0 or int(cache.write_index.max()) >= cells:
             return None
         step = Step(
             b, n, int(buf.shape[2]), cache.write_index, krow.to(torch.long).contiguous(), int(cache.span)

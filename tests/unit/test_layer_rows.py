@@ -201,3 +201,22 @@ def test_a_batched_step_equals_the_layer_loop_bit_for_bit(
     (a, buf0), (b, buf1) = results["0"], results["1"]
     assert torch.equal(a[0], b[0]) and a[1] is not None and b[1] is not None and torch.equal(a[1], b[1])
     assert torch.equal(buf0, buf1)
+
+
+def test_a_batch_cache_out_of_bounds_is_refused() -> None:
+    """The C loop trusts its write positions and rows: `fits` refuses a `BatchKVCache` step whose write index,
+    rows or span fall outside the buffer (the per-layer loop's `index_copy_` then raises, as before)."""
+    from specdraft.eval.batch_kv import BatchKVCache
+
+    model = tiny_target("llama", CPU).float()
+    panel_linears(model)
+    plan = layer_rows.plan(model.get_decoder(), fast_target._layer_info)
+    assert plan is not None
+    cache = BatchKVCache(model, 2, 8)
+    x, mask = torch.zeros(2, 1, 32), torch.zeros(2, 1, 1, 8)
+    cache.prepare_write(slice(0, 2), torch.tensor([[3], [5]]), 8)
+    assert layer_rows.fits(plan, x, mask, cache) is not None
+    cache.prepare_write(slice(0, 2), torch.tensor([[3], [8]]), 8)  # position 8 of 8
+    assert layer_rows.fits(plan, x, mask, cache) is None
+    cache.prepare_write(torch.tensor([0, 2]), torch.tensor([[3], [5]]), 8)  # row 2 of 2
+    assert layer_rows.fits(plan, x, mask, cache) is None

@@ -107,13 +107,12 @@ class Plan:
     Attributes:
         table: one `_Layer` per layer (pointers into the model's own weights).
         held: every tensor the table points into, kept alive with it.
-        hidden, heads, kv_heads, head_dim, inter: the geometry.
+        heads, kv_heads, head_dim, inter: the geometry.
         scale: the attention score scale.
     """
 
     table: ctypes.Array
     held: list[Tensor]
-    hidden: int
     heads: int
     kv_heads: int
     head_dim: int
@@ -141,22 +140,19 @@ def _prod(panels: Tensor | ExactPanels, n_out: int, bias: Tensor | None, held: l
 
 
 def _modules(decoder: Any) -> tuple[nn.Module | Tensor, ...]:
-    """The modules and norm weights a plan reads, in order (their identity is checked on every use)."""
-    return tuple(
-        m
-        for layer in decoder.layers
-        for m in (
-            layer.self_attn.q_proj,
-            layer.self_attn.k_proj,
-            layer.self_attn.v_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-            layer.mlp.down_proj,
-            layer.input_layernorm.weight,
-            layer.post_attention_layernorm.weight,
+    """The modules and norm weights a plan reads, in order (their identity is checked on every forward, so read
+    from the modules' own `_modules` / `_parameters` dicts: `nn.Module.__getattr__` made this 1.2 ms a step)."""
+    out: list[nn.Module | Tensor] = []
+    for layer in decoder.layers:
+        sub = layer._modules
+        attn, mlp = sub["self_attn"]._modules, sub["mlp"]._modules
+        out += (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"])
+        out += (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
+        out += (
+            sub["input_layernorm"]._parameters["weight"],
+            sub["post_attention_layernorm"]._parameters["weight"],
         )
-    )
+    return tuple(out)
 
 
 def plan(decoder: Any, layer_rows: Callable[[nn.Module], tuple[Any, bool]]) -> Plan | None:
@@ -218,9 +214,8 @@ def _build(decoder: Any, info: list[tuple[Any, bool]]) -> Plan | None:
     if len(geometry) != 1:
         return None  # layers of different shapes: not this loop's
     heads, kv_heads, inter, scale = geometry.pop()
-    hidden = int(layers[0].input_layernorm.weight.shape[0])
     table = (_Layer * len(entries))(*entries)
-    return Plan(table, held, hidden, heads, kv_heads, d, inter, scale)
+    return Plan(table, held, heads, kv_heads, d, inter, scale)
 
 
 @dataclass

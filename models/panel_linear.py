@@ -118,9 +118,8 @@ def _library(sources: tuple[Path, ...] = SOURCES) -> tuple[ctypes.CDLL | None, s
     if cc is None:
         return None, f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH to build the panel kernel"
     try:
-        lib = ctypes.CDLL(
-            str(_build(cc, sources))
-        )  # after torch: its libgomp.so.1 serves the kernel's OpenMP
+        # after torch: its libgomp.so.1 serves the kernel's OpenMP
+        lib = ctypes.CDLL(str(_build(cc, sources)))
     except (OSError, RuntimeError) as e:
         return None, str(e)
     fn = lib.sd_panel_linear

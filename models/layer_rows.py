@@ -120,10 +120,24 @@ class Plan:
     scale: float
 
 
-# per decoder: (the modules its plan was built from, the plan or None where the loop does not apply)
-_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module | Tensor, ...], Plan | None]] = (
+# per decoder: (the modules its plan was built from, the plan or None where the loop does not apply, the
+# registration count when they were last checked)
+_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module | Tensor, ...], Plan | None, int]] = (
     weakref.WeakKeyDictionary()
 )
+_REGISTERED = [0]  # submodules and parameters registered by any module in this process (torch's global hooks)
+
+
+def _count_registration(*_: object) -> None:
+    """torch's global registration hook: a module assigned a submodule or a parameter (returns None: the value
+    stays as it is)."""
+    _REGISTERED[0] += 1
+
+
+# Replacing a Linear or a norm weight goes through these hooks (`setattr`, `register_module`,
+# `register_parameter`), so a plan whose count has not moved needs no identity check (0.3 ms of a ~13 ms step).
+nn.modules.module.register_module_module_registration_hook(_count_registration)
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
 def _prod(panels: Tensor | ExactPanels, n_out: int, bias: Tensor | None, held: list[Tensor]) -> _Prod:
@@ -164,14 +178,18 @@ def plan(decoder: Any, layer_rows: Callable[[nn.Module], tuple[Any, bool]]) -> P
         layer_rows: layer -> (its q/k/v and gate/up StackedPanels or None, whether it takes the row kernels):
             `fast_target`'s `_stacks` and `_rows_ok`, called only when the plan is (re)built.
     """
-    mods = _modules(decoder)
     seen = _PLANS.get(decoder)
+    count = _REGISTERED[0]
+    if seen is not None and seen[2] == count:
+        return seen[1]  # nothing registered anywhere since the last check
+    mods = _modules(decoder)
     if (
         seen is None
         or len(seen[0]) != len(mods)
         or any(a is not b for a, b in zip(seen[0], mods, strict=True))
     ):
-        seen = _PLANS[decoder] = (mods, _build(decoder, [layer_rows(layer) for layer in decoder.layers]))
+        seen = (mods, _build(decoder, [layer_rows(layer) for layer in decoder.layers]), count)
+    _PLANS[decoder] = (seen[0], seen[1], count)
     return seen[1]
 
 
@@ -254,7 +272,8 @@ def fits(p: Plan, x: Tensor, mask: Tensor | None, cache: Any, packed: Any = None
         b, n = x.shape[0], x.shape[1]
     else:
         return None
-    buf = cache.buffer if isinstance(cache, (RowsCache, BatchRowsCache)) else None
+    kind = _cache_kind(cache)
+    buf = cache.buffer if kind else None
     if buf is None or buf.dtype != torch.float32 or not buf.is_contiguous() or buf.dim() != 6:
         return None
     if (
@@ -263,7 +282,7 @@ def fits(p: Plan, x: Tensor, mask: Tensor | None, cache: Any, packed: Any = None
         or tuple(buf.shape[3:]) != (p.kv_heads, cache.max_len, p.head_dim)
     ):
         return None
-    if isinstance(cache, RowsCache):
+    if kind == 1:  # a RowsCache
         if cache.static or b != 1 or buf.shape[2] != 1 or cache.length + n > cache.max_len:
             return None
         if mask is None and n != 1:
@@ -297,6 +316,21 @@ def fits(p: Plan, x: Tensor, mask: Tensor | None, cache: Any, packed: Any = None
         and mask.stride(3) == 1
     )
     return step if ok else None
+
+
+def _cache_kind(cache: Any) -> int:
+    """1 for a `RowsCache`, 2 for a `BatchRowsCache`, 0 for neither: decided once per cache class (a runtime
+    protocol check reads every attribute, ~0.1 ms; the caches set theirs in `__init__`)."""
+    cls = type(cache)
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS[cls] = (
+            1 if isinstance(cache, RowsCache) else 2 if isinstance(cache, BatchRowsCache) else 0
+        )
+    return kind
+
+
+_KINDS: dict[type, int] = {}  # cache class -> `_cache_kind`
 
 
 def run(

@@ -130,16 +130,26 @@ def _library(sources: tuple[Path, ...] = SOURCES) -> tuple[ctypes.CDLL | None, s
     return lib, "ok"
 
 
-def baseline_library(source: Path) -> ctypes.CDLL:
-    """The kernel library built with `source` in place of panel_linear.c (row_ops.c as it is), declared: the
-    baseline of an A/B run of a kernel change (`scripts/bench_target_forward.py --compare kernel`).
+def baseline_library(source: Path, replaces: str | None = None) -> ctypes.CDLL:
+    """The kernel library built with `source` in place of one of `SOURCES` (the others as they are), declared:
+    the baseline of an A/B run of a kernel change (`scripts/bench_target_forward.py --compare kernel`).
+
+    Args:
+        source: a C file to build.
+        replaces: the name of the source it stands for ("panel_linear.c", "row_ops.c" or "layer_rows.c");
+            None: the one `source` is named after, else panel_linear.c.
 
     Raises:
-        RuntimeError: the kernel does not run here, or `source` does not build (the compiler's first error).
+        RuntimeError: the kernel does not run here, `replaces` names no source, or `source` does not build
+            (the compiler's first error).
     """
     if panel_lib() is None:
         raise RuntimeError(f"the panel kernel does not run here: {panel_status()[1]}")
-    lib, why = _library((Path(source), *SOURCES[1:]))
+    names = [src.name for src in SOURCES]
+    name = replaces or (Path(source).name if Path(source).name in names else SOURCE.name)
+    if name not in names:
+        raise RuntimeError(f"{name!r} is not a kernel source; pick one of {', '.join(names)}")
+    lib, why = _library(tuple(Path(source) if src.name == name else src for src in SOURCES))
     if lib is None:
         raise RuntimeError(why)
     return lib

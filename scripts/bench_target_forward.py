@@ -11,6 +11,9 @@
     # a kernel change: the committed panel_linear.c as the baseline against the working tree's
     git show HEAD:models/panel_linear.c > /tmp/base.c
     python scripts/bench_target_forward.py --compare kernel --baseline-source /tmp/base.c --prompts 4
+    # the same for the row kernels or the layer loop: a file named row_ops.c / layer_rows.c replaces that one
+    mkdir -p /tmp/base && git show HEAD:models/row_ops.c > /tmp/base/row_ops.c
+    python scripts/bench_target_forward.py --compare kernel --baseline-source /tmp/base/row_ops.c --prompts 4
 
 Each forward has its own decoder; they are timed back to back at every size and repetition
 (`SPECDRAFT_TARGET_FORWARD`, `SPECDRAFT_ROW_OPS` with `--compare rows`, `SPECDRAFT_LAYER_ROWS` with `--compare
@@ -64,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--baseline-source",
         default=None,
-        help="with --compare kernel: a panel_linear.c to build as the baseline (e.g. `git show "
-        "HEAD:models/panel_linear.c`)",
+        help="with --compare kernel: a C source to build as the baseline; named row_ops.c or layer_rows.c it "
+        "replaces that source, any other name panel_linear.c (e.g. `git show HEAD:models/panel_linear.c`)",
     )
     a = p.parse_args(argv)
     if (a.compare == "kernel") != (a.baseline_source is not None):

@@ -90,8 +90,8 @@ def test_one_call_equals_the_layer_loop_bit_for_bit(
 
 
 def test_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plan for a panel target (built once, rebuilt when a Linear or a norm weight is replaced, holding every
-    tensor it points into); none on another layout or
+    """A plan for a panel target (built once, not even checked while no module registers anything, rebuilt when a
+    Linear or a norm weight is replaced, holding every tensor it points into); none on another layout or
     with the row kernels off; `fits` refuses a batch of two, a static (CUDA-graph) cache, a full cache, a
     boolean mask and several new tokens without a mask."""
     model = tiny_target("llama", CPU).float()
@@ -100,6 +100,9 @@ def test_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     panel_linears(model)
     plan = layer_rows.plan(dec, fast_target._layer_info)
     assert plan is not None and layer_rows.plan(dec, fast_target._layer_info) is plan
+    with monkeypatch.context() as m:  # nothing registered since: no identity check at all
+        m.setattr(layer_rows, "_modules", lambda _: pytest.fail("identity checked with nothing registered"))
+        assert layer_rows.plan(dec, fast_target._layer_info) is plan
     attn = dec.layers[1].self_attn
     attn.o_proj = PanelLinear(torch.nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False))
     again = layer_rows.plan(dec, fast_target._layer_info)

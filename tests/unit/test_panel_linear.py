@@ -158,6 +158,29 @@ def test_kernel_is_built_into_the_cache(
     assert panel_status()[1] == "ok" and built[0].stat().st_mtime_ns == stamp
 
 
+@needs_panel
+def test_a_baseline_source_replaces_the_source_it_is_named_after(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`baseline_library` (a kernel A/B): a file named row_ops.c or layer_rows.c stands for that source, any
+    other name for panel_linear.c; `replaces` names it outright and must be one of them."""
+    built: list[tuple[str, ...]] = []
+    monkeypatch.setattr(
+        panel_linear, "_library", lambda srcs: (built.append(tuple(map(str, srcs))), None, "x")[1:]
+    )
+    rows = tmp_path / "row_ops.c"
+    other = tmp_path / "base.c"
+    for src, replaces, slot in ((rows, None, 1), (other, None, 0), (other, "layer_rows.c", 2)):
+        with pytest.raises(RuntimeError, match="x"):
+            panel_linear.baseline_library(src, replaces)
+        assert built[-1][slot] == str(src)
+        assert [p for i, p in enumerate(built[-1]) if i != slot] == [
+            str(p) for i, p in enumerate(panel_linear.SOURCES) if i != slot
+        ]
+    with pytest.raises(RuntimeError, match="'kernel.c' is not a kernel source"):
+        panel_linear.baseline_library(other, "kernel.c")
+
+
 def test_no_compiler_falls_back_and_forcing_says_why(
     fresh_status: None, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

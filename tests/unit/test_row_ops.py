@@ -69,8 +69,29 @@ def test_silu_mul_equals_torch_on_the_halves_of_one_product() -> None:
     got = row_ops.silu_mul(gate, up)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-7)
     assert got.is_contiguous()
+    # each element alone: columns 8-12 through the padded tail of a 13-wide row equal the 8-wide vectors' bits
+    narrow = row_ops.silu_mul(gate[:, :13].contiguous(), up[:, :13].contiguous())
+    assert torch.equal(narrow, got[:, :13])
+    big = torch.tensor([[-100.0, -20.0, 0.0, 20.0, 100.0]])
+    torch.testing.assert_close(row_ops.silu_mul(big, torch.ones(1, 5)), F.silu(big), rtol=2e-6, atol=1e-7)
     with pytest.raises(ValueError, match="one shape"):
         row_ops.silu_mul(gate, up[:, :20])
+
+
+@pytest.mark.parametrize("d", [8, 24, 40, 64, 72])
+def test_attention_at_every_head_width_equals_torch_and_is_row_invariant(d: int) -> None:
+    """The value sums run in chunks of up to 32 columns, the last 8-24 in one more pass: every head width that
+    is a multiple of 8 equals torch's SDPA to rounding, and a query alone has the bits it has among others."""
+    b, hq, hkv, n, s = 1, 6, 2, 3, 37
+    q, k, v = _rand(b, hq, n, d, seed=d), _rand(b, hkv, s, d, seed=d + 1), _rand(b, hkv, s, d, seed=d + 2)
+    mask = torch.zeros(b, 1, n, s)
+    mask[..., ::5] = torch.finfo(torch.float32).min
+    got = row_ops.attention(q, k, v, mask, d**-0.5)
+    assert got is not None
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    alone = row_ops.attention(q[:, :, 1:2], k, v, mask[:, :, 1:2], d**-0.5)
+    assert alone is not None and torch.equal(alone[:, 0], got[:, 1])
 
 
 def test_attention_equals_torch_and_a_query_sees_only_its_keys_bit_for_bit() -> None:

@@ -83,7 +83,7 @@ def test_exact_weights_are_found_and_give_the_fp32_panels_bits(kind: str, stored
         lin = linear_of(w, bias)
         exact, plain = PanelLinear(lin, exact=True), PanelLinear(lin, exact=False)
         assert isinstance(exact.panels, ExactPanels) and isinstance(plain.panels, torch.Tensor)
-        for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 20):
+        for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 20):
             x = torch.randn(rows, 96, generator=g)
             assert torch.equal(exact(x).view(torch.int32), plain(x).view(torch.int32)), rows
             torch.testing.assert_close(exact(x), lin(x), rtol=1e-5, atol=1e-5)

@@ -164,6 +164,7 @@ def test_a_baseline_source_replaces_the_source_it_is_named_after(
 ) -> None:
     """`baseline_library` (a kernel A/B): a file named row_ops.c or layer_rows.c stands for that source, any
     other name for panel_linear.c; `replaces` names it outright and must be one of them."""
+    assert panel_linear.panel_lib() is not None  # the real library first (panel_status builds it once)
     built: list[tuple[str, ...]] = []
     monkeypatch.setattr(
         panel_linear, "_library", lambda srcs: (built.append(tuple(map(str, srcs))), None, "x")[1:]

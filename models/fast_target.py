@@ -266,6 +266,16 @@ def _layer_info(layer: nn.Module) -> tuple[tuple[StackedPanels, StackedPanels] |
     return stacks, stacks is not None and bool(_STACKS[layer][2])
 
 
+def one_call_layers(model: nn.Module) -> bool:
+    """Whether a step of `model` with an explicit mask over the decoders' own eager cache runs every layer in
+    one kernel call (`models/layer_rows.py`): a CPU panel target with the row kernels and the loop on. A caller
+    may then give a prompt as masked chunks instead of transformers' causal forward (`eval/static_decode.py`)."""
+    if unsupported(model) is not None:
+        return False
+    decoder: Any = cast(Any, model).get_decoder()
+    return _fused_plan(decoder) is not None
+
+
 def _fused_plan(decoder: Any) -> layer_rows.Plan | None:
     """`layer_rows`' plan of the decoder where its one-call layer loop may run (row kernels wanted, the loop
     not turned off), else None."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdraft.eval import static_decode
 from specdraft.eval.batch_decode import BatchDecoder
+from specdraft.eval.decode import target_forward
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.eval.static_kv import StaticKVCache
@@ -130,6 +132,48 @@ def test_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not layer_rows.fits(again, x1, None, StaticKVCache(model, 8, static=True))
     cache.set_length(8)
     assert not layer_rows.fits(again, x1, None, cache)  # no room
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_prompt_in_causal_chunks_equals_one_token_steps_bit_for_bit(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eager decoder's prefill on a panel target runs the prompt as causal chunks through the one call: its
+    hidden states, last logits and cache equal feeding the prompt one token at a time, bit for bit, whatever the
+    chunk size (4 positions, or all 11 at once); with the loop off it is transformers' causal forward, equal to
+    rounding."""
+    model = tiny_target(arch, CPU).float()
+    _gguf_like(model)
+    panel_linears(model)
+    ids = torch.tensor([random_prompts([11])[0]])  # (1, 11)
+    p = ids.shape[1]
+    dec = StaticDecoder(model, 32, static=False)
+    assert fast_target.one_call_layers(model)
+
+    def prefill(chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(static_decode, "PREFILL_CHUNK", chunk)
+        dec._reserve(p + 1)
+        dec.cache.set_length(0)
+        logits, hidden = dec._prefill(ids, (), False)  # (1, V), (P, H)
+        assert dec.cache.length == p
+        return logits, hidden, dec.cache.buffer[..., :p, :].clone()
+
+    chunks, whole = prefill(4), prefill(256)
+    dec.cache.set_length(0)
+    steps = []
+    with torch.inference_mode():
+        for t in range(p):  # one-token steps (the AR step's path)
+            logits, hidden = target_forward(model, ids[:, t : t + 1], dec.cache, None, None, slice(-1, None))
+            dec.cache.advance(1)
+            steps.append(hidden)
+    stepwise = (logits, torch.cat(steps), dec.cache.buffer[..., :p, :].clone())
+    for got in (chunks, whole):
+        assert all(torch.equal(a, b) for a, b in zip(got, stepwise, strict=True))
+    monkeypatch.setenv(layer_rows.ENV, "0")
+    assert not fast_target.one_call_layers(model)
+    hf = prefill(4)  # transformers' causal forward, whatever the chunk size
+    for a, b in zip(hf, stepwise, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

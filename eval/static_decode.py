@@ -246,18 +246,26 @@ class StaticDecoder:
         each a causal tree over the cache so far, so every layer runs in one kernel call (transformers' causal
         forward makes ~15 torch calls a layer). Returns (last-row logits (1, V), hidden (P, H'))."""
         p = ids.shape[1]
-        low = torch.finfo(self.dtype).min
         parts: list[Tensor] = []
         logits = None
         for s in range(0, p, PREFILL_CHUNK):
             e = min(p, s + PREFILL_CHUNK)
             n, past = e - s, self.cache.length
-            mask = torch.zeros(1, 1, n, past + n, dtype=self.dtype, device=self.device)  # (1, 1, n, past + n)
-            mask[0, 0, :, past:] = torch.full((n, n), low, dtype=self.dtype, device=self.device).triu(1)
-            positions = torch.arange(past, past + n, device=self.device)[None]  # (1, n)
+            steps = torch.arange(n, device=self.device)
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            chain = DraftTree(ids[0, s:e], steps - 1, depth=steps, ancestors=causal)  # the chunk as a chain
+            mask = tree_attention_mask(chain, past, self.dtype)  # (1, 1, n, past + n)
+            positions = tree_position_ids(chain, past)  # (1, n)
             rows = slice(-1, None) if e == p else slice(0, 0)  # logits of the prompt's last position only
             logits, hidden = target_forward(
-                self.model, ids[:, s:e], self.cache, positions, mask, rows, layers=layers, keep_last=keep_last
+                self.model,
+                chain.tokens[None],
+                self.cache,
+                positions,
+                mask,
+                rows,
+                layers=layers,
+                keep_last=keep_last,
             )
             self.cache.advance(n)
             parts.append(hidden)

@@ -33,7 +33,7 @@ class BaseModelConfig:
     name_or_path: str = "smollm2-135m"  # Hub id, local HF folder, .gguf file, or the embedded `smollm2-135m`
     gguf_file: str | None = None  # GGUF file name inside `name_or_path` (Hub repo or folder)
     revision: str | None = None  # Hub revision (branch, tag or commit)
-    dtype: str = "auto"  # auto (bf16 where native, else fp16 on CUDA / fp32) | fp32 | bf16 | fp16 | fp64
+    dtype: str = "auto"  # auto (bf16 where native but fp32 on panel-kernel CPUs, fp16 on old CUDA, else fp32) | fp32 | bf16 | fp16 | fp64
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 (None: transformers' default)
     cache_dir: str | None = None  # where the dequantised GGUF copy is cached (default ~/.cache/specdraft)

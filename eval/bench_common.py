@@ -40,7 +40,11 @@ def add_target_args(
     """The arguments every benchmark script takes: target, precision, device, Linear layout, drafters, prompt
     lookup, benchmark, threads and the JSON output."""
     p.add_argument("--target", default="smollm2-135m", help="target: a preset name, HF folder or Hub id")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | fp32 | bf16 | fp16 (auto: bf16 where native, but fp32 where the panel kernels decode)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--layout",

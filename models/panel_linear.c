@@ -45,14 +45,31 @@ static inline void store_rows(const int R, const float *out, const float *bias, 
 /* ---- the panel loops: fp32 panels and exact ones ------------------------------------------------------- */
 /* Layout of an exact panel b: Q (K, QB) bytes per kind: 4 (QB 8: byte c holds column c in its low nibble, column c + 8 in
  * its high one), 8 (QB 16: byte c is column c), 16 (bf16, QB 32: the upper halves of the fp32 weights) or 17
- * (fp16, QB 32); D, Mn (K / 32, 16) floats for kinds 4 and 8: block j's d and m per column (K a multiple of 32). */
+ * (fp16, QB 32); D, Mn (K / 32, 16) floats for kinds 4 and 8 (fp16 for kinds 5 and 9, below): block j's d and m
+ * per column (K a multiple of 32). */
 #define QBLK 32
 #define KIND_BF16 16
 #define KIND_FP16 17
 #define KIND_F32 32 /* plain fp32 panels (sd_panel_linear): the same loops, weights loaded as they are */
+/* Kinds 5 and 9: kinds 4 and 8 with D, Mn held as fp16 (a GGUF's d and m are fp16, so its blocks' tables are
+ * exact in 2 bytes): 0.625 instead of 0.75 bytes a 4-bit weight. A decode step streams its weights from memory
+ * (~23 GB/s on a 2-core EPYC), so the bytes are its time; the tables are converted once per 32 input rows. */
+#define KIND_Q4H 5
+#define KIND_Q8H 9
+#define IS_Q4(KIND) ((KIND) == 4 || (KIND) == KIND_Q4H)
+#define HALF_TABLES(KIND) ((KIND) == KIND_Q4H || (KIND) == KIND_Q8H)
 
 static inline int64_t kind_bytes(int kind) {
-    return kind == 4 ? 8 : kind == 8 ? 16 : kind == KIND_F32 ? 64 : 32;
+    return IS_Q4(kind) ? 8 : kind == 8 || kind == KIND_Q8H ? 16 : kind == KIND_F32 ? 64 : 32;
+}
+
+/* bytes of one D or Mn entry: 2 for the fp16 tables, else 4 */
+static inline int64_t table_bytes(int kind) { return HALF_TABLES(kind) ? 2 : 4; }
+
+/* 8 consecutive table entries from entry `at` (fp16 tables converted exactly to fp32). */
+static inline __attribute__((always_inline)) __m256 table8(const int KIND, const float *t, int64_t at) {
+    if (HALF_TABLES(KIND)) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t + at)));
+    return _mm256_loadu_ps(t + at);
 }
 
 /* vpshufb control: lane 0 takes bytes 0-3, lane 1 bytes 4-7 (of the 8 broadcast to both lanes), each
@@ -82,7 +99,7 @@ static inline __attribute__((always_inline)) void dequant(const int KIND, const 
         *w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q + 16)));
         return;
     }
-    if (KIND == 4) {
+    if (IS_Q4(KIND)) {
         /* bytes 0-7 in both 128-bit lanes, zero-extended in lane: dword c = byte c (c < 8), one in-lane shuffle */
         int64_t b8;
         memcpy(&b8, q, 8);
@@ -98,14 +115,17 @@ static inline __attribute__((always_inline)) void dequant(const int KIND, const 
 }
 
 /* Runs BODY(i, w0, w1) for i = 0..K-1 in order with input row i's 16 weights rebuilt (the block constants
- * reloaded every 32 rows for kinds 4 and 8). */
-#define FOR_EACH_WEIGHT_ROW(KIND, K, q, d, m, BODY)                                                          \
+ * reloaded every 32 rows for kinds 4 and 8). S: panels side by side in the layout (1, or 2 for a paired store,
+ * whose input rows hold both panels' bytes and whose blocks both panels' constants: q, d, m then point at this
+ * panel's first ones). */
+#define FOR_EACH_WEIGHT_ROW(KIND, S, K, q, d, m, BODY)                                                       \
     do {                                                                                                     \
-        const int64_t qb_ = kind_bytes(KIND);                                                                \
+        const int64_t qb_ = kind_bytes(KIND) * (S);                                                          \
         if ((KIND) < KIND_BF16) {                                                                            \
             for (int64_t j_ = 0; j_ < (K) / QBLK; j_++) {                                                    \
-                const __m256 d0_ = _mm256_loadu_ps(d + j_ * PW), d1_ = _mm256_loadu_ps(d + j_ * PW + 8);     \
-                const __m256 m0_ = _mm256_loadu_ps(m + j_ * PW), m1_ = _mm256_loadu_ps(m + j_ * PW + 8);     \
+                const int64_t t_ = j_ * PW * (S);                                                            \
+                const __m256 d0_ = table8(KIND, d, t_), d1_ = table8(KIND, d, t_ + 8);                       \
+                const __m256 m0_ = table8(KIND, m, t_), m1_ = table8(KIND, m, t_ + 8);                       \
                 for (int64_t i = j_ * QBLK; i < (j_ + 1) * QBLK; i++) {                                      \
                     __m256 w0, w1;                                                                           \
                     dequant(KIND, q + i * qb_, d0_, d1_, m0_, m1_, &w0, &w1);                                \
@@ -123,15 +143,15 @@ static inline __attribute__((always_inline)) void dequant(const int KIND, const 
     } while (0)
 
 /* out[r, 0:16] for r < R with each weight rebuilt in registers: panel_rows' FMA chain, the same order. */
-static inline __attribute__((always_inline)) void qpanel_rows(const int R, const int KIND, const float *x,
-                                                              int64_t K, const uint8_t *q, const float *d,
-                                                              const float *m, float *out) {
+static inline __attribute__((always_inline)) void qpanel_rows(const int R, const int KIND, const int S,
+                                                              const float *x, int64_t K, const uint8_t *q,
+                                                              const float *d, const float *m, float *out) {
     __m256 a0[RMAX], a1[RMAX];
     for (int r = 0; r < R; r++) {
         a0[r] = _mm256_setzero_ps();
         a1[r] = _mm256_setzero_ps();
     }
-    FOR_EACH_WEIGHT_ROW(KIND, K, q, d, m, {
+    FOR_EACH_WEIGHT_ROW(KIND, S, K, q, d, m, {
         for (int r = 0; r < R; r++) {
             const __m256 xb = _mm256_broadcast_ss(x + r * K + i);
             a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
@@ -144,38 +164,108 @@ static inline __attribute__((always_inline)) void qpanel_rows(const int R, const
     }
 }
 
+/* Both panels of a pair at once for R <= PAIR_ROWS rows: out_a, out_b [r, 0:16], each column's chain exactly
+ * qpanel_rows' (the same FMAs in the same order), four independent chains a row instead of two. At one or two
+ * rows a single panel's two chains wait on FMA latency; with the pair's bytes side by side the four run in the
+ * time of two and the weights still stream as one sequence (two panels read from two places ran slower here). */
+#define PAIR_ROWS 2
+static inline __attribute__((always_inline)) void pair_rows(const int R, const int KIND, const float *x, int64_t K,
+                                                            const uint8_t *q, const float *d, const float *m,
+                                                            float *out_a, float *out_b) {
+    const int64_t qb = kind_bytes(KIND);
+    __m256 a0[PAIR_ROWS], a1[PAIR_ROWS], b0[PAIR_ROWS], b1[PAIR_ROWS];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / QBLK; j++) {
+        const int64_t t = j * 2 * PW;
+        const __m256 da0 = table8(KIND, d, t), da1 = table8(KIND, d, t + 8);
+        const __m256 db0 = table8(KIND, d, t + PW), db1 = table8(KIND, d, t + PW + 8);
+        const __m256 ma0 = table8(KIND, m, t), ma1 = table8(KIND, m, t + 8);
+        const __m256 mb0 = table8(KIND, m, t + PW), mb1 = table8(KIND, m, t + PW + 8);
+        for (int64_t i = j * QBLK; i < (j + 1) * QBLK; i++) {
+            __m256 wa0, wa1, wb0, wb1;
+            dequant(KIND, q + i * 2 * qb, da0, da1, ma0, ma1, &wa0, &wa1);
+            dequant(KIND, q + i * 2 * qb + qb, db0, db1, mb0, mb1, &wb0, &wb1);
+            for (int r = 0; r < R; r++) {
+                const __m256 xb = _mm256_broadcast_ss(x + r * K + i);
+                a0[r] = _mm256_fmadd_ps(xb, wa0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(xb, wa1, a1[r]);
+                b0[r] = _mm256_fmadd_ps(xb, wb0, b0[r]);
+                b1[r] = _mm256_fmadd_ps(xb, wb1, b1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out_a + r * PW, a0[r]);
+        _mm256_storeu_ps(out_a + r * PW + 8, a1[r]);
+        _mm256_storeu_ps(out_b + r * PW, b0[r]);
+        _mm256_storeu_ps(out_b + r * PW + 8, b1[r]);
+    }
+}
+
 /* out[r, 0:16] = sum_i x[r, i] * p[i, 0:16] for r < R (R a compile-time constant after inlining): the fp32
  * panels' loop, which every exact kind above repeats with its weights rebuilt. */
 static inline __attribute__((always_inline)) void panel_rows(const int R, const float *x, int64_t K,
                                                              const float *p, float *out) {
-    qpanel_rows(R, KIND_F32, x, K, (const uint8_t *)p, NULL, NULL, out);
+    qpanel_rows(R, KIND_F32, 1, x, K, (const uint8_t *)p, NULL, NULL, out);
 }
 
-static inline __attribute__((always_inline)) void unpack_kind(const int KIND, int64_t K, const uint8_t *q,
-                                                              const float *d, const float *m, float *p) {
-    FOR_EACH_WEIGHT_ROW(KIND, K, q, d, m, {
+static inline __attribute__((always_inline)) void unpack_kind(const int KIND, const int S, int64_t K,
+                                                              const uint8_t *q, const float *d, const float *m,
+                                                              float *p) {
+    FOR_EACH_WEIGHT_ROW(KIND, S, K, q, d, m, {
         _mm256_storeu_ps(p + i * PW, w0);
         _mm256_storeu_ps(p + i * PW + 8, w1);
     });
 }
 
-/* panel (K, 16) floats rebuilt (the weights qpanel_rows computes with). */
-static void unpack_panel(int kind, int64_t K, const uint8_t *q, const float *d, const float *m, float *p) {
-    switch (kind) {
-        case 4: unpack_kind(4, K, q, d, m, p); break;
-        case 8: unpack_kind(8, K, q, d, m, p); break;
-        case KIND_BF16: unpack_kind(KIND_BF16, K, q, d, m, p); break;
-        default: unpack_kind(KIND_FP16, K, q, d, m, p); break;
+#define KIND_CASES(CALL_K)                           \
+    switch (kind) {                                  \
+        case 4: CALL_K(4); break;                    \
+        case 8: CALL_K(8); break;                    \
+        case KIND_Q4H: CALL_K(KIND_Q4H); break;      \
+        case KIND_Q8H: CALL_K(KIND_Q8H); break;      \
+        case KIND_BF16: CALL_K(KIND_BF16); break;    \
+        default: CALL_K(KIND_FP16); break;           \
     }
+
+/* panel (K, 16) floats rebuilt (the weights qpanel_rows computes with); S as FOR_EACH_WEIGHT_ROW. */
+static void unpack_panel(int kind, int S, int64_t K, const uint8_t *q, const float *d, const float *m, float *p) {
+#define UNPACK1(KK) unpack_kind(KK, 1, K, q, d, m, p)
+#define UNPACK2(KK) unpack_kind(KK, 2, K, q, d, m, p)
+    if (S == 1) {
+        KIND_CASES(UNPACK1)
+    } else {
+        KIND_CASES(UNPACK2)
+    }
+}
+
+/* A paired store (kind | KIND_PAIRED, kinds 4, 5, 8 and 9): panels 2g and 2g + 1 side by side, input row i's
+ * bytes of panel 2g then of 2g + 1, and block j's 16 d of panel 2g then 16 of 2g + 1 (m the same): one stream
+ * of bytes for two panels. The panel count is even (models/exact_panels.py pairs only those). */
+#define KIND_PAIRED 64
+
+/* Where panel b of a store starts: its bytes, d and m, and the stride S between its input rows' bytes. */
+static inline void panel_at(int kind, int S, int64_t K, const uint8_t *Q, const float *D, const float *Mn,
+                            int64_t b, const uint8_t **q, const float **d, const float **m) {
+    const int64_t qb = kind_bytes(kind), tb = kind < KIND_BF16 ? (K / QBLK) * PW * table_bytes(kind) : 0;
+    const int64_t g = b / S, h = b % S; /* the group (pair) and the panel's place in it */
+    *q = Q + g * S * K * qb + h * qb;
+    *d = (const float *)((const char *)D + g * S * tb + h * PW * table_bytes(kind));
+    *m = (const float *)((const char *)Mn + g * S * tb + h * PW * table_bytes(kind));
 }
 
 /* P (panels, K, 16) floats rebuilt from Q, D, Mn: what sd_qpanel_linear multiplies by (checked against the fp32
  * panels before a weight is stored this way). */
 void sd_qpanel_unpack(const uint8_t *Q, const float *D, const float *Mn, int kind, int64_t panels, int64_t K,
                       float *P) {
-    const int64_t dm = kind < KIND_BF16 ? (K / QBLK) * PW : 0;
-    for (int64_t b = 0; b < panels; b++)
-        unpack_panel(kind, K, Q + b * K * kind_bytes(kind), D + b * dm, Mn + b * dm, P + b * K * PW);
+    const int S = kind & KIND_PAIRED ? 2 : 1;
+    kind &= ~KIND_PAIRED;
+    for (int64_t b = 0; b < panels; b++) {
+        const uint8_t *q;
+        const float *d, *m;
+        panel_at(kind, S, K, Q, D, Mn, b, &q, &d, &m);
+        unpack_panel(kind, S, K, q, d, m, P + b * K * PW);
+    }
 }
 
 #define ROWS_SWITCH(CALL_R)                 \
@@ -188,45 +278,70 @@ void sd_qpanel_unpack(const uint8_t *Q, const float *D, const float *Mn, int kin
         default: CALL_R(RMAX); break;       \
     }
 
-/* y (M, N) = x (M, K) @ W.T + bias, W as exact panels of `kind`. Up to 6 rows: weights rebuilt in registers;
- * 7-8 rows: rebuilt in registers twice, for two chunks of up to 4 rows (cheaper on a 2-core EPYC than a
- * rebuilt panel plus a 2-row chunk waiting on FMA latency); more: each panel rebuilt once into a per-thread
- * buffer, then sd_panel_linear's loop. */
+/* One panel's outputs for rows m0.. of x: up to 6 rows with each weight rebuilt in registers, 7-8 as two chunks
+ * of up to 4, more from `buf` (the panel rebuilt once); stored into y. */
+static inline __attribute__((always_inline)) void one_panel(const int S, int kind, const float *x, int64_t M,
+                                                            int64_t K, const uint8_t *q, const float *d,
+                                                            const float *m, const float *bias, int64_t n0,
+                                                            int64_t N, float *buf, float *y) {
+    const int64_t width = N - n0 < PW ? N - n0 : PW;
+    float out[RMAX * PW];
+    if (buf) unpack_panel(kind, S, K, q, d, m, buf);
+    const int64_t step = buf ? RMAX : M <= RMAX ? RMAX : RCHUNK;
+    for (int64_t m0 = 0; m0 < M; m0 += step) {
+        const int R = M - m0 < step ? (int)(M - m0) : step;
+        const float *xr = x + m0 * K;
+#define FROM_BUF(RR) panel_rows(RR, xr, K, buf, out)
+#define ROWS_OF(KK) do { switch (R) {                                                      \
+        case 1: qpanel_rows(1, KK, S, xr, K, q, d, m, out); break;                        \
+        case 2: qpanel_rows(2, KK, S, xr, K, q, d, m, out); break;                        \
+        case 3: qpanel_rows(3, KK, S, xr, K, q, d, m, out); break;                        \
+        case 4: qpanel_rows(4, KK, S, xr, K, q, d, m, out); break;                        \
+        case 5: qpanel_rows(5, KK, S, xr, K, q, d, m, out); break;                        \
+        default: qpanel_rows(RMAX, KK, S, xr, K, q, d, m, out); break; } } while (0)
+        if (buf) {
+            ROWS_SWITCH(FROM_BUF)
+        } else {
+            KIND_CASES(ROWS_OF)
+        }
+        store_rows(R, out, bias, n0, width, N, y + m0 * N);
+    }
+}
+
+/* y (M, N) = x (M, K) @ W.T + bias, W as exact panels of `kind` (| KIND_PAIRED: a paired store). Up to 6 rows:
+ * weights rebuilt in registers (a pair's two panels at once up to PAIR_ROWS rows); 7-8 rows: rebuilt in registers
+ * twice, for two chunks of up to 4 rows (cheaper on a 2-core EPYC than a rebuilt panel plus a 2-row chunk waiting
+ * on FMA latency); more: each panel rebuilt once into a per-thread buffer, then sd_panel_linear's loop. */
 void sd_qpanel_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, const float *D, const float *Mn,
                       int kind, int64_t N, const float *bias, float *y, int nthreads) {
-    const int64_t panels = (N + PW - 1) / PW, qb = kind_bytes(kind);
-    const int64_t dm = kind < KIND_BF16 ? (K / QBLK) * PW : 0;
+    const int S = kind & KIND_PAIRED ? 2 : 1;
+    kind &= ~KIND_PAIRED;
+    const int64_t panels = (N + PW - 1) / PW, groups = (panels + S - 1) / S;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = M > 2 * RCHUNK ? (float *)malloc((size_t)K * PW * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < panels; b++) {
-            const uint8_t *q = Q + b * K * qb;
-            const float *d = D + b * dm, *m = Mn + b * dm;
-            const int64_t n0 = b * PW, width = N - n0 < PW ? N - n0 : PW;
-            float out[RMAX * PW];
-            if (buf) unpack_panel(kind, K, q, d, m, buf);
-            const int64_t step = buf ? RMAX : M <= RMAX ? RMAX : RCHUNK;
-            for (int64_t m0 = 0; m0 < M; m0 += step) {
-                const int R = M - m0 < step ? (int)(M - m0) : step;
-                const float *xr = x + m0 * K;
-#define FROM_BUF(RR) panel_rows(RR, xr, K, buf, out)
-#define Q4(RR) qpanel_rows(RR, 4, xr, K, q, d, m, out)
-#define Q8(RR) qpanel_rows(RR, 8, xr, K, q, d, m, out)
-#define BF(RR) qpanel_rows(RR, KIND_BF16, xr, K, q, d, m, out)
-#define FP(RR) qpanel_rows(RR, KIND_FP16, xr, K, q, d, m, out)
-                if (buf) {
-                    ROWS_SWITCH(FROM_BUF)
-                } else if (kind == 4) {
-                    ROWS_SWITCH(Q4)
-                } else if (kind == 8) {
-                    ROWS_SWITCH(Q8)
-                } else if (kind == KIND_BF16) {
-                    ROWS_SWITCH(BF)
-                } else {
-                    ROWS_SWITCH(FP)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *q;
+            const float *d, *m;
+            if (S == 2 && M <= PAIR_ROWS) { /* both panels of the pair in one pass */
+                float out_a[PAIR_ROWS * PW], out_b[PAIR_ROWS * PW];
+                panel_at(kind, S, K, Q, D, Mn, 2 * g, &q, &d, &m);
+#define PAIR_OF(KK) do { if (M == 1) pair_rows(1, KK, x, K, q, d, m, out_a, out_b); \
+                         else pair_rows(2, KK, x, K, q, d, m, out_a, out_b); } while (0)
+                KIND_CASES(PAIR_OF)
+                for (int h = 0; h < 2; h++) {
+                    const int64_t n0 = (2 * g + h) * PW, width = N - n0 < PW ? N - n0 : PW;
+                    if (width > 0) store_rows((int)M, h ? out_b : out_a, bias, n0, width, N, y);
                 }
-                store_rows(R, out, bias, n0, width, N, y + m0 * N);
+                continue;
+            }
+            for (int64_t b = g * S; b < (g + 1) * S && b < panels; b++) {
+                panel_at(kind, S, K, Q, D, Mn, b, &q, &d, &m);
+                if (S == 1)
+                    one_panel(1, kind, x, M, K, q, d, m, bias, b * PW, N, buf, y);
+                else
+                    one_panel(2, kind, x, M, K, q, d, m, bias, b * PW, N, buf, y);
             }
         }
         free(buf);

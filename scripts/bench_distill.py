@@ -61,7 +61,11 @@ def main() -> None:
     """Parse arguments, time both paths, print the ratio."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | fp32 | bf16 | fp16 (auto: bf16 where native, but fp32 where the panel kernels decode)",
+    )
     ap.add_argument(
         "--layout",
         default="auto",

@@ -20,7 +20,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", default="What is the capital of France?")
     p.add_argument("--model", default="smollm2-135m", help="embedded alias, Hub id, HF folder or .gguf file")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 where native)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | fp32 | bf16 | fp16 (auto: bf16 where native, but fp32 where the panel kernels decode)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-new-tokens", type=int, default=64)
     a = p.parse_args()

@@ -348,3 +348,23 @@ def test_bench_target_forward(eval_assets: Path, tmp_path: Path, capsys) -> None
             _main("bench_target_forward")([*argv, "--compare", "kernel", "--baseline-source", str(base)])
         with pytest.raises(SystemExit, match="goes with --compare kernel"):
             _main("bench_target_forward")([*argv, "--baseline-source", str(base)])
+
+
+def test_bench_dtype(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    """The target in fp32 and bf16 in one run: a verify ratio per node count, AR tok/s of each, what auto picks;
+    the same dtype twice is refused."""
+    out = tmp_path / "dtype.json"
+    argv = [
+        "--target", str(eval_assets / "target"), "--device", "cpu", "--threads", "1",
+        "--bench", str(eval_assets / "mini_mt.jsonl"), "--json", str(out), "--sizes", "1", "4",
+        "--reps", "1", "--prompts", "2", "--max-new-tokens", "6",
+    ]  # fmt: skip
+    _main("bench_dtype")(argv)
+    res = _load(out)
+    assert res["dtypes"] == ["fp32", "bf16"] and [r["nodes"] for r in res["verify"]] == [1, 4]
+    assert all(r["ratio"] > 0 for r in res["verify"]) and set(res["ar_tok_s"]) == {"fp32", "bf16"}
+    assert 0 <= res["ar_same"] <= 2 and res["auto"] in ("torch.float32", "torch.bfloat16")
+    printed = capsys.readouterr().out
+    assert "AR outputs equal in both dtypes" in printed and "base_model.dtype=auto picks" in printed
+    with pytest.raises(SystemExit, match="two different dtypes"):
+        _main("bench_dtype")([*argv, "--dtypes", "fp32", "fp32"])

@@ -131,8 +131,8 @@ def test_a_negative_zero_weight_changes_no_output_bit() -> None:
 
 @needs_panel
 def test_switch_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`SPECDRAFT_EXACT_PANELS=0` keeps fp32 panels; exact ones hold 0.75 bytes a weight (4 bits) and
-    `weight_bytes` counts what they hold."""
+    """`SPECDRAFT_EXACT_PANELS=0` keeps fp32 panels; exact ones hold 0.625 bytes a weight (4 bits and a GGUF's
+    fp16 d and m per 32) and `weight_bytes` counts what they hold."""
     w = gguf_like(torch.randn(64, 128, generator=torch.Generator().manual_seed(2)), "q4_1")
     model = torch.nn.Sequential(linear_of(w))
     monkeypatch.setenv("SPECDRAFT_EXACT_PANELS", "0")
@@ -143,7 +143,7 @@ def test_switch_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPECDRAFT_EXACT_PANELS")
     panel_linears(model)
     store = model[0].panels
-    assert isinstance(store, ExactPanels) and store.nbytes() == 64 * 128 * 3 // 4
+    assert isinstance(store, ExactPanels) and store.nbytes() == 64 * 128 * 5 // 8
     assert weight_bytes(off) - weight_bytes(model) == 64 * 128 * 4 - store.nbytes()
     assert storage_summary(model) == "q4:1" and storage_summary(off) == "fp32:1"
     assert layout_label(model, "panel") == "panel (stored q4:1)" and layout_label(model, "native") == "native"
@@ -195,3 +195,76 @@ def test_gguf_target_in_exact_panels_decodes_losslessly(arch: str) -> None:
 
     for static in (False, True):
         check_static_equals_ar(StaticDecoder(model, 64, static=static), model, PromptLookupProposer(4))
+
+
+@needs_panel
+@pytest.mark.parametrize("form", ["q4_1", "q4_0", "q8_0"])
+def test_fp16_tables_give_the_fp32_tables_bits(form: str) -> None:
+    """A GGUF's d and m are fp16: exact panels hold them in 2 bytes (kernel kinds 5 / 9), and the products and
+    the rebuilt panels equal those of the same store with fp32 tables bit for bit, at 1-20 rows, with a bias;
+    tables that are not fp16 values stay fp32 (kinds 4 / 8)."""
+    g = torch.Generator().manual_seed(5)
+    w = gguf_like(torch.randn(40, 96, generator=g), form)
+    found = exact_panels(w, pack_panels(w))
+    assert found is not None
+    if form == "q4_0":  # found as u d + m with m = -8 d, which need not be an fp16: fp32 tables
+        assert found.d.dtype == torch.float32 and found.code == ep.KINDS["q4"]
+    store = ExactPanels(found.q, found.d.half(), found.m.half(), found.kind)
+    if form != "q4_0":
+        assert found.d.dtype == found.m.dtype == torch.float16 and torch.equal(found.m, store.m)
+    else:  # fp16 tables made by hand: the kernel rebuilds from what they hold, which the check compares
+        w = unpack(store).transpose(1, 2).reshape(-1, 96)[:40]
+    assert store.code == ep.KINDS[store.kind] + ep.HALF_TABLES
+    wide = ExactPanels(store.q, store.d.float(), store.m.float(), store.kind)
+    assert wide.code == ep.KINDS[store.kind] and wide.nbytes() - store.nbytes() == 2 * 2 * 3 * 3 * 16
+    assert torch.equal(unpack(store), unpack(wide)) and torch.equal(unpack(store), pack_panels(w))
+    bias = torch.randn(40, generator=g)
+    for rows in (1, 2, 3, 5, 7, 8, 13, 20):
+        x = torch.randn(rows, 96, generator=g)
+        y = ep.exact_product(x, store, 40, bias)
+        assert torch.equal(y.view(torch.int32), ep.exact_product(x, wide, 40, bias).view(torch.int32))
+    u = torch.randint(0, 16, (16, 64), generator=g, dtype=torch.uint8)
+    d = torch.full((16, 2), 0.1)  # 0.1 is no fp16 value: the tables stay fp32
+    assert ep._to_panels(u, d, torch.zeros(16, 2), 4).d.dtype == torch.float32
+
+
+@needs_panel
+@pytest.mark.parametrize("form", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("half", [True, False])
+def test_paired_panels_give_the_unpaired_bits(form: str, half: bool) -> None:
+    """A 4- or 8-bit store of an even panel count is paired (`SPECDRAFT_PAIRED_PANELS`, on by default): panels 2g
+    and 2g + 1 side by side. Its rebuilt panels and its products at 0-20 rows (with a bias, a partial last panel)
+    equal the unpaired store's bit for bit, with fp16 or fp32 block tables; `unpair` inverts `pair`; an odd panel
+    count stays unpaired; slices take whole pairs; mixed stores stack unpaired."""
+    g = torch.Generator().manual_seed(11)
+    w = gguf_like(torch.randn(60, 96, generator=g), form)  # 4 panels, the last holding 12 columns
+    store = exact_panels(w, pack_panels(w))
+    assert store is not None and store.paired and store.shape == (4, 96) and store.code & ep.PAIRED
+    flat = ep.unpair(store)
+    assert not flat.paired and torch.equal(ep.pair(flat).q, store.q) and torch.equal(ep.pair(flat).d, store.d)
+    if not half:
+        store, flat = (ExactPanels(s.q, s.d.float(), s.m.float(), s.kind, s.paired) for s in (store, flat))
+    assert torch.equal(unpack(store), unpack(flat)) and torch.equal(unpack(store), pack_panels(w))
+    bias = torch.randn(60, generator=g)
+    for rows in range(21):
+        x = torch.randn(rows, 96, generator=g)
+        for b in (None, bias):
+            y = ep.exact_product(x, store, 60, b)
+            assert torch.equal(y.view(torch.int32), ep.exact_product(x, flat, 60, b).view(torch.int32))
+    odd = gguf_like(torch.randn(48, 96, generator=g), form)  # 3 panels
+    assert not exact_panels(odd, pack_panels(odd)).paired
+    assert store[2:4].shape == (2, 96) and torch.equal(unpack(store[2:4]), unpack(flat)[2:4])
+    with pytest.raises(ValueError, match="whole pairs"):
+        store[1:3]
+    mixed = ExactPanels.cat([store, flat])
+    assert not mixed.paired and torch.equal(unpack(mixed), torch.cat([unpack(flat), unpack(flat)]))
+
+
+@needs_panel
+def test_pairing_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SPECDRAFT_PAIRED_PANELS=0` stores panels one after the other (the A/B switch)."""
+    w = gguf_like(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)), "q4_1")
+    monkeypatch.setenv("SPECDRAFT_PAIRED_PANELS", "0")
+    assert not ep.pairing() and not exact_panels(w, pack_panels(w)).paired
+    monkeypatch.delenv("SPECDRAFT_PAIRED_PANELS")
+    assert ep.pairing() and exact_panels(w, pack_panels(w)).paired

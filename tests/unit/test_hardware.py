@@ -61,6 +61,34 @@ def test_cpu_bf16_follows_the_flags(cpu_with, flags, native):
     assert mixed_precision_for("auto", CPU) == ("bf16" if native else "no")
 
 
+@pytest.mark.parametrize(
+    "model,flags,compiler,dtype",
+    [
+        ("AMD EPYC", ("avx2", "fma", "f16c", "avx512_bf16"), True, torch.float32),  # the panel kernels decode
+        ("Intel(R) Xeon(R) Platinum 8480+", ("avx2", "fma", "f16c", "amx_bf16"), True, torch.bfloat16),  # MKL
+        ("AMD EPYC", ("avx512f", "avx512_bf16"), True, torch.bfloat16),  # no AVX2/FMA/F16C: no panel kernels
+        ("AMD EPYC", ("avx2", "fma", "f16c", "avx512_bf16"), False, torch.bfloat16),  # nothing to build them
+    ],
+)
+def test_native_bf16_cpus_decode_in_fp32_where_the_panel_kernels_run(
+    cpu_with, monkeypatch, model, flags, compiler, dtype
+):
+    """A target under `auto` on a CPU with native bf16 loads in fp32 where the fp32 panel kernels are the decode
+    layout (x86-64, not Intel, AVX2 + FMA + F16C, a C compiler), else bf16; training's mixed precision stays
+    bf16 on all of them, and the reason says why."""
+    cpu_with(*flags)
+    monkeypatch.setattr(hardware, "cpu_model", lambda: model)
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: "/usr/bin/cc" if compiler else None)
+    got, reason = auto_dtype(CPU)
+    assert got == dtype
+    assert ("panel kernels decode faster" in reason) is (dtype == torch.float32)
+    assert hardware.native_dtype(CPU)[0] == torch.bfloat16
+    assert mixed_precision_for("auto", CPU) == "bf16"
+    assert resolve_placement("cpu", "auto").dtype == dtype
+    assert hardware.draft_dtype_for("auto", torch.nn.Linear(2, 2)) == dtype
+
+
 def test_unreadable_flags_mean_fp32(cpu_with):
     cpu_with()  # e.g. macOS: no /proc/cpuinfo
     assert auto_dtype(CPU)[0] == torch.float32

@@ -12,6 +12,7 @@ target / drafter / prompt arguments, loading them as evaluate.py does, and the r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,13 +73,25 @@ def add_target_args(
 
 def apply_bench_layout(model: nn.Module, layout: str) -> str:
     """`models.linear_layout.apply_layout`, plus "panel-fp32": fp32 panels even where a weight is exact
-    (`models/exact_panels.py`), for A/B runs against the `panel` layout that stores those as integers. Returns
-    the layout applied."""
+    (`models/exact_panels.py`), for A/B runs against the `panel` layout that stores those as integers, and
+    "panel-single": exact panels one after the other (`SPECDRAFT_PAIRED_PANELS=0`), against the paired ones.
+    Returns the layout applied."""
     from specdraft.models.linear_layout import apply_layout
     from specdraft.models.panel_linear import panel_linears
 
     if layout == "panel-fp32":
         panel_linears(model, exact=False)
+        return layout
+    if layout == "panel-single":
+        before = os.environ.get("SPECDRAFT_PAIRED_PANELS")
+        os.environ["SPECDRAFT_PAIRED_PANELS"] = "0"
+        try:
+            panel_linears(model)
+        finally:
+            if before is None:
+                os.environ.pop("SPECDRAFT_PAIRED_PANELS")
+            else:
+                os.environ["SPECDRAFT_PAIRED_PANELS"] = before
         return layout
     return apply_layout(model, layout)
 

@@ -14,6 +14,8 @@
     python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-vs-transposed --budget
     # CPU: a dequantised GGUF target's weights as exact 4/8-bit blocks against fp32 panels
     python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-exact --budget
+    # CPU: exact panels one after the other against paired ones (SPECDRAFT_PAIRED_PANELS)
+    python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-paired --budget
     # on a GPU: the static path captures CUDA graphs (--graphs auto is on exactly when the target is on CUDA)
     python scripts/bench_decode.py --device cuda --dtype bf16 --drafter <export> --prompts 8
 
@@ -39,8 +41,16 @@ LAYOUT_SETS = {
         "panel-fp32",
         "panel",
     ),  # fp32 panels against exact 4/8-bit blocks (models/exact_panels.py)
+    "panel-paired": ("panel-single", "panel"),  # exact panels one after the other against paired ones
 }
-SUFFIX = {"native": "", "transposed": "-T", "packed": "-P", "panel": "-panel", "panel-fp32": "-panel32"}
+SUFFIX = {
+    "native": "",
+    "transposed": "-T",
+    "packed": "-P",
+    "panel": "-panel",
+    "panel-fp32": "-panel32",
+    "panel-single": "-single",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(
         p,
-        layouts=("native", "transposed", "packed", "panel", "panel-fp32", *LAYOUT_SETS),
+        layouts=("native", "transposed", "packed", "panel", "panel-fp32", "panel-single", *LAYOUT_SETS),
         layout_default="native",
     )
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")

@@ -6,6 +6,8 @@
     python scripts/bench_layouts.py --layouts panel --attention both --sizes 1 2 4 8 16 32 --reps 9
     # panels of exact 4/8-bit blocks (a dequantised GGUF target: models/exact_panels.py) against fp32 panels
     python scripts/bench_layouts.py --layouts panel-fp32 panel --sizes 1 2 4 8 16 32 --reps 9
+    # exact panels one after the other against paired ones (models/exact_panels.py: SPECDRAFT_PAIRED_PANELS)
+    python scripts/bench_layouts.py --layouts panel-single panel --sizes 1 2 3 4 6 8 16 32 --reps 9
 
 Each layout gets its own copy of the target and its own decoder (the static path in the shape evaluate.py
 uses on this device); every repetition times each node count under every layout back to back (round robin,

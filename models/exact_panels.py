@@ -307,3 +307,15 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.sd_qpanel_linear.restype = None
     lib.sd_qpanel_unpack.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr]
     lib.sd_qpanel_unpack.restype = None
+    lib.sd_set_avx512.argtypes = [ctypes.c_int]
+    lib.sd_set_avx512.restype = ctypes.c_int
+
+
+def set_avx512(on: bool) -> bool:
+    """Run the kernel's AVX-512 paths where the CPU has them (`on`, the default; `SPECDRAFT_AVX512=0` starts a
+    process without them) or never (the AVX2 paths, the same bits: for A/B runs and tests). Returns whether they
+    run now."""
+    from specdraft.models.panel_linear import panel_lib
+
+    lib = panel_lib()
+    return bool(lib.sd_set_avx512(int(on))) if lib is not None else False

@@ -202,6 +202,100 @@ static inline __attribute__((always_inline)) void pair_rows(const int R, const i
     }
 }
 
+/* ---- AVX-512 (used where the CPU has it: one zmm holds a panel's 16 columns) ------------------------------- */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+/* 16 table entries from entry `at` (fp16 tables converted exactly). */
+static inline __attribute__((always_inline)) AVX512 __m512 table16(const int KIND, const float *t, int64_t at) {
+    if (HALF_TABLES(KIND)) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t + at)));
+    return _mm512_loadu_ps(t + at);
+}
+
+/* A panel's 16 weights of one input row rebuilt in one zmm: the same fma(u, d, m) per column as `dequant`. */
+static inline __attribute__((always_inline)) AVX512 __m512 dequant16(const int KIND, const uint8_t *q, __m512 d,
+                                                                     __m512 m) {
+    __m128i b;
+    if (IS_Q4(KIND)) { /* byte c: column c low, column c + 8 high -> bytes 0-15 in column order */
+        const __m128i v = _mm_loadl_epi64((const __m128i *)q), nib = _mm_set1_epi8(0x0F);
+        b = _mm_unpacklo_epi64(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+    } else {
+        b = _mm_loadu_si128((const __m128i *)q);
+    }
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), d, m);
+}
+
+/* pair_rows with one zmm a panel, up to PAIR16_ROWS rows: 2 R chains (R <= 8: 16 accumulators of 32 registers),
+ * each column's chain the same FMAs in the same order as every other path. */
+#define PAIR16_ROWS 8
+static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R, const int KIND, const float *x,
+                                                                     int64_t K, const uint8_t *q, const float *d,
+                                                                     const float *m, float *out_a, float *out_b) {
+    const int64_t qb = kind_bytes(KIND);
+    __m512 a[PAIR16_ROWS], b[PAIR16_ROWS];
+    for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K / QBLK; j++) {
+        const int64_t t = j * 2 * PW;
+        const __m512 da = table16(KIND, d, t), db = table16(KIND, d, t + PW);
+        const __m512 ma = table16(KIND, m, t), mb = table16(KIND, m, t + PW);
+        for (int64_t i = j * QBLK; i < (j + 1) * QBLK; i++) {
+            const __m512 wa = dequant16(KIND, q + i * 2 * qb, da, ma), wb = dequant16(KIND, q + i * 2 * qb + qb, db, mb);
+            for (int r = 0; r < R; r++) {
+                const __m512 xb = _mm512_set1_ps(x[r * K + i]);
+                a[r] = _mm512_fmadd_ps(xb, wa, a[r]);
+                b[r] = _mm512_fmadd_ps(xb, wb, b[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out_a + r * PW, a[r]);
+        _mm512_storeu_ps(out_b + r * PW, b[r]);
+    }
+}
+
+static AVX512 void pair_rows16_any(int R, int kind, const float *x, int64_t K, const uint8_t *q, const float *d,
+                                   const float *m, float *out_a, float *out_b) {
+#define P16(KK) do { switch (R) {                                                   \
+        case 1: pair_rows16(1, KK, x, K, q, d, m, out_a, out_b); break;             \
+        case 2: pair_rows16(2, KK, x, K, q, d, m, out_a, out_b); break;             \
+        case 3: pair_rows16(3, KK, x, K, q, d, m, out_a, out_b); break;             \
+        case 4: pair_rows16(4, KK, x, K, q, d, m, out_a, out_b); break;             \
+        case 5: pair_rows16(5, KK, x, K, q, d, m, out_a, out_b); break;             \
+        case 6: pair_rows16(6, KK, x, K, q, d, m, out_a, out_b); break;             \
+        case 7: pair_rows16(7, KK, x, K, q, d, m, out_a, out_b); break;             \
+        default: pair_rows16(PAIR16_ROWS, KK, x, K, q, d, m, out_a, out_b); break; } } while (0)
+    switch (kind) {
+        case 4: P16(4); break;
+        case 8: P16(8); break;
+        case KIND_Q4H: P16(KIND_Q4H); break;
+        default: P16(KIND_Q8H); break;
+    }
+}
+
+static int avx512_state = -1; /* -1: not decided yet; else whether the AVX-512 paths run */
+
+/* Whether the CPU has AVX-512 F, BW and VL. */
+static int cpu_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+
+/* Whether the AVX-512 paths run: where the CPU has them, unless SPECDRAFT_AVX512=0 or sd_set_avx512(0). */
+static int use_avx512(void) {
+    if (avx512_state < 0) {
+        const char *env = getenv("SPECDRAFT_AVX512");
+        avx512_state = cpu_avx512() && !(env && env[0] == '0');
+    }
+    return avx512_state;
+}
+
+/* on: 1 use the AVX-512 paths where the CPU has them, 0 never (the AVX2 paths: the same bits); returns whether
+ * they run now. */
+int sd_set_avx512(int on) {
+    avx512_state = on && cpu_avx512();
+    return avx512_state;
+}
+
 /* out[r, 0:16] = sum_i x[r, i] * p[i, 0:16] for r < R (R a compile-time constant after inlining): the fp32
  * panels' loop, which every exact kind above repeats with its weights rebuilt. */
 static inline __attribute__((always_inline)) void panel_rows(const int R, const float *x, int64_t K,
@@ -317,6 +411,7 @@ void sd_qpanel_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, co
     const int S = kind & KIND_PAIRED ? 2 : 1;
     kind &= ~KIND_PAIRED;
     const int64_t panels = (N + PW - 1) / PW, groups = (panels + S - 1) / S;
+    const int avx512 = S == 2 && kind < KIND_BF16 && use_avx512();
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = M > 2 * RCHUNK ? (float *)malloc((size_t)K * PW * sizeof(float)) : NULL;
@@ -324,6 +419,16 @@ void sd_qpanel_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, co
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *q;
             const float *d, *m;
+            if (S == 2 && M <= PAIR16_ROWS && avx512) { /* both panels in one pass, one zmm each */
+                float out_a[PAIR16_ROWS * PW], out_b[PAIR16_ROWS * PW];
+                panel_at(kind, S, K, Q, D, Mn, 2 * g, &q, &d, &m);
+                pair_rows16_any((int)M, kind, x, K, q, d, m, out_a, out_b);
+                for (int h = 0; h < 2; h++) {
+                    const int64_t n0 = (2 * g + h) * PW, width = N - n0 < PW ? N - n0 : PW;
+                    if (width > 0) store_rows((int)M, h ? out_b : out_a, bias, n0, width, N, y);
+                }
+                continue;
+            }
             if (S == 2 && M <= PAIR_ROWS) { /* both panels of the pair in one pass */
                 float out_a[PAIR_ROWS * PW], out_b[PAIR_ROWS * PW];
                 panel_at(kind, S, K, Q, D, Mn, 2 * g, &q, &d, &m);

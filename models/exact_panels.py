@@ -36,10 +36,22 @@ def enabled() -> bool:
 
 
 def pairing() -> bool:
-    """Whether 4- and 8-bit stores with an even panel count are paired (`SPECDRAFT_PAIRED_PANELS`, default on):
-    panels 2g and 2g + 1 side by side, so a one- or two-row product runs four FMA chains a row from one stream of
-    bytes (a 2-core Zen 5: 1.45x on a 1-row product that streams its weights from memory; the same bits)."""
-    return os.environ.get("SPECDRAFT_PAIRED_PANELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether 4- and 8-bit stores with an even panel count are paired (`SPECDRAFT_PAIRED_PANELS`): panels 2g and
+    2g + 1 side by side, so a product of up to 8 rows runs twice the FMA chains from one stream of bytes (the same
+    bits). `auto` (the default): where the kernel's AVX-512 paths run (AVX-512 F, BW and VL; on a 2-core Zen 5 a
+    1-8-node verify took 0.70-0.92x the time); the AVX2 code gains at 1-2 rows there but loses 13-18% at 3-6, so
+    AVX2-only CPUs (or `SPECDRAFT_AVX512=0`) keep single panels unless `1`; `0` never pairs."""
+    from specdraft.hardware import cpu_flags
+
+    value = os.environ.get("SPECDRAFT_PAIRED_PANELS", "auto").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    avx512 = (
+        os.environ.get("SPECDRAFT_AVX512", "1").strip() != "0"
+    )  # the kernel's own switch (panel_linear.c)
+    return avx512 and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
 @dataclass

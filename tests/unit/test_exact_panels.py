@@ -239,12 +239,15 @@ def avx512(request: pytest.FixtureRequest):
 @needs_panel
 @pytest.mark.parametrize("form", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("half", [True, False])
-def test_paired_panels_give_the_unpaired_bits(form: str, half: bool, avx512: bool) -> None:
+def test_paired_panels_give_the_unpaired_bits(
+    form: str, half: bool, avx512: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 4- or 8-bit store of an even panel count is paired (`SPECDRAFT_PAIRED_PANELS`, on by default): panels 2g
     and 2g + 1 side by side. Its rebuilt panels and its products at 0-20 rows (with a bias, a partial last panel)
     equal the unpaired store's bit for bit, with fp16 or fp32 block tables, through the AVX-512 paths (where the
     CPU has them) and the AVX2 ones; `unpair` inverts `pair`; an odd panel count stays unpaired; slices take
     whole pairs; mixed stores stack unpaired."""
+    monkeypatch.setenv("SPECDRAFT_PAIRED_PANELS", "1")  # on any CPU (`auto`: where the AVX-512 paths run)
     g = torch.Generator().manual_seed(11)
     w = gguf_like(torch.randn(60, 96, generator=g), form)  # 4 panels, the last holding 12 columns
     store = exact_panels(w, pack_panels(w))
@@ -270,10 +273,20 @@ def test_paired_panels_give_the_unpaired_bits(form: str, half: bool, avx512: boo
 
 
 @needs_panel
-def test_pairing_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`SPECDRAFT_PAIRED_PANELS=0` stores panels one after the other (the A/B switch)."""
+def test_pairing_follows_the_switch_and_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SPECDRAFT_PAIRED_PANELS`: 0 stores panels one after the other, 1 pairs them, auto (the default) pairs
+    where the CPU has AVX-512 F, BW and VL and `SPECDRAFT_AVX512` is not 0 (the kernel's AVX-512 paths)."""
+    from specdraft import hardware
+
     w = gguf_like(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)), "q4_1")
     monkeypatch.setenv("SPECDRAFT_PAIRED_PANELS", "0")
     assert not ep.pairing() and not exact_panels(w, pack_panels(w)).paired
-    monkeypatch.delenv("SPECDRAFT_PAIRED_PANELS")
+    monkeypatch.setenv("SPECDRAFT_PAIRED_PANELS", "1")
     assert ep.pairing() and exact_panels(w, pack_panels(w)).paired
+    monkeypatch.delenv("SPECDRAFT_PAIRED_PANELS")
+    monkeypatch.delenv("SPECDRAFT_AVX512", raising=False)
+    for flags, paired in ((("avx2", "avx512f", "avx512bw", "avx512vl"), True), (("avx2", "avx512f"), False)):
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert ep.pairing() is paired
+    monkeypatch.setenv("SPECDRAFT_AVX512", "0")  # the kernel keeps its AVX2 code: no pairing under auto
+    assert not ep.pairing()

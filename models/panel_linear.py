@@ -32,8 +32,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -43,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specdraft.hardware import cpu_flags
+from specdraft.hardware import panel_kernel_blocker
 from specdraft.models.exact_panels import KINDS, ExactPanels, exact_panels, exact_product
 from specdraft.models.exact_panels import enabled as exact_enabled
 from specdraft.models.layers import replace_linears
@@ -110,13 +108,9 @@ def _library(sources: tuple[Path, ...] = SOURCES) -> tuple[ctypes.CDLL | None, s
     """(the library built from `sources` with its argument types declared, "ok"), else (None, why not)."""
     from specdraft.models.exact_panels import declare
 
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the panel kernel is x86-64 AVX2 code; this machine is {platform.machine()}"
-    if cpu_flags() and not {"avx2", "fma", "f16c"} <= cpu_flags():
-        return None, "the panel kernel needs AVX2, FMA and F16C, which this CPU lacks"
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        return None, f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH to build the panel kernel"
+    blocker, cc = panel_kernel_blocker()
+    if blocker is not None or cc is None:
+        return None, blocker or "no C compiler"
     try:
         # after torch: its libgomp.so.1 serves the kernel's OpenMP
         lib = ctypes.CDLL(str(_build(cc, sources)))

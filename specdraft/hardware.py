@@ -132,23 +132,33 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def panel_kernel_blocker() -> tuple[str | None, str | None]:
+    """Why `models/panel_linear.py` cannot build its kernel here, before trying: (the reason, or None; the C
+    compiler's path, or None). It needs an x86-64 CPU with AVX2, FMA and F16C (unreadable flags: assumed) and a C
+    compiler (`$CC`, default `cc`) on PATH."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the panel kernel is x86-64 AVX2 code; this machine is {platform.machine()}", None
+    if cpu_flags() and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        return "the panel kernel needs AVX2, FMA and F16C, which this CPU lacks", None
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        return f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH to build the panel kernel", None
+    return None, cc
+
+
 def cpu_fp32_panels() -> tuple[bool, str]:
     """Whether specdraft's fp32 panel kernels are expected to be this CPU's decode layout (`linear_layout`
-    `auto` picks `panel` on an x86-64 CPU that is not Intel's, where `models/panel_linear.py` builds its kernel:
-    AVX2, FMA, F16C and a C compiler), and the evidence. A flag check: the kernel is built when a model is laid
-    out, not here.
+    `auto` picks `panel` on a CPU that is not Intel's where the kernel builds: `panel_kernel_blocker`), and the
+    evidence. A check before building: the kernel is built when a model is laid out, not here.
 
     Returns:
         (expected, reason).
     """
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False, f"no fp32 panel kernels on {platform.machine() or 'this CPU'}"
     if "intel" in cpu_model().lower():
         return False, "an Intel CPU decodes fp32 through MKL's packed GEMM, not the panel kernels"
-    if not {"avx2", "fma", "f16c"} <= cpu_flags():
-        return False, "the fp32 panel kernels need AVX2, FMA and F16C"
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        return False, "no C compiler to build the fp32 panel kernels"
+    blocker, _ = panel_kernel_blocker()
+    if blocker is not None:
+        return False, blocker
     return True, "the fp32 panel kernels decode faster (3.7x AR on a 2-core Zen 5)"
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdraft import hardware
 from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_decode import StaticDecoder
@@ -207,8 +208,8 @@ def test_a_failing_compiler_is_named(fresh_status: None, tmp_path, monkeypatch: 
     cc.chmod(0o755)
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(panel_linear, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
-    monkeypatch.setattr(panel_linear.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
     fn, why = panel_status()
     assert fn is None and "failed to build panel_linear.c" in why and "badcc: error" in why
     assert list((tmp_path / "cache" / "kernels").iterdir()) == []

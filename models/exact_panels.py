@@ -48,9 +48,8 @@ def pairing() -> bool:
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    avx512 = (
-        os.environ.get("SPECDRAFT_AVX512", "1").strip() != "0"
-    )  # the kernel's own switch (panel_linear.c)
+    # the kernel's own switch of its AVX-512 code (panel_linear.c)
+    avx512 = os.environ.get("SPECDRAFT_AVX512", "1").strip() != "0"
     return avx512 and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
@@ -80,7 +79,7 @@ class ExactPanels:
     def code(self) -> int:
         """The kind as panel_linear.c numbers it (fp16 tables: `HALF_TABLES` more)."""
         code = KINDS[self.kind] + (HALF_TABLES if self.d.dtype == torch.float16 else 0)
-        return code | PAIRED if self.paired else code
+        return (code | PAIRED) if self.paired else code
 
     @property
     def shape(self) -> tuple[int, int]:

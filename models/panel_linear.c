@@ -202,6 +202,26 @@ static inline __attribute__((always_inline)) void pair_rows(const int R, const i
     }
 }
 
+/* CALL_R(n) with R's value as a compile-time constant n (R <= RMAX: ROWS_SWITCH; R <= 8: ROWS_SWITCH8). */
+#define ROWS_CASES_1_5(CALL_R)              \
+        case 1: CALL_R(1); break;           \
+        case 2: CALL_R(2); break;           \
+        case 3: CALL_R(3); break;           \
+        case 4: CALL_R(4); break;           \
+        case 5: CALL_R(5); break;
+#define ROWS_SWITCH(CALL_R)                 \
+    switch (R) {                            \
+        ROWS_CASES_1_5(CALL_R)              \
+        default: CALL_R(RMAX); break;       \
+    }
+#define ROWS_SWITCH8(CALL_R)                \
+    switch (R) {                            \
+        ROWS_CASES_1_5(CALL_R)              \
+        case 6: CALL_R(6); break;           \
+        case 7: CALL_R(7); break;           \
+        default: CALL_R(8); break;          \
+    }
+
 /* ---- AVX-512 (used where the CPU has it: one zmm holds a panel's 16 columns) ------------------------------- */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
@@ -252,22 +272,21 @@ static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R
     }
 }
 
+/* pair_rows16 at R rows (R <= PAIR16_ROWS) of one kind (a compile-time constant where inlined). */
+static inline __attribute__((always_inline)) AVX512 void pair_rows16_r(const int R, const int KIND, const float *x,
+                                                                       int64_t K, const uint8_t *q, const float *d,
+                                                                       const float *m, float *out_a, float *out_b) {
+#define P16_R(RR) pair_rows16(RR, KIND, x, K, q, d, m, out_a, out_b)
+    ROWS_SWITCH8(P16_R)
+}
+
 static AVX512 void pair_rows16_any(int R, int kind, const float *x, int64_t K, const uint8_t *q, const float *d,
                                    const float *m, float *out_a, float *out_b) {
-#define P16(KK) do { switch (R) {                                                   \
-        case 1: pair_rows16(1, KK, x, K, q, d, m, out_a, out_b); break;             \
-        case 2: pair_rows16(2, KK, x, K, q, d, m, out_a, out_b); break;             \
-        case 3: pair_rows16(3, KK, x, K, q, d, m, out_a, out_b); break;             \
-        case 4: pair_rows16(4, KK, x, K, q, d, m, out_a, out_b); break;             \
-        case 5: pair_rows16(5, KK, x, K, q, d, m, out_a, out_b); break;             \
-        case 6: pair_rows16(6, KK, x, K, q, d, m, out_a, out_b); break;             \
-        case 7: pair_rows16(7, KK, x, K, q, d, m, out_a, out_b); break;             \
-        default: pair_rows16(PAIR16_ROWS, KK, x, K, q, d, m, out_a, out_b); break; } } while (0)
     switch (kind) {
-        case 4: P16(4); break;
-        case 8: P16(8); break;
-        case KIND_Q4H: P16(KIND_Q4H); break;
-        default: P16(KIND_Q8H); break;
+        case 4: pair_rows16_r(R, 4, x, K, q, d, m, out_a, out_b); break;
+        case 8: pair_rows16_r(R, 8, x, K, q, d, m, out_a, out_b); break;
+        case KIND_Q4H: pair_rows16_r(R, KIND_Q4H, x, K, q, d, m, out_a, out_b); break;
+        default: pair_rows16_r(R, KIND_Q8H, x, K, q, d, m, out_a, out_b); break;
     }
 }
 
@@ -362,15 +381,14 @@ void sd_qpanel_unpack(const uint8_t *Q, const float *D, const float *Mn, int kin
     }
 }
 
-#define ROWS_SWITCH(CALL_R)                 \
-    switch (R) {                            \
-        case 1: CALL_R(1); break;           \
-        case 2: CALL_R(2); break;           \
-        case 3: CALL_R(3); break;           \
-        case 4: CALL_R(4); break;           \
-        case 5: CALL_R(5); break;           \
-        default: CALL_R(RMAX); break;       \
-    }
+
+/* qpanel_rows at R rows (R <= RMAX) of one kind and stride (compile-time constants where inlined). */
+static inline __attribute__((always_inline)) void qpanel_rows_r(const int R, const int KIND, const int S,
+                                                                const float *x, int64_t K, const uint8_t *q,
+                                                                const float *d, const float *m, float *out) {
+#define QPANEL_R(RR) qpanel_rows(RR, KIND, S, x, K, q, d, m, out)
+    ROWS_SWITCH(QPANEL_R)
+}
 
 /* One panel's outputs for rows m0.. of x: up to 6 rows with each weight rebuilt in registers, 7-8 as two chunks
  * of up to 4, more from `buf` (the panel rebuilt once); stored into y. */
@@ -386,13 +404,7 @@ static inline __attribute__((always_inline)) void one_panel(const int S, int kin
         const int R = M - m0 < step ? (int)(M - m0) : step;
         const float *xr = x + m0 * K;
 #define FROM_BUF(RR) panel_rows(RR, xr, K, buf, out)
-#define ROWS_OF(KK) do { switch (R) {                                                      \
-        case 1: qpanel_rows(1, KK, S, xr, K, q, d, m, out); break;                        \
-        case 2: qpanel_rows(2, KK, S, xr, K, q, d, m, out); break;                        \
-        case 3: qpanel_rows(3, KK, S, xr, K, q, d, m, out); break;                        \
-        case 4: qpanel_rows(4, KK, S, xr, K, q, d, m, out); break;                        \
-        case 5: qpanel_rows(5, KK, S, xr, K, q, d, m, out); break;                        \
-        default: qpanel_rows(RMAX, KK, S, xr, K, q, d, m, out); break; } } while (0)
+#define ROWS_OF(KK) qpanel_rows_r(R, KK, S, xr, K, q, d, m, out)
         if (buf) {
             ROWS_SWITCH(FROM_BUF)
         } else {

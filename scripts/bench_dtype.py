@@ -7,8 +7,8 @@
 
 The target is loaded once per dtype, each with `--layout` applied (as evaluate.py does), each with its own
 decoder. Verify forwards of every `--sizes` node count after a 256-token prefix are timed back to back, dtype
-after dtype, so the machine's drift hits both alike; then AR over MT-Bench first turns, alternated prompt by
-prompt. Prints the median verify ms of each and their ratio, AR tok/s of each, and how many AR outputs agree
+after dtype (`eval.budget.time_round_robin`: a first round warms up), so the machine's drift hits both alike;
+then AR over MT-Bench first turns, alternated prompt by prompt. Prints the median verify ms of each and their ratio, AR tok/s of each, and how many AR outputs agree
 (two dtypes are two targets: their greedy outputs may differ). What `base_model.dtype=auto` picks here is
 printed too (`specdraft.hardware.auto_dtype`).
 """
@@ -16,7 +16,6 @@ printed too (`specdraft.hardware.auto_dtype`).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
@@ -29,8 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     from rich.table import Table
 
     from specdraft.eval.bench_common import add_target_args, first_turns, load_bench, write_json
+    from specdraft.eval.budget import time_round_robin
     from specdraft.eval.static_decode import StaticDecoder
-    from specdraft.hardware import SHORT_NAMES, auto_dtype, resolve_device
+    from specdraft.hardware import SHORT_NAMES, auto_dtype
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(p)
@@ -47,21 +47,12 @@ def main(argv: list[str] | None = None) -> None:
         a.dtype = name
         benches[name] = load_bench(a)
     decs = {k: StaticDecoder(b.model, 2048) for k, b in benches.items()}
-    ms: dict[str, dict[int, list[float]]] = {k: {s: [] for s in a.sizes} for k in decs}
-    sync = torch.cuda.synchronize if resolve_device(a.device).type == "cuda" else (lambda: None)
+    device = next(benches[a.dtypes[0]].model.parameters()).device
+    keys = [(k, s) for s in a.sizes for k in decs]  # round robin: both dtypes back to back at every size
     with torch.inference_mode():
         run = {k: d.cost_probe(tuple(a.sizes)) for k, d in decs.items()}
-        for k in decs:
-            for s in a.sizes:
-                run[k](s)  # warm-up
-        for _ in range(a.reps):
-            for s in a.sizes:
-                for k in decs:
-                    sync()
-                    t0 = time.perf_counter()
-                    run[k](s)
-                    sync()
-                    ms[k][s].append(1e3 * (time.perf_counter() - t0))
+        med = time_round_robin(lambda i: run[keys[i][0]](keys[i][1]), tuple(range(len(keys))), a.reps, device)
+    ms = {key: med[i] for i, key in enumerate(keys)}  # (dtype, nodes) -> median ms
     first, second = a.dtypes
     prompts = first_turns(benches[first].tokenizer, a.bench, a.prompts)
     ar = {k: 0.0 for k in decs}
@@ -74,14 +65,13 @@ def main(argv: list[str] | None = None) -> None:
             out, _ = dec.ar_generate(None, prompt, a.max_new_tokens, stop_ids=stops)
             ar[k] += time.perf_counter() - t0
             outs[k].append(out)
-    device = next(benches[first].model.parameters()).device
     auto, why = auto_dtype(device)
     table = Table(title=f"the target in {first} and {second} on {device} ({decs[first].path_name()} path)")
     for col in ("nodes", f"{first} ms", f"{second} ms", f"{second} / {first}"):
         table.add_column(col)
     rows = []
     for s in a.sizes:
-        x, y = statistics.median(ms[first][s]), statistics.median(ms[second][s])
+        x, y = ms[first, s], ms[second, s]
         rows.append({"nodes": s, f"{first}_ms": x, f"{second}_ms": y, "ratio": y / x})
         table.add_row(str(s), f"{x:.2f}", f"{y:.2f}", f"{y / x:.3f}")
     tok_s = {k: sum(len(o) for o in outs[k]) / ar[k] for k in decs}

@@ -37,6 +37,7 @@ class BaseModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 (None: transformers' default)
     cache_dir: str | None = None  # where the dequantised GGUF copy is cached (default ~/.cache/specdraft)
+    q8_activations: bool = False  # CPU panel layout: 4/8-bit weights times int8 activations (llama.cpp's arithmetic; another target than fp32)
     chat_template: str | None = (
         None  # override: a builtin name (`vicuna`) or a Jinja string (None: the tokenizer's)
     )

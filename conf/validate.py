@@ -155,6 +155,7 @@ BASE_MODEL: Table = {
         one_of("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
     ),
     "cache_dir": ANY,
+    "q8_activations": ANY,
     "chat_template": ANY,
 }
 DATA: Table = {

@@ -93,6 +93,8 @@ def make_header(
     }
     if settings.do_sample:
         gen.update(temperature=settings.temperature, top_p=settings.top_p, seed=int(d.seed))
+    if cfg.base_model.get("q8_activations", False):  # another target's arithmetic (models/qdot.py)
+        gen["q8_activations"] = True
     return {
         "format_version": FORMAT_VERSION,
         "target": fingerprint,
@@ -126,7 +128,8 @@ def distill(cfg: DictConfig) -> Path:
     )
     say(f"[distill] {report.summary()}", flush=True)
     model, tokenizer = load_target(cfg.base_model)
-    layout = apply_layout(model, str(d.linear_layout))  # decode steps of <= max_batch_size rows, on a CPU
+    # decode steps of <= max_batch_size rows, on a CPU (int8 activations where base_model.q8_activations is set)
+    layout = apply_layout(model, str(d.linear_layout), q8=bool(cfg.base_model.get("q8_activations", False)))
     if layout != "native":
         say(
             f"[distill] distill.linear_layout: target Linear weights {layout_label(model, layout)} (CPU decode "

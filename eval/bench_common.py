@@ -71,27 +71,36 @@ def add_target_args(
     p.add_argument("--json", default=None, help="also write the rows (+ command, machine) to this JSON file")
 
 
+# bench layouts that are the `panel` layout under an environment switch (models/exact_panels.py, models/qdot.py)
+PANEL_VARIANTS = {
+    "panel-single": ("SPECDRAFT_PAIRED_PANELS", "0"),
+    "panel-q8": ("SPECDRAFT_Q8_ACTIVATIONS", "1"),
+}
+
+
 def apply_bench_layout(model: nn.Module, layout: str) -> str:
     """`models.linear_layout.apply_layout`, plus "panel-fp32": fp32 panels even where a weight is exact
-    (`models/exact_panels.py`), for A/B runs against the `panel` layout that stores those as integers, and
-    "panel-single": exact panels one after the other (`SPECDRAFT_PAIRED_PANELS=0`), against the paired ones.
-    Returns the layout applied."""
+    (`models/exact_panels.py`), for A/B runs against the `panel` layout that stores those as integers,
+    "panel-single": exact panels one after the other (`SPECDRAFT_PAIRED_PANELS=0`), against the paired ones, and
+    "panel-q8": 4- and 8-bit weights with int8 activations (`SPECDRAFT_Q8_ACTIVATIONS=1`, models/qdot.py: another
+    target's arithmetic, a GGUF runtime's). Returns the layout applied."""
     from specdraft.models.linear_layout import apply_layout
     from specdraft.models.panel_linear import panel_linears
 
     if layout == "panel-fp32":
         panel_linears(model, exact=False)
         return layout
-    if layout == "panel-single":
-        before = os.environ.get("SPECDRAFT_PAIRED_PANELS")
-        os.environ["SPECDRAFT_PAIRED_PANELS"] = "0"
+    if layout in PANEL_VARIANTS:
+        name, value = PANEL_VARIANTS[layout]
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             panel_linears(model)
         finally:
             if before is None:
-                os.environ.pop("SPECDRAFT_PAIRED_PANELS")
+                os.environ.pop(name)
             else:
-                os.environ["SPECDRAFT_PAIRED_PANELS"] = before
+                os.environ[name] = before
         return layout
     return apply_layout(model, layout)
 

@@ -383,7 +383,8 @@ def evaluate(cfg: DictConfig) -> Path:
     base = cast(dict[str, Any], OmegaConf.to_container(cfg.base_model, resolve=True))  # a DictConfig
     base.update({k: v for k, v in (("dtype", e.dtype), ("device", e.device)) if v})
     model, tokenizer = load_target(SimpleNamespace(**base))
-    layout = apply_layout(model, str(e.linear_layout))  # small-M products (verify trees) cheaper on a CPU
+    # small-M products (verify trees) cheaper on a CPU; int8 activations where base_model.q8_activations is set
+    layout = apply_layout(model, str(e.linear_layout), q8=bool(base.get("q8_activations")))
     if layout != "native":
         print(f"eval.linear_layout: target Linear weights {layout_label(model, layout)} (CPU decode layout)")
     log_environment("evaluate", resolve_placement(base["device"], base["dtype"]))

@@ -25,6 +25,7 @@ from torch import Tensor
 KINDS = {"q4": 4, "q8": 8, "bf16": 16, "f16": 17}  # panel_linear.c's kind codes
 HALF_TABLES = 1  # added to a "q4" / "q8" code when d and m are held as fp16 (panel_linear.c's kinds 5 and 9)
 PAIRED = 64  # or-ed into a "q4" / "q8" code for a paired store (panel_linear.c's KIND_PAIRED)
+QDOT = 128  # or-ed into 4 / 8 for a store in models/qdot.c's layout, its activations quantised (KIND_QDOT)
 BLOCK = 32  # inputs per block (GGUF's Q4_0 / Q4_1 / Q8_0 block size); panel_linear.c's QBLK
 PANEL = 16  # output columns per panel; panel_linear.c's PW
 ROWS_PER_CHUNK = 2048  # weight rows searched at once (bounds the float64 working memory to ~0.6 GB at K=4096)
@@ -67,6 +68,8 @@ class ExactPanels:
         kind: "q4" | "q8" | "bf16" | "f16".
         paired: "q4" / "q8" with an even P only: panels 2g and 2g + 1 side by side (`pair`): q (P / 2, K, 2 QB)
             (input row i: panel 2g's bytes, then 2g + 1's), d, m (P / 2, K / 32, 32) (block j: 2g's 16, then 2g + 1's).
+        dot: "q4" / "q8" in models/qdot.c's layout (`qdot.to_dot`: the same shapes, the bytes of a panel in another
+            order), multiplied with the activations quantised to int8 per block (not paired).
     """
 
     q: Tensor
@@ -74,10 +77,13 @@ class ExactPanels:
     m: Tensor
     kind: str
     paired: bool = False
+    dot: bool = False
 
     @property
     def code(self) -> int:
         """The kind as panel_linear.c numbers it (fp16 tables: `HALF_TABLES` more)."""
+        if self.dot:
+            return QDOT | KINDS[self.kind] | (HALF_TABLES if self.d.dtype == torch.float16 else 0)
         code = KINDS[self.kind] + (HALF_TABLES if self.d.dtype == torch.float16 else 0)
         return (code | PAIRED) if self.paired else code
 
@@ -93,7 +99,7 @@ class ExactPanels:
     def __getitem__(self, panels: slice) -> ExactPanels:
         """Panels `panels` (a slice of the first dimension; a paired store's at even bounds) as views."""
         if not self.paired:
-            return ExactPanels(self.q[panels], self.d[panels], self.m[panels], self.kind)
+            return ExactPanels(self.q[panels], self.d[panels], self.m[panels], self.kind, dot=self.dot)
         start, stop, step = panels.indices(self.shape[0])
         if step != 1 or start % 2 or stop % 2:
             raise ValueError(f"a paired store's panels {start}:{stop}:{step}: take whole pairs")
@@ -103,8 +109,8 @@ class ExactPanels:
     @staticmethod
     def cat(stores: list[ExactPanels]) -> ExactPanels:
         """Several weights of one input width and one kind, panels one after the other (paired if all of them are)."""
-        if len({s.kind for s in stores}) != 1 or len({s.shape[1] for s in stores}) != 1:
-            raise ValueError("ExactPanels.cat needs one kind and one input width")
+        if len({(s.kind, s.dot) for s in stores}) != 1 or len({s.shape[1] for s in stores}) != 1:
+            raise ValueError("ExactPanels.cat needs one kind, one layout and one input width")
         if len({s.paired for s in stores}) != 1:  # some paired, some not: all unpaired
             stores = [unpair(s) for s in stores]
         return ExactPanels(
@@ -113,6 +119,7 @@ class ExactPanels:
             torch.cat([s.m for s in stores]),
             stores[0].kind,
             stores[0].paired,
+            stores[0].dot,
         )
 
 
@@ -279,6 +286,8 @@ def unpack(store: ExactPanels) -> Tensor:
     lib = panel_lib()
     if lib is None:
         raise RuntimeError("the panel kernel is not available")
+    if store.dot:
+        raise ValueError("a q8-activation store (qdot) has no fp32 panels: its products differ from theirs")
     p, k = store.shape
     out = torch.empty(p, k, PANEL, dtype=torch.float32)
     lib.sd_qpanel_unpack(
@@ -320,6 +329,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.sd_qpanel_unpack.restype = None
     lib.sd_set_avx512.argtypes = [ctypes.c_int]
     lib.sd_set_avx512.restype = ctypes.c_int
+    lib.sd_qdot_set_vnni.argtypes = [ctypes.c_int]
+    lib.sd_qdot_set_vnni.restype = ctypes.c_int
 
 
 def set_avx512(on: bool) -> bool:

@@ -282,17 +282,29 @@ def layout_label(model: nn.Module, layout: str) -> str:
     return f"{layout} (stored {stored})" if stored else layout
 
 
-def apply_layout(model: nn.Module, layout: str) -> str:
-    """Lay out the target's Linear weights as `resolve_layout` says (in place); returns the layout applied."""
+def apply_layout(model: nn.Module, layout: str, q8: bool = False) -> str:
+    """Lay out the target's Linear weights as `resolve_layout` says (in place); returns the layout applied.
+    `q8` (`base_model.q8_activations`): its 4- and 8-bit weights multiplied with int8 activations
+    (`models/qdot.py`), which needs the panel layout.
+
+    Raises:
+        ValueError: `q8` where the layout is not "panel" (one line naming the setting and what to do).
+    """
     p = next(model.parameters())
     auto = layout == "auto"
     chosen = resolve_layout(
         layout, p.device, p.dtype, pack_bytes(model) if auto else 0, panel_bytes(model) if auto else 0
     )
+    if q8 and chosen != "panel":
+        raise ValueError(
+            f"base_model.q8_activations=true needs the CPU panel layout, but the target's Linear layout resolved "
+            f"to {chosen!r} (layout {layout!r}, {p.dtype} on {p.device.type}): run a GGUF target on a CPU in "
+            "fp32 with linear_layout auto or panel, or set base_model.q8_activations=false"
+        )
     if chosen == "transposed":
         transpose_linears(model)
     elif chosen == "packed":
         pack_linears(model)
     elif chosen == "panel":
-        panel_linears(model)
+        panel_linears(model, q8=q8 or None)
     return chosen

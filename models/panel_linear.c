@@ -356,6 +356,10 @@ static void unpack_panel(int kind, int S, int64_t K, const uint8_t *q, const flo
  * bytes of panel 2g then of 2g + 1, and block j's 16 d of panel 2g then 16 of 2g + 1 (m the same): one stream
  * of bytes for two panels. The panel count is even (models/exact_panels.py pairs only those). */
 #define KIND_PAIRED 64
+/* or-ed into 4 / 8: a store of models/qdot.c's layout, multiplied with the activations quantised to int8 */
+#define KIND_QDOT 128
+void sd_qdot_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, const float *D, const float *Mn,
+                    int bits, int64_t N, const float *bias, float *y, int nthreads);
 
 /* Where panel b of a store starts: its bytes, d and m, and the stride S between its input rows' bytes. */
 static inline void panel_at(int kind, int S, int64_t K, const uint8_t *Q, const float *D, const float *Mn,
@@ -420,6 +424,10 @@ static inline __attribute__((always_inline)) void one_panel(const int S, int kin
  * on FMA latency); more: each panel rebuilt once into a per-thread buffer, then sd_panel_linear's loop. */
 void sd_qpanel_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, const float *D, const float *Mn,
                       int kind, int64_t N, const float *bias, float *y, int nthreads) {
+    if (kind & KIND_QDOT) { /* int8 activations (models/qdot.c) */
+        sd_qdot_linear(x, M, K, Q, D, Mn, kind & ~KIND_QDOT, N, bias, y, nthreads);
+        return;
+    }
     const int S = kind & KIND_PAIRED ? 2 : 1;
     kind &= ~KIND_PAIRED;
     const int64_t panels = (N + PW - 1) / PW, groups = (panels + S - 1) / S;

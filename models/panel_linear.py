@@ -45,13 +45,20 @@ from specdraft.hardware import panel_kernel_blocker
 from specdraft.models.exact_panels import KINDS, ExactPanels, exact_panels, exact_product
 from specdraft.models.exact_panels import enabled as exact_enabled
 from specdraft.models.layers import replace_linears
+from specdraft.models.qdot import enabled as q8_enabled
+from specdraft.models.qdot import to_dot
 from specdraft.utils import cache_root
 
 PANEL = 16  # output columns per packed panel (two AVX2 vectors); panel_linear.c's PW
 SOURCE = Path(__file__).with_name("panel_linear.c")
 # built into the same library: a decoder layer's per-row steps (models/row_ops.py) and the one-call layer loop
 # over them (models/layer_rows.py)
-SOURCES = (SOURCE, Path(__file__).with_name("row_ops.c"), Path(__file__).with_name("layer_rows.c"))
+SOURCES = (
+    SOURCE,
+    Path(__file__).with_name("row_ops.c"),
+    Path(__file__).with_name("layer_rows.c"),
+    Path(__file__).with_name("qdot.c"),  # int8-activation products of exact panels (models/qdot.py)
+)
 # -ffp-contract=off: no FMA the sources do not write (row_ops.c's rotary embedding is torch's bit for bit)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
@@ -130,7 +137,8 @@ def baseline_library(source: Path, replaces: str | None = None) -> ctypes.CDLL:
 
     Args:
         source: a C file to build.
-        replaces: the name of the source it stands for ("panel_linear.c", "row_ops.c" or "layer_rows.c");
+        replaces: the name of the source it stands for ("panel_linear.c", "row_ops.c", "layer_rows.c" or
+            "qdot.c");
             None: the one `source` is named after, else panel_linear.c.
 
     Raises:
@@ -193,7 +201,7 @@ class PanelLinear(nn.Module):
             shared.
     """
 
-    def __init__(self, linear: nn.Linear, exact: bool | None = None) -> None:
+    def __init__(self, linear: nn.Linear, exact: bool | None = None, q8: bool | None = None) -> None:
         super().__init__()
         if not panel_available() or not fp32_cpu(linear):
             raise ValueError(
@@ -204,6 +212,8 @@ class PanelLinear(nn.Module):
         self.native = linear.weight.detach()  # (out, in), shared (the input embedding's, for a tied LM head)
         panels = pack_panels(self.native)  # (panels, in, PANEL)
         store = exact_panels(self.native, panels) if (exact_enabled() if exact is None else exact) else None
+        if store is not None and (q8_enabled() if q8 is None else q8):  # int8 activations (models/qdot.py)
+            store = to_dot(store)
         # (panels, in, PANEL) fp32, or the same weights as exact block panels: plain tensors, not in state_dict
         self.panels: Tensor | ExactPanels = panels if store is None else store
         self.bias = linear.bias
@@ -218,7 +228,7 @@ class PanelLinear(nn.Module):
         return panel_product(x, self.panels, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        kind = f", exact {self.panels.kind}" if isinstance(self.panels, ExactPanels) else ""
+        kind = f", exact {store_kind(self.panels)}" if isinstance(self.panels, ExactPanels) else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, layout=panels of {PANEL}{kind}"
 
 
@@ -288,9 +298,7 @@ class StackedPanels:
         """Whether `linears` can be stacked: PanelLinears of one input width and one storage (fp32 panels, or
         exact panels of one kind), every output width a multiple of PANEL."""
         panels = [m for m in linears if isinstance(m, PanelLinear)]
-        kinds = {
-            m.panels.kind if isinstance(m.panels, ExactPanels) else "fp32" for m in panels
-        }  # one storage
+        kinds = {store_kind(m.panels) for m in panels}  # one storage
         return len(panels) == len(linears) and (
             len({m.in_features for m in panels}) == 1
             and all(m.out_features % PANEL == 0 for m in panels)
@@ -306,11 +314,20 @@ class StackedPanels:
         return self.whole(x).split(self.sizes, dim=-1)
 
 
-def panel_linears(model: nn.Module, exact: bool | None = None) -> int:
+def panel_linears(model: nn.Module, exact: bool | None = None, q8: bool | None = None) -> int:
     """Replace every fp32 CPU `nn.Linear` under `model` by a `PanelLinear`, in place (other dtypes and devices
     are left as they are); `exact`: store exact block panels where a weight is one (None:
-    `SPECDRAFT_EXACT_PANELS`, default on). Returns how many."""
-    return replace_linears(model, lambda linear: PanelLinear(linear, exact), fp32_cpu)
+    `SPECDRAFT_EXACT_PANELS`, default on); `q8`: multiply the 4- and 8-bit ones with int8 activations
+    (`models/qdot.py`; None: `SPECDRAFT_Q8_ACTIVATIONS`, default off). Returns how many."""
+    return replace_linears(model, lambda linear: PanelLinear(linear, exact, q8), fp32_cpu)
+
+
+def store_kind(panels: Tensor | ExactPanels) -> str:
+    """The storage of `PanelLinear.panels`: "fp32", an exact store's kind ("q4", "q8", "bf16", "f16"), or "q4xq8" / "q8xq8" for one multiplied with
+    int8 activations (`models/qdot.py`)."""
+    if not isinstance(panels, ExactPanels):
+        return "fp32"
+    return f"{panels.kind}xq8" if panels.dot else panels.kind
 
 
 def store_bytes(panels: Tensor | ExactPanels) -> int:
@@ -321,9 +338,7 @@ def store_bytes(panels: Tensor | ExactPanels) -> int:
 def storage_summary(model: nn.Module) -> str:
     """How `model`'s PanelLinears store their weights, e.g. "q4:210 q8:1" ("" without any): the cost of a step
     depends on it."""
-    kinds = [
-        m.panels.kind if isinstance(m.panels, ExactPanels) else "fp32"
-        for m in model.modules()
-        if isinstance(m, PanelLinear)
-    ]
-    return " ".join(f"{k}:{kinds.count(k)}" for k in ("fp32", *KINDS) if k in kinds)
+    kinds = [store_kind(m.panels) for m in model.modules() if isinstance(m, PanelLinear)]
+    return " ".join(
+        f"{k}:{kinds.count(k)}" for k in dict.fromkeys(["fp32", *KINDS, "q4xq8", "q8xq8"]) if k in kinds
+    )

@@ -42,6 +42,8 @@ LAYOUT_SETS = {
         "panel",
     ),  # fp32 panels against exact 4/8-bit blocks (models/exact_panels.py)
     "panel-paired": ("panel-single", "panel"),  # exact panels one after the other against paired ones
+    # fp32 products against int8 activations (models/qdot.py: the GGUF runtime's arithmetic, another target)
+    "panel-q8-vs-fp32": ("panel", "panel-q8"),
 }
 SUFFIX = {
     "native": "",
@@ -50,6 +52,7 @@ SUFFIX = {
     "panel": "-panel",
     "panel-fp32": "-panel32",
     "panel-single": "-single",
+    "panel-q8": "-q8",
 }
 
 
@@ -60,7 +63,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(
         p,
-        layouts=("native", "transposed", "packed", "panel", "panel-fp32", "panel-single", *LAYOUT_SETS),
+        layouts=(
+            "native",
+            "transposed",
+            "packed",
+            "panel",
+            "panel-fp32",
+            "panel-single",
+            "panel-q8",
+            *LAYOUT_SETS,
+        ),
         layout_default="native",
     )
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
@@ -241,11 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     for prepare in warm:
         prepare(prompts[0], a.max_new_tokens)
     tot: dict[tuple[str, str], dict] = {}
-    ref: dict[int, list[int]] = {}
+    ref: dict[tuple[int, bool], list[int]] = {}  # (prompt, int8 activations): the first output of that target
     for k, ids in enumerate(prompts[1:]):
         for name, path, fn in methods:
             out, st = fn(ids)
-            ref.setdefault(k, out)
+            key = (k, path.endswith(SUFFIX["panel-q8"]))  # a q8 path decodes another target (models/qdot.py)
+            ref.setdefault(key, out)
             t = tot.setdefault(
                 (name, path), dict(n=0, time=0.0, steps=0, acc=0, draft=0.0, verify=0.0, accept=0.0, same=0)
             )
@@ -256,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             t["draft"] += st.draft_s
             t["verify"] += st.verify_s
             t["accept"] += st.accept_s
-            t["same"] += out == ref[k]
+            t["same"] += out == ref[key]
     rate = {key: t["n"] / t["time"] for key, t in tot.items()}
     table = Table(
         title=f"decode paths on {model.device} ({str(model.dtype).replace('torch.', '')}), {a.prompts} {a.bench} prompts"

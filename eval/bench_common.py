@@ -38,8 +38,8 @@ class Bench:
 def add_target_args(
     p: argparse.ArgumentParser, layouts: tuple[str, ...] = LAYOUTS, layout_default: str = "auto"
 ) -> None:
-    """The arguments every benchmark script takes: target, precision, device, Linear layout, drafters, prompt
-    lookup, benchmark, threads and the JSON output."""
+    """The arguments every benchmark script takes: target, precision, device, Linear layout (and int8
+    activations), drafters, prompt lookup, benchmark, threads and the JSON output."""
     p.add_argument("--target", default="smollm2-135m", help="target: a preset name, HF folder or Hub id")
     p.add_argument(
         "--dtype",
@@ -52,6 +52,11 @@ def add_target_args(
         default=layout_default,
         choices=list(layouts),
         help="target Linear weights (eval.linear_layout; models/linear_layout.py)",
+    )
+    p.add_argument(
+        "--q8-activations",
+        action="store_true",
+        help="the target's 4/8-bit products with int8 activations (base_model.q8_activations; models/qdot.py)",
     )
     p.add_argument("--drafter", nargs="*", default=[], help="exported drafter folders / Hub ids")
     p.add_argument(
@@ -128,7 +133,7 @@ def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
         torch.set_num_threads(a.threads)
     model, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device=a.device))
     if layout:
-        apply_layout(model, a.layout)  # as evaluate.py does
+        apply_layout(model, a.layout, q8=bool(getattr(a, "q8_activations", False)))  # as evaluate.py does
     fingerprint = target_fingerprint(model, tok)
     drafters: list[tuple[str, nn.Module]] = []
     for path in a.drafter:

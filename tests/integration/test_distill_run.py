@@ -151,6 +151,27 @@ def test_mismatched_rerun_is_refused(assets, tmp_path):
         distill(make_cfg(assets, out, "distill.num_samples=3", "distill.T=3"))
 
 
+def test_a_q8_activation_rerun_is_refused(assets, tmp_path):
+    """`base_model.q8_activations` is another target's arithmetic (models/qdot.py): a dataset distilled without it
+    does not resume with it (the manifest names the setting)."""
+    from specdraft.models.panel_linear import panel_available
+
+    if not panel_available():
+        pytest.skip("the panel kernel does not build here (int8 activations need the panel layout)")
+    out = tmp_path / "d"
+    distill(make_cfg(assets, out, "distill.num_samples=3", "distill.linear_layout=panel"))
+    with pytest.raises(DistillMismatchError, match="q8_activations"):
+        distill(
+            make_cfg(
+                assets,
+                out,
+                "distill.num_samples=3",
+                "distill.linear_layout=panel",
+                "base_model.q8_activations=true",
+            )
+        )
+
+
 def test_original_responses_features_and_disk_limit(assets, tmp_path):
     out = distill(make_cfg(assets, tmp_path / "f", "distill.num_samples=4", "distill.regenerate=false",
                            "distill.save_hidden=true", "distill.topk=2", "distill.T=3"))  # fmt: skip

@@ -20,6 +20,11 @@ from torch import Tensor, nn
 
 from specdraft.eval.proposers import Int8Linear, int8_copy
 from specdraft.models.layers import CopyCache, weights_key
+from specdraft.models.panel_linear import PanelLinear
+
+# what the clone swaps: plain Linears, and those a panel target's layout made `PanelLinear`s
+# (`models.linear_layout.match_target_layout`: fp32 panels, 4 bytes a weight, streamed cold every draft)
+LINEARS = (nn.Linear, PanelLinear)
 
 
 class Int8Product(nn.Module):
@@ -28,7 +33,7 @@ class Int8Product(nn.Module):
     then run in float32 too (type promotion), so the next product needs no cast (on a CPU a cast of a few rows
     costs about as much as the elementwise op itself)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear | PanelLinear) -> None:
         super().__init__()
         self.q: Int8Linear = int8_copy(linear)  # shared with every clone of the same weights
         self.out_features = linear.out_features
@@ -45,13 +50,14 @@ def _kept(name: str, child: nn.Module, keep: frozenset[str], skip: frozenset[int
     return name in keep or id(child) in skip
 
 
-def _linears(module: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> list[nn.Linear]:
-    """Every `nn.Linear` below `module` that the clone swaps (kept children excluded, at any depth)."""
-    out: list[nn.Linear] = []
+def _linears(module: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> list[nn.Linear | PanelLinear]:
+    """Every `nn.Linear` (or `PanelLinear`) below `module` that the clone swaps (kept children excluded, at any
+    depth)."""
+    out: list[nn.Linear | PanelLinear] = []
     for name, child in module.named_children():
         if _kept(name, child, keep, skip):
             continue
-        if isinstance(child, nn.Linear):
+        if isinstance(child, LINEARS):
             out.append(child)
         else:
             out.extend(_linears(child, keep, skip))
@@ -65,7 +71,7 @@ def _clone(module: nn.Module, keep: frozenset[str], skip: frozenset[int]) -> nn.
     for name, child in module._modules.items():
         if child is None or _kept(name, child, keep, skip):
             twin._modules[name] = child
-        elif isinstance(child, nn.Linear):
+        elif isinstance(child, LINEARS):
             twin._modules[name] = Int8Product(child)
         else:
             twin._modules[name] = _clone(child, keep, skip)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from specdraft.eval.decode import Proposer
     from specdraft.eval.redrafter_rows import RowsState
     from specdraft.models.family import FamilySpec
+    from specdraft.models.panel_linear import PanelLinear
     from specdraft.models.redrafter import ReDrafter
 
 
@@ -38,7 +39,7 @@ class Int8Linear(torch.nn.Module):
     streaming its weights; int8 makes it ~4-10x cheaper. Only the drafts change (slightly), never the output.
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear | PanelLinear) -> None:
         super().__init__()
         w = linear.weight.detach().float()  # (V, X)
         scales = (w.abs().amax(1) / 127.0).clamp_min(1e-8).double()  # (V,)
@@ -60,8 +61,9 @@ class Int8Linear(torch.nn.Module):
 _INT8_COPIES: CopyCache[Int8Linear] = CopyCache()
 
 
-def int8_copy(linear: torch.nn.Linear) -> Int8Linear:
-    """The `Int8Linear` of `linear`, quantised once and shared by every proposer of the same drafter (a batch
+def int8_copy(linear: torch.nn.Linear | PanelLinear) -> Int8Linear:
+    """The `Int8Linear` of `linear` (an `nn.Linear`, or the `PanelLinear` a panel target's layout made of one),
+    quantised once and shared by every proposer of the same drafter (a batch
     of B rows makes B proposers); quantised again when the weights were changed (trained, moved or cast)."""
     return _INT8_COPIES.get(linear, weights_key(linear.weight), lambda: Int8Linear(linear))
 

@@ -52,6 +52,25 @@ def test_the_clone_shares_weights_swaps_linears_and_leaves_the_original():
     assert (again.inner(x) - ref2).norm() / ref2.norm() < 0.05
 
 
+def test_the_clone_swaps_the_panel_linears_a_panel_target_layout_made():
+    """`match_target_layout` turns a drafter's Linears into `PanelLinear`s (fp32 panels) on a panel target; the
+    int8 view must still swap them (before, it found no `nn.Linear` and drafted in fp32 panels)."""
+    from specdraft.models.panel_linear import PanelLinear, panel_available, panel_linears
+
+    if not panel_available():
+        pytest.skip("the panel kernel does not build here")
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(8, 32)
+    ref = net.inner(x)
+    panel_linears(net)
+    assert isinstance(net.inner[0], PanelLinear)
+    twin = int8_clone(net, keep=("head",))
+    assert isinstance(twin.inner[0], Int8Product) and isinstance(twin.inner[2], Int8Product)
+    assert isinstance(twin.head, PanelLinear) and isinstance(net.inner[0], PanelLinear)  # kept, untouched
+    assert (twin.inner(x) - ref).norm() / ref.norm() < 0.05
+
+
 def test_no_clone_where_int8_does_not_apply():
     only_head = nn.Sequential()
     only_head.add_module("head", nn.Linear(4, 4))

@@ -83,18 +83,21 @@ PANEL_VARIANTS = {
 }
 
 
-def apply_bench_layout(model: nn.Module, layout: str) -> str:
+def apply_bench_layout(model: nn.Module, layout: str, q8: bool = False) -> str:
     """`models.linear_layout.apply_layout`, plus "panel-fp32": fp32 panels even where a weight is exact
     (`models/exact_panels.py`), for A/B runs against the `panel` layout that stores those as integers,
     "panel-single": exact panels one after the other (`SPECDRAFT_PAIRED_PANELS=0`), against the paired ones, and
     "panel-q8": 4- and 8-bit weights with int8 activations (`SPECDRAFT_Q8_ACTIVATIONS=1`, models/qdot.py: another
-    target's arithmetic, a GGUF runtime's). Returns the layout applied."""
+    target's arithmetic, a GGUF runtime's); `q8` (`--q8-activations`) makes "panel" mean "panel-q8". Returns
+    the layout applied."""
     from specdraft.models.linear_layout import apply_layout
     from specdraft.models.panel_linear import panel_linears
 
     if layout == "panel-fp32":
         panel_linears(model, exact=False)
         return layout
+    if q8 and layout == "panel":
+        layout = "panel-q8"
     if layout in PANEL_VARIANTS:
         name, value = PANEL_VARIANTS[layout]
         before = os.environ.get(name)
@@ -107,7 +110,8 @@ def apply_bench_layout(model: nn.Module, layout: str) -> str:
             else:
                 os.environ[name] = before
         return layout
-    return apply_layout(model, layout)
+    chosen = apply_layout(model, layout, q8=q8)
+    return "panel-q8" if q8 and chosen == "panel" else chosen
 
 
 def drafter_label(drafter: nn.Module, path: str) -> str:

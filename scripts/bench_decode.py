@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = []
     for k, layout in enumerate(layouts):
         m = model if k == 0 else copy.deepcopy(native)
-        apply_bench_layout(m, layout)
+        layout = apply_bench_layout(m, layout, q8=a.q8_activations)  # "panel" + --q8-activations: "panel-q8"
         dec = make_decoder(m, "static", a.graphs)
         assert dec is not None
         cost = CostCurve.load_or_measure(machine_key(m, dec.path_name()), dec.measure_costs, refresh=True)

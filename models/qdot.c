@@ -11,6 +11,7 @@
  * other rows and the code path (AVX-512 VNNI or AVX2), and models/qdot.py's torch reference gives those bits too.
  * The integer sums run 4 inputs x 16 outputs per instruction (vpdpbusd), 4x the fp32 FMA's multiply rate, with
  * no weight rebuilt in registers: the few-row products a tree verify feeds cost little more than one row's.
+ * Each thread takes whole panels; a panel's rows go in tiles of up to 8 (AVX-512) or 3 (AVX2).
  *
  * Layout of a panel (16 outputs, zero past N; `KIND_QDOT | 4` or `| 8` in sd_qpanel_linear's kind):
  *   8-bit: (K / 4, 16, 4) bytes, byte [g][c][t] = u[c][4g + t];
@@ -28,7 +29,6 @@
 #define QD_BLK 32 /* inputs per block */
 #define QD_RT 8   /* rows per tile (AVX-512) */
 #define QD_RT2 3  /* rows per tile (AVX2: 16 registers) */
-#define QD_NPMAX 4
 #define QD_AHEAD 8 /* blocks a tile prefetches its weights ahead (AVX-512: a verify of 2-8 rows 5-25% faster) */
 
 /* 16 / 8 table entries from entry `at` of a fp32 (HALF 0) or fp16 (HALF 1) table, as fp32 */
@@ -82,83 +82,79 @@ static inline int32_t dword_at(const int8_t *p) {
 /* ---- AVX-512 VNNI ------------------------------------------------------------------------------------------ */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-/* NP consecutive panels x R rows (out: (NP, R, 16)); BITS, NP, R compile-time constants where inlined. */
-static inline __attribute__((always_inline)) VNNI void tile16(const int BITS, const int HALF, const int NP,
-                                                              const int R, const int8_t *xq, const float *dx,
-                                                              const float *sx, int64_t K, const uint8_t *q,
-                                                              const void *d, const void *m, float *out) {
-    const int64_t nb = K / QD_BLK, qstride = K * (BITS == 8 ? 16 : 8), tstride = nb * QD_PW;
-    const int split = NP * R <= 4; /* two chains per accumulator (even / odd groups) where few run */
-    __m512 acc[QD_NPMAX * QD_RT];
-    _Pragma("GCC unroll 32")
-    for (int i = 0; i < NP * R; i++) acc[i] = _mm512_setzero_ps();
+/* One panel x R rows (out: (R, 16)); BITS, HALF, R compile-time constants where inlined. One panel a tile: a
+ * tile of 2-4 panels (more independent chains) streamed 4-12 weight and table streams at once and ran 15-30%
+ * slower at 1-4 rows on a 2-core Zen 5 (the products are bound by streaming the weights there). */
+static inline __attribute__((always_inline)) VNNI void tile16(const int BITS, const int HALF, const int R,
+                                                              const int8_t *xq, const float *dx, const float *sx,
+                                                              int64_t K, const uint8_t *q, const void *d,
+                                                              const void *m, float *out) {
+    const int64_t nb = K / QD_BLK;
+    const int split = R <= 4; /* two chains per row (even / odd groups) where few run */
+    __m512 acc[QD_RT];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
-        __m512i is0[QD_NPMAX * QD_RT], is1[QD_NPMAX * QD_RT];
-        _Pragma("GCC unroll 32")
-        for (int i = 0; i < NP * R; i++) is0[i] = is1[i] = _mm512_setzero_si512();
-        _Pragma("GCC unroll 32")
-        for (int p = 0; p < NP; p++) { /* (past the end: prefetches never fault) */
-            const char *ahead = (const char *)(q + p * qstride + (j + QD_AHEAD) * (BITS == 8 ? 512 : 256));
-            _Pragma("GCC unroll 8")
-            for (int c = 0; c < (BITS == 8 ? 512 : 256); c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+        __m512i is0[QD_RT], is1[QD_RT];
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < R; r++) is0[r] = is1[r] = _mm512_setzero_si512();
+        /* (past the end: prefetches never fault) */
+        const char *ahead = (const char *)(q + (j + QD_AHEAD) * (BITS == 8 ? 512 : 256));
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + 128, _MM_HINT_T0);
+        _mm_prefetch(ahead + 192, _MM_HINT_T0);
+        if (BITS == 8) {
+            _mm_prefetch(ahead + 256, _MM_HINT_T0);
+            _mm_prefetch(ahead + 320, _MM_HINT_T0);
+            _mm_prefetch(ahead + 384, _MM_HINT_T0);
+            _mm_prefetch(ahead + 448, _MM_HINT_T0);
         }
-        _Pragma("GCC unroll 32")
+        _Pragma("GCC unroll 8")
         for (int g = 0; g < 8; g++) {
-            _Pragma("GCC unroll 32")
-            for (int p = 0; p < NP; p++) {
-                __m512i w;
-                if (BITS == 8) {
-                    w = _mm512_loadu_si512((const void *)(q + p * qstride + j * 512 + g * 64));
-                } else {
-                    const __m512i v = _mm512_loadu_si512((const void *)(q + p * qstride + j * 256 + (g >> 1) * 64));
-                    w = _mm512_and_si512(g & 1 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
-                }
-                _Pragma("GCC unroll 32")
-                for (int r = 0; r < R; r++) {
-                    const __m512i xb = _mm512_set1_epi32(dword_at(xq + r * K + j * QD_BLK + 4 * g));
-                    if (split && (g & 1))
-                        is1[p * R + r] = _mm512_dpbusd_epi32(is1[p * R + r], w, xb);
-                    else
-                        is0[p * R + r] = _mm512_dpbusd_epi32(is0[p * R + r], w, xb);
-                }
+            __m512i w;
+            if (BITS == 8) {
+                w = _mm512_loadu_si512((const void *)(q + j * 512 + g * 64));
+            } else {
+                const __m512i v = _mm512_loadu_si512((const void *)(q + j * 256 + (g >> 1) * 64));
+                w = _mm512_and_si512(g & 1 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+            }
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                const __m512i xb = _mm512_set1_epi32(dword_at(xq + r * K + j * QD_BLK + 4 * g));
+                if (split && (g & 1))
+                    is1[r] = _mm512_dpbusd_epi32(is1[r], w, xb);
+                else
+                    is0[r] = _mm512_dpbusd_epi32(is0[r], w, xb);
             }
         }
-        _Pragma("GCC unroll 32")
+        const __m512 dv = TAB16(HALF, d, j * QD_PW), mv = TAB16(HALF, m, j * QD_PW);
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < R; r++) {
             const __m512 s = _mm512_set1_ps(dx[r * nb + j]), t = _mm512_set1_ps(sx[r * nb + j]);
-            _Pragma("GCC unroll 32")
-            for (int p = 0; p < NP; p++) {
-                const __m512 dv = TAB16(HALF, d, p * tstride + j * QD_PW);
-                const __m512 mv = TAB16(HALF, m, p * tstride + j * QD_PW);
-                const int i = p * R + r;
-                const __m512i isum = split ? _mm512_add_epi32(is0[i], is1[i]) : is0[i];
-                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, s)));
-                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(mv, t));
-            }
+            const __m512i isum = split ? _mm512_add_epi32(is0[r], is1[r]) : is0[r];
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, s)));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mv, t));
         }
     }
-    _Pragma("GCC unroll 32")
-    for (int i = 0; i < NP * R; i++) _mm512_storeu_ps(out + i * QD_PW, acc[i]);
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * QD_PW, acc[r]);
 }
 
-/* panels per tile at R rows: enough independent dpbusd chains to cover their latency */
-#define NP16(R) ((R) == 1 ? 4 : (R) <= 4 ? 2 : 1)
-
-static VNNI void tile16_any(int bits, int half, int np, int R, const int8_t *xq, const float *dx, const float *sx,
+static VNNI void tile16_any(int bits, int half, int R, const int8_t *xq, const float *dx, const float *sx,
                             int64_t K, const uint8_t *q, const void *d, const void *m, float *out) {
-#define T16(B, NPX, RR) do { if (half) tile16(B, 1, NPX, RR, xq, dx, sx, K, q, d, m, out); \
-                             else tile16(B, 0, NPX, RR, xq, dx, sx, K, q, d, m, out); } while (0)
-#define T16_R(B, RR) do { if (np == NP16(RR)) T16(B, NP16(RR), RR); else T16(B, 1, RR); } while (0)
+#define T16(B, RR) do { if (half) tile16(B, 1, RR, xq, dx, sx, K, q, d, m, out); \
+                         else tile16(B, 0, RR, xq, dx, sx, K, q, d, m, out); } while (0)
 #define T16_B(B)                                                                                        \
     switch (R) {                                                                                        \
-    case 1: T16_R(B, 1); break;                                                                         \
-    case 2: T16_R(B, 2); break;                                                                         \
-    case 3: T16_R(B, 3); break;                                                                         \
-    case 4: T16_R(B, 4); break;                                                                         \
-    case 5: T16_R(B, 5); break;                                                                         \
-    case 6: T16_R(B, 6); break;                                                                         \
-    case 7: T16_R(B, 7); break;                                                                         \
-    default: T16_R(B, 8); break;                                                                        \
+    case 1: T16(B, 1); break;                                                                           \
+    case 2: T16(B, 2); break;                                                                           \
+    case 3: T16(B, 3); break;                                                                           \
+    case 4: T16(B, 4); break;                                                                           \
+    case 5: T16(B, 5); break;                                                                           \
+    case 6: T16(B, 6); break;                                                                           \
+    case 7: T16(B, 7); break;                                                                           \
+    default: T16(B, 8); break;                                                                          \
     }
     if (bits == 8) {
         T16_B(8)
@@ -255,16 +251,12 @@ int sd_qdot_set_vnni(int on) {
     return vnni_state;
 }
 
-/* Outputs [n0, n0 + 16 np) of rows r0.. (out: (np, R, 16)) into y (M, N), + bias. */
-static void store_tile(int np, int R, const float *out, const float *bias, int64_t r0, int64_t n0, int64_t N,
-                       float *y) {
-    for (int p = 0; p < np; p++)
-        for (int r = 0; r < R; r++) {
-            const int64_t c0 = n0 + p * QD_PW;
-            for (int64_t c = 0; c < QD_PW && c0 + c < N; c++) {
-                const float v = out[(p * R + r) * QD_PW + c];
-                y[(r0 + r) * N + c0 + c] = bias ? v + bias[c0 + c] : v;
-            }
+/* Outputs [n0, n0 + 16) of rows r0.. (out: (R, 16)) into y (M, N), + bias. */
+static void store_tile(int R, const float *out, const float *bias, int64_t r0, int64_t n0, int64_t N, float *y) {
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < QD_PW && n0 + c < N; c++) {
+            const float v = out[r * QD_PW + c];
+            y[(r0 + r) * N + n0 + c] = bias ? v + bias[n0 + c] : v;
         }
 }
 
@@ -283,32 +275,19 @@ void sd_qdot_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, cons
     int32_t *qs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
     quant_rows(x, M, K, xq, dx, sx, qs);
     const int vnni = use_vnni();
-    /* panels per unit of work: the widest tile any row chunk takes (AVX-512: NP16 of the first chunk) */
-    const int R0 = M < QD_RT ? (int)M : QD_RT, np = vnni ? NP16(R0) : 1;
-    const int64_t units = (panels + np - 1) / np;
+    const int64_t rt = vnni ? QD_RT : QD_RT2;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t u = 0; u < units; u++) {
-        float out[QD_NPMAX * QD_RT * QD_PW];
-        const int64_t b0 = u * np, have = panels - b0 < np ? panels - b0 : np;
-        for (int64_t r0 = 0; r0 < M; r0 += vnni ? QD_RT : QD_RT2) {
-            const int64_t rt = vnni ? QD_RT : QD_RT2;
+    for (int64_t b = 0; b < panels; b++) {
+        float out[QD_RT * QD_PW];
+        const uint8_t *qb = Q + b * qstride;
+        const void *db = Dc + b * tstride * tb, *mb = Mc + b * tstride * tb;
+        for (int64_t r0 = 0; r0 < M; r0 += rt) {
             const int R = (int)(M - r0 < rt ? M - r0 : rt);
-            const int8_t *xr = xq + r0 * K;
-            const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
-            if (vnni && have == np) {
-                tile16_any(bits, half, np, R, xr, dr, sr, K, Q + b0 * qstride, Dc + b0 * tstride * tb,
-                           Mc + b0 * tstride * tb, out);
-                store_tile(np, R, out, bias, r0, b0 * QD_PW, N, y);
-                continue;
-            }
-            for (int64_t b = b0; b < b0 + have; b++) {
-                const void *db = Dc + b * tstride * tb, *mb = Mc + b * tstride * tb;
-                if (vnni)
-                    tile16_any(bits, half, 1, R, xr, dr, sr, K, Q + b * qstride, db, mb, out);
-                else
-                    tile8_any(bits, half, R, xr, dr, sr, qs + r0 * nb, K, Q + b * qstride, db, mb, out);
-                store_tile(1, R, out, bias, r0, b * QD_PW, N, y);
-            }
+            if (vnni)
+                tile16_any(bits, half, R, xq + r0 * K, dx + r0 * nb, sx + r0 * nb, K, qb, db, mb, out);
+            else
+                tile8_any(bits, half, R, xq + r0 * K, dx + r0 * nb, sx + r0 * nb, qs + r0 * nb, K, qb, db, mb, out);
+            store_tile(R, out, bias, r0, b * QD_PW, N, y);
         }
     }
     free(xq);

@@ -79,6 +79,21 @@ static inline int32_t dword_at(const int8_t *p) {
     return v;
 }
 
+/* CALL(B, r) at r = R, compile-time row counts 1..4 (QD_SWITCH4: 4 for any larger R) or 1..8 (QD_SWITCH8), for
+ * B = 8 or 4 bits as `bits` says (QD_BITS): one instantiation of a tile per bits and row count. */
+#define QD_CASES_1_3(CALL, B) case 1: CALL(B, 1); break; case 2: CALL(B, 2); break; case 3: CALL(B, 3); break;
+#define QD_SWITCH4(CALL, B) switch (R) { QD_CASES_1_3(CALL, B) default: CALL(B, 4); break; }
+#define QD_SWITCH8(CALL, B)                                                                             \
+    switch (R) {                                                                                        \
+    QD_CASES_1_3(CALL, B)                                                                               \
+    case 4: CALL(B, 4); break;                                                                          \
+    case 5: CALL(B, 5); break;                                                                          \
+    case 6: CALL(B, 6); break;                                                                          \
+    case 7: CALL(B, 7); break;                                                                          \
+    default: CALL(B, 8); break;                                                                         \
+    }
+#define QD_BITS(SWITCH, CALL) if (bits == 8) { SWITCH(CALL, 8) } else { SWITCH(CALL, 4) }
+
 /* ---- AVX-512 VNNI ------------------------------------------------------------------------------------------ */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -145,22 +160,7 @@ static VNNI void tile16_any(int bits, int half, int R, const int8_t *xq, const f
                             int64_t K, const uint8_t *q, const void *d, const void *m, float *out) {
 #define T16(B, RR) do { if (half) tile16(B, 1, RR, xq, dx, sx, K, q, d, m, out); \
                          else tile16(B, 0, RR, xq, dx, sx, K, q, d, m, out); } while (0)
-#define T16_B(B)                                                                                        \
-    switch (R) {                                                                                        \
-    case 1: T16(B, 1); break;                                                                           \
-    case 2: T16(B, 2); break;                                                                           \
-    case 3: T16(B, 3); break;                                                                           \
-    case 4: T16(B, 4); break;                                                                           \
-    case 5: T16(B, 5); break;                                                                           \
-    case 6: T16(B, 6); break;                                                                           \
-    case 7: T16(B, 7); break;                                                                           \
-    default: T16(B, 8); break;                                                                          \
-    }
-    if (bits == 8) {
-        T16_B(8)
-    } else {
-        T16_B(4)
-    }
+    QD_BITS(QD_SWITCH8, T16)
 }
 
 /* ---- AVX2 ------------------------------------------------------------------------------------------------- */
@@ -222,18 +222,7 @@ static void tile8_any(int bits, int half, int R, const int8_t *xq, const float *
                       const int32_t *qs, int64_t K, const uint8_t *q, const void *d, const void *m, float *out) {
 #define T8(B, RR) do { if (half) tile8(B, 1, RR, xq, dx, sx, qs, K, q, d, m, out); \
                        else tile8(B, 0, RR, xq, dx, sx, qs, K, q, d, m, out); } while (0)
-#define T8_B(B)                                                                                         \
-    switch (R) {                                                                                        \
-    case 1: T8(B, 1); break;                                                                            \
-    case 2: T8(B, 2); break;                                                                            \
-    case 3: T8(B, 3); break;                                                                            \
-    default: T8(B, 4); break;                                                                           \
-    }
-    if (bits == 8) {
-        T8_B(8)
-    } else {
-        T8_B(4)
-    }
+    QD_BITS(QD_SWITCH4, T8)
 }
 
 /* ---- the product ------------------------------------------------------------------------------------------- */

@@ -56,6 +56,17 @@ def gguf_like(w: torch.Tensor, kind: str) -> torch.Tensor:
     return out.float().view(n, k)
 
 
+def gguf_target(arch: str) -> torch.nn.Module:
+    """A tiny fp32 target whose Linear weights are Q4_1 and LM head Q8_0, as a dequantised GGUF is."""
+    model = tiny_target(arch, CPU).float()
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
+                m.weight.copy_(gguf_like(m.weight, "q8_0" if m is head else "q4_1"))
+    return model
+
+
 def linear_of(weight: torch.Tensor, bias: bool = False) -> torch.nn.Linear:
     """An fp32 nn.Linear holding `weight` (out, in)."""
     lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
@@ -178,12 +189,7 @@ def test_gguf_target_in_exact_panels_decodes_losslessly(arch: str) -> None:
     """A tiny target whose Linear weights are Q4_1 (its LM head Q8_0), as a dequantised GGUF is: every Linear
     becomes exact panels, logits equal the fp32 panels' bit for bit, and greedy speculative decoding equals AR
     on the eager and fixed-shape paths."""
-    model = tiny_target(arch, CPU).float()
-    head = model.get_output_embeddings()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
-                m.weight.copy_(gguf_like(m.weight, "q8_0" if m is head else "q4_1"))
+    model = gguf_target(arch)
     plain = copy.deepcopy(model)
     panel_linears(plain, exact=False)
     panel_linears(model, exact=True)

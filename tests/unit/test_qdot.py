@@ -23,7 +23,8 @@ from specdraft.models.panel_linear import (
     panel_linears,
     panel_status,
 )
-from specdraft.testing import check_static_equals_ar, check_trees_lossless, random_prompts, tiny_target
+from specdraft.testing import check_static_equals_ar, check_trees_lossless, random_prompts
+from tests.unit.test_exact_panels import gguf_like, gguf_target, linear_of
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not panel_available(), reason=f"panel kernel: {panel_status()[1]}")
@@ -114,8 +115,6 @@ def test_stacked_and_sliced_dot_stores_give_the_separate_bits() -> None:
     """q/k/v with int8 activations stack into one call (one layout per stack) with each product's bits; a dot
     store has no fp32 panels to unpack."""
     g = torch.Generator().manual_seed(3)
-    from tests.unit.test_exact_panels import gguf_like, linear_of
-
     members = [
         PanelLinear(linear_of(gguf_like(torch.randn(n, 64, generator=g), "q4_1"), bias), q8=True)
         for n, bias in ((32, True), (16, False))
@@ -131,19 +130,6 @@ def test_stacked_and_sliced_dot_stores_give_the_separate_bits() -> None:
         unpack(stacked.panels)
     with pytest.raises(ValueError, match="one layout"):
         ExactPanels.cat([members[0].panels, random_store(4, 16, 64, seed=1)])
-
-
-def gguf_target(arch: str) -> torch.nn.Module:
-    """A tiny fp32 target whose Linear weights are Q4_1 and LM head Q8_0, as a dequantised GGUF is."""
-    from tests.unit.test_exact_panels import gguf_like
-
-    model = tiny_target(arch, CPU).float()
-    head = model.get_output_embeddings()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
-                m.weight.copy_(gguf_like(m.weight, "q8_0" if m is head else "q4_1"))
-    return model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

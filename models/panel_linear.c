@@ -118,12 +118,17 @@ static inline __attribute__((always_inline)) void dequant(const int KIND, const 
  * reloaded every 32 rows for kinds 4 and 8). S: panels side by side in the layout (1, or 2 for a paired store,
  * whose input rows hold both panels' bytes and whose blocks both panels' constants: q, d, m then point at this
  * panel's first ones). */
+#ifndef QPANEL_AHEAD
+#define QPANEL_AHEAD 4 /* blocks of 32 input rows whose bytes a pass prefetches ahead */
+#endif
 #define FOR_EACH_WEIGHT_ROW(KIND, S, K, q, d, m, BODY)                                                       \
     do {                                                                                                     \
         const int64_t qb_ = kind_bytes(KIND) * (S);                                                          \
         if ((KIND) < KIND_BF16) {                                                                            \
             for (int64_t j_ = 0; j_ < (K) / QBLK; j_++) {                                                    \
                 const int64_t t_ = j_ * PW * (S);                                                            \
+                const char *ahead_ = (const char *)(q + (j_ + QPANEL_AHEAD) * QBLK * qb_); /* never faults */     \
+                for (int64_t c_ = 0; c_ < QBLK * qb_; c_ += 64) _mm_prefetch(ahead_ + c_, _MM_HINT_T0);         \
                 const __m256 d0_ = table8(KIND, d, t_), d1_ = table8(KIND, d, t_ + 8);                       \
                 const __m256 m0_ = table8(KIND, m, t_), m1_ = table8(KIND, m, t_ + 8);                       \
                 for (int64_t i = j_ * QBLK; i < (j_ + 1) * QBLK; i++) {                                      \
@@ -247,6 +252,9 @@ static inline __attribute__((always_inline)) AVX512 __m512 dequant16(const int K
 /* pair_rows with one zmm a panel, up to PAIR16_ROWS rows: 2 R chains (R <= 8: 16 accumulators of 32 registers),
  * each column's chain the same FMAs in the same order as every other path. */
 #define PAIR16_ROWS 8
+#ifndef PAIR16_AHEAD
+#define PAIR16_AHEAD 4 /* blocks of 32 input rows whose bytes a pass prefetches ahead */
+#endif
 static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R, const int KIND, const float *x,
                                                                      int64_t K, const uint8_t *q, const float *d,
                                                                      const float *m, float *out_a, float *out_b) {
@@ -255,6 +263,8 @@ static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R
     for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();
     for (int64_t j = 0; j < K / QBLK; j++) {
         const int64_t t = j * 2 * PW;
+        const char *ahead = (const char *)(q + (j + PAIR16_AHEAD) * QBLK * 2 * qb); /* never faults */
+        for (int64_t c = 0; c < QBLK * 2 * qb; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
         const __m512 da = table16(KIND, d, t), db = table16(KIND, d, t + PW);
         const __m512 ma = table16(KIND, m, t), mb = table16(KIND, m, t + PW);
         for (int64_t i = j * QBLK; i < (j + 1) * QBLK; i++) {

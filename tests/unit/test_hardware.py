@@ -151,6 +151,16 @@ def test_environment_line_says_what_and_why(cpu_with):
     assert "[distill]" in line and "dtype fp32" in line and "AVX512-BF16" in line and "threads" in line
 
 
+def test_a_passive_openmp_wait_policy_is_called_out_on_a_cpu(cpu_with, monkeypatch):
+    """OMP_WAIT_POLICY=PASSIVE makes CPU decoding several times slower: the environment line says so (on a CPU
+    only), and says nothing without it."""
+    cpu_with("avx512f")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert "OMP_WAIT_POLICY" not in log_environment("evaluate", resolve_placement("cpu", "auto"))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert hardware.PASSIVE_WARNING in log_environment("evaluate", resolve_placement("cpu", "auto"))
+
+
 def test_load_target_resolves_auto(cpu_with, tmp_path, monkeypatch):
     """base_model.dtype=auto loads fp32 on a CPU without native bf16, bf16 on one with it."""
     from specdraft.models.base_llm import load_target

@@ -45,6 +45,7 @@ from specdraft.distill.turns import build_rows
 from specdraft.hardware import log_environment, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.linear_layout import apply_layout, layout_label
+from specdraft.models.panel_linear import storage_summary
 from specdraft.utils import clean_stale_tmp
 
 
@@ -80,9 +81,15 @@ def generation_settings(d: Any, tokenizer, model) -> GenerationSettings:
 
 
 def make_header(
-    cfg: DictConfig, fingerprint: dict, settings: GenerationSettings, spec, limit: int | None
+    cfg: DictConfig,
+    fingerprint: dict,
+    settings: GenerationSettings,
+    spec,
+    limit: int | None,
+    q8: bool = False,
 ) -> dict:
-    """The content-deciding part of the manifest (compared on resume)."""
+    """The content-deciding part of the manifest (compared on resume); `q8`: the target's products take int8
+    activations (models/qdot.py: another target's arithmetic)."""
     d = cfg.distill
     gen: dict[str, Any] = {
         "regenerate": bool(d.regenerate),
@@ -93,7 +100,7 @@ def make_header(
     }
     if settings.do_sample:
         gen.update(temperature=settings.temperature, top_p=settings.top_p, seed=int(d.seed))
-    if cfg.base_model.get("q8_activations", False):  # another target's arithmetic (models/qdot.py)
+    if q8:  # another target's arithmetic (models/qdot.py)
         gen["q8_activations"] = True
     return {
         "format_version": FORMAT_VERSION,
@@ -140,7 +147,8 @@ def distill(cfg: DictConfig) -> Path:
     fingerprint = target_fingerprint(model, tokenizer)
     settings = generation_settings(d, tokenizer, model)
     spec = make_spec(d, model)
-    header = make_header(cfg, fingerprint, settings, spec, limit)
+    # int8 activations as laid out (base_model.q8_activations, or SPECDRAFT_Q8_ACTIVATIONS for an A/B run)
+    header = make_header(cfg, fingerprint, settings, spec, limit, q8="xq8" in storage_summary(model))
     S = int(d.shard_size)
     plan = [[c.id for c in convs[i : i + S]] for i in range(0, len(convs), S)]
     done = check_compatible(out_dir, header, plan)

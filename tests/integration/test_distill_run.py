@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from specdraft.conf.schema import register_configs
@@ -152,24 +153,33 @@ def test_mismatched_rerun_is_refused(assets, tmp_path):
 
 
 def test_a_q8_activation_rerun_is_refused(assets, tmp_path):
-    """`base_model.q8_activations` is another target's arithmetic (models/qdot.py): a dataset distilled without it
-    does not resume with it (the manifest names the setting)."""
+    """`base_model.q8_activations` is another target's arithmetic (models/qdot.py): for a target with 4/8-bit
+    weights (as a dequantised GGUF has), a dataset distilled without it does not resume with it (the manifest
+    names the setting); for one without any (nothing changes) it resumes."""
+    from transformers import AutoModelForCausalLM
+
     from specdraft.models.panel_linear import panel_available
+    from tests.unit.test_exact_panels import gguf_like
 
     if not panel_available():
         pytest.skip("the panel kernel does not build here (int8 activations need the panel layout)")
-    out = tmp_path / "d"
-    distill(make_cfg(assets, out, "distill.num_samples=3", "distill.linear_layout=panel"))
+    plain = tmp_path / "plain"
+    distill(make_cfg(assets, plain, "distill.num_samples=3", "distill.linear_layout=panel"))
+    distill(make_cfg(assets, plain, "distill.num_samples=3", "distill.linear_layout=panel",
+                     "base_model.q8_activations=true"))  # fmt: skip
+    gguf = tmp_path / "gguf_target"
+    shutil.copytree(assets / "target", gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
+                m.weight.copy_(gguf_like(m.weight, "q4_1"))
+    model.save_pretrained(gguf)
+    out, target = tmp_path / "d", f"base_model.name_or_path={gguf}"
+    distill(make_cfg(assets, out, "distill.num_samples=3", "distill.linear_layout=panel", target))
     with pytest.raises(DistillMismatchError, match="q8_activations"):
-        distill(
-            make_cfg(
-                assets,
-                out,
-                "distill.num_samples=3",
-                "distill.linear_layout=panel",
-                "base_model.q8_activations=true",
-            )
-        )
+        distill(make_cfg(assets, out, "distill.num_samples=3", "distill.linear_layout=panel", target,
+                         "base_model.q8_activations=true"))  # fmt: skip
 
 
 def test_original_responses_features_and_disk_limit(assets, tmp_path):

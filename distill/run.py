@@ -45,7 +45,7 @@ from specdraft.distill.turns import build_rows
 from specdraft.hardware import log_environment, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.linear_layout import apply_layout, layout_label
-from specdraft.models.panel_linear import storage_summary
+from specdraft.models.panel_linear import int8_activations
 from specdraft.utils import clean_stale_tmp
 
 
@@ -148,7 +148,7 @@ def distill(cfg: DictConfig) -> Path:
     settings = generation_settings(d, tokenizer, model)
     spec = make_spec(d, model)
     # int8 activations as laid out (base_model.q8_activations, or SPECDRAFT_Q8_ACTIVATIONS for an A/B run)
-    header = make_header(cfg, fingerprint, settings, spec, limit, q8="xq8" in storage_summary(model))
+    header = make_header(cfg, fingerprint, settings, spec, limit, q8=int8_activations(model))
     S = int(d.shard_size)
     plan = [[c.id for c in convs[i : i + S]] for i in range(0, len(convs), S)]
     done = check_compatible(out_dir, header, plan)

@@ -76,39 +76,31 @@ def add_target_args(
     p.add_argument("--json", default=None, help="also write the rows (+ command, machine) to this JSON file")
 
 
-# bench layouts that are the `panel` layout under an environment switch (models/exact_panels.py, models/qdot.py)
-PANEL_VARIANTS = {
-    "panel-single": ("SPECDRAFT_PAIRED_PANELS", "0"),
-    "panel-q8": ("SPECDRAFT_Q8_ACTIVATIONS", "1"),
-}
-
-
 def apply_bench_layout(model: nn.Module, layout: str, q8: bool = False) -> str:
     """`models.linear_layout.apply_layout`, plus "panel-fp32": fp32 panels even where a weight is exact
     (`models/exact_panels.py`), for A/B runs against the `panel` layout that stores those as integers,
     "panel-single": exact panels one after the other (`SPECDRAFT_PAIRED_PANELS=0`), against the paired ones, and
-    "panel-q8": 4- and 8-bit weights with int8 activations (`SPECDRAFT_Q8_ACTIVATIONS=1`, models/qdot.py: another
-    target's arithmetic, a GGUF runtime's); `q8` (`--q8-activations`) makes "panel" mean "panel-q8". Returns
-    the layout applied."""
+    "panel-q8": 4- and 8-bit weights with int8 activations (models/qdot.py: another target's arithmetic, a GGUF
+    runtime's); `q8` (`--q8-activations`) makes "panel" mean "panel-q8". Returns the layout applied."""
     from specdraft.models.linear_layout import apply_layout
     from specdraft.models.panel_linear import panel_linears
 
     if layout == "panel-fp32":
         panel_linears(model, exact=False)
         return layout
-    if q8 and layout == "panel":
-        layout = "panel-q8"
-    if layout in PANEL_VARIANTS:
-        name, value = PANEL_VARIANTS[layout]
-        before = os.environ.get(name)
-        os.environ[name] = value
+    if layout == "panel-q8" or (q8 and layout == "panel"):
+        panel_linears(model, q8=True)
+        return "panel-q8"
+    if layout == "panel-single":  # pairing has no argument: its switch, for this layout only
+        before = os.environ.get("SPECDRAFT_PAIRED_PANELS")
+        os.environ["SPECDRAFT_PAIRED_PANELS"] = "0"
         try:
             panel_linears(model)
         finally:
             if before is None:
-                os.environ.pop(name)
+                os.environ.pop("SPECDRAFT_PAIRED_PANELS")
             else:
-                os.environ[name] = before
+                os.environ["SPECDRAFT_PAIRED_PANELS"] = before
         return layout
     chosen = apply_layout(model, layout, q8=q8)
     return "panel-q8" if q8 and chosen == "panel" else chosen

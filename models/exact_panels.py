@@ -329,8 +329,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.sd_qpanel_unpack.restype = None
     lib.sd_set_avx512.argtypes = [ctypes.c_int]
     lib.sd_set_avx512.restype = ctypes.c_int
-    lib.sd_qdot_set_vnni.argtypes = [ctypes.c_int]
-    lib.sd_qdot_set_vnni.restype = ctypes.c_int
+    lib.sd_qdot_vnni.argtypes = []
+    lib.sd_qdot_vnni.restype = ctypes.c_int
 
 
 def set_avx512(on: bool) -> bool:

@@ -309,8 +309,9 @@ static int cpu_avx512(void) {
            __builtin_cpu_supports("avx512vl");
 }
 
-/* Whether the AVX-512 paths run: where the CPU has them, unless SPECDRAFT_AVX512=0 or sd_set_avx512(0). */
-static int use_avx512(void) {
+/* Whether the AVX-512 paths run: where the CPU has them, unless SPECDRAFT_AVX512=0 or sd_set_avx512(0) (read by
+ * models/qdot.c too: one switch for every AVX-512 path of the library). */
+int sd_avx512_on(void) {
     if (avx512_state < 0) {
         const char *env = getenv("SPECDRAFT_AVX512");
         avx512_state = cpu_avx512() && !(env && env[0] == '0');
@@ -444,7 +445,7 @@ void sd_qpanel_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, co
     const int S = kind & KIND_PAIRED ? 2 : 1;
     kind &= ~KIND_PAIRED;
     const int64_t panels = (N + PW - 1) / PW, groups = (panels + S - 1) / S;
-    const int avx512 = S == 2 && kind < KIND_BF16 && use_avx512();
+    const int avx512 = S == 2 && kind < KIND_BF16 && sd_avx512_on();
 #pragma omp parallel num_threads(nthreads)
     {
         /* more than 8 rows, unless the AVX-512 pair pass takes them 8 at a time: each panel rebuilt once */

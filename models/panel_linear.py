@@ -323,11 +323,19 @@ def panel_linears(model: nn.Module, exact: bool | None = None, q8: bool | None =
 
 
 def store_kind(panels: Tensor | ExactPanels) -> str:
-    """The storage of `PanelLinear.panels`: "fp32", an exact store's kind ("q4", "q8", "bf16", "f16"), or "q4xq8" / "q8xq8" for one multiplied with
-    int8 activations (`models/qdot.py`)."""
+    """The storage of `PanelLinear.panels`: "fp32", an exact store's kind ("q4", "q8", "bf16", "f16"), or
+    "q4xq8" / "q8xq8" for one multiplied with int8 activations (`models/qdot.py`)."""
     if not isinstance(panels, ExactPanels):
         return "fp32"
     return f"{panels.kind}xq8" if panels.dot else panels.kind
+
+
+def int8_activations(model: nn.Module) -> bool:
+    """Whether any `PanelLinear` under `model` multiplies with int8 activations (`models/qdot.py`)."""
+    return any(
+        isinstance(m, PanelLinear) and isinstance(m.panels, ExactPanels) and m.panels.dot
+        for m in model.modules()
+    )
 
 
 def store_bytes(panels: Tensor | ExactPanels) -> int:

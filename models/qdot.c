@@ -227,24 +227,18 @@ static void tile8_any(int bits, int half, int R, const int8_t *xq, const float *
 
 /* ---- the product ------------------------------------------------------------------------------------------- */
 
-static int vnni_state = -1; /* -1: not decided yet; else whether the AVX-512 VNNI path runs */
+int sd_avx512_on(void); /* panel_linear.c's AVX-512 switch (SPECDRAFT_AVX512, sd_set_avx512) */
 
-static int use_vnni(void) {
-    if (vnni_state < 0) {
-        const char *env = getenv("SPECDRAFT_AVX512");
+static int vnni_cpu = -1; /* -1: not asked yet; else whether the CPU has AVX-512 VNNI */
+
+/* Whether the AVX-512 VNNI path runs: the library's AVX-512 paths are on and the CPU has VNNI (else AVX2: the same
+ * bits). */
+int sd_qdot_vnni(void) {
+    if (vnni_cpu < 0) {
         __builtin_cpu_init();
-        vnni_state = !(env && env[0] == '0') && __builtin_cpu_supports("avx512f") &&
-                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                     __builtin_cpu_supports("avx512vnni");
+        vnni_cpu = __builtin_cpu_supports("avx512vnni");
     }
-    return vnni_state;
-}
-
-/* Turn the VNNI path on (where the CPU has it) or off (AVX2: the same bits); returns whether it runs now. */
-int sd_qdot_set_vnni(int on) {
-    vnni_state = -1;
-    vnni_state = on && use_vnni();
-    return vnni_state;
+    return sd_avx512_on() && vnni_cpu;
 }
 
 /* Outputs [n0, n0 + 16) of rows r0.. (out: (R, 16)) into y (M, N), + bias. */
@@ -270,7 +264,7 @@ void sd_qdot_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, cons
     float *sx = (float *)malloc((size_t)(M * nb) * sizeof(float));
     int32_t *qs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
     quant_rows(x, M, K, xq, dx, sx, qs);
-    const int vnni = use_vnni();
+    const int vnni = sd_qdot_vnni();
     const int64_t rt = vnni ? QD_RT : QD_RT2;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < panels; b++) {

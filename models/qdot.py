@@ -92,9 +92,12 @@ def reference_product(x: Tensor, store: ExactPanels, out_features: int, bias: Te
 
 
 def set_vnni(on: bool) -> bool:
-    """Run qdot.c's AVX-512 VNNI path where the CPU has it (`on`, the default; `SPECDRAFT_AVX512=0` starts a process
-    without it) or its AVX2 path (the same bits). Returns whether the VNNI path runs now."""
+    """Run the kernel library's AVX-512 paths, qdot.c's VNNI one among them, where the CPU has them (`on`, the
+    default; `SPECDRAFT_AVX512=0` starts a process without them) or its AVX2 paths (the same bits): one switch,
+    `exact_panels.set_avx512`. Returns whether the VNNI path runs now."""
+    from specdraft.models.exact_panels import set_avx512
     from specdraft.models.panel_linear import panel_lib
 
+    set_avx512(on)
     lib = panel_lib()
-    return bool(lib.sd_qdot_set_vnni(int(on))) if lib is not None else False
+    return bool(lib.sd_qdot_vnni()) if lib is not None else False

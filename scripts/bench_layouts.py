@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     for variant in variants:
         layout, _, attn = variant.partition("+")
         m = copy.deepcopy(model)
-        apply_bench_layout(
-            m, layout, q8=a.q8_activations
-        )  # "panel-fp32": fp32 panels even for exact 4/8-bit weights
+        # "panel-fp32": fp32 panels even for exact 4/8-bit weights
+        apply_bench_layout(m, layout, q8=a.q8_activations)
         if attn:
             m.set_attn_implementation("sdpa")  # transformers' own (repeat_kv under a mask)
         added[variant] = weight_bytes(m) - base

@@ -428,18 +428,33 @@ class StaticDecoder:
         inp: _TreeInputs | None
         if budget is not None:  # its cap, or phase 1's probe (never past the largest size that could pay)
             proposer.fit_budget(budget.start(proposer.spec.max_depth))
+        held: list[tuple[Tensor, int]] = []  # plain steps' (hidden (1, H'), next token), for the next draft
         while not done:
             if budget is not None and greedy and budget.tick():  # a refit: trees of the probe size again
                 proposer.fit_budget(budget.refit_cap())
             fitting = budget is not None and greedy and not budget.settled
             off = budget is not None and budget.cap == 1  # drafting does not pay here: plain target steps
             drafted = not off and (fallback is None or fallback.should_draft())
+            if not drafted and greedy and not self.static:  # a plain step taken as AR takes it (eager path)
+                keep = budget is None or not budget.off_for_good  # the proposer reads these positions later
+                root, row = self._plain_step(root, single, (layers, keep_last) if keep else None)
+                done = _emit(out, [root], stop_ids, max_new_tokens)
+                if row is not None:
+                    held.append((row, root))
+                t4 = clock()
+                stats.record_step(1, 1, None, (t1, t1, t4, t4), False, fallback)  # (its time: verify)
+                t1 = t4
+                continue
             if drafted:
+                if held:  # the plain steps since the last draft, in one copy
+                    new_hidden = torch.cat([new_hidden, *(h for h, _ in held)])
+                    new_tokens = torch.cat([new_tokens, new_tokens.new_tensor([t for _, t in held])])
+                    held.clear()
                 tree = proposer.propose(new_hidden, new_tokens).to(device)
                 cut = budget.drafting_cap if budget is not None else None
                 if cut is not None:
                     tree = tree.truncated(cut)
-            else:  # a plain target step; the proposer sees these positions with the next drafted step's
+            else:  # a plain step on the fixed-shape path; the proposer sees it with the next drafted step's
                 single.tokens.fill_(root)
                 tree = single
             n = tree.num_nodes
@@ -503,8 +518,7 @@ class StaticDecoder:
                 new_hidden = hidden[path_t[:a]]
                 new_tokens = torch.cat([tree.tokens[path_t[1:a]], bonus_t])
             elif budget is None or not budget.off_for_good:  # keep them for the proposer's next call
-                new_hidden = torch.cat([new_hidden, hidden[:1]])
-                new_tokens = torch.cat([new_tokens, bonus_t])
+                held.append((hidden[:1], bonus))
             root = bonus
             t4 = clock()
             ratio = proposer.last_compression if drafted else None
@@ -512,6 +526,30 @@ class StaticDecoder:
             t1 = t4
         _finish(stats, out, stop_ids, device, t0)
         return out, stats
+
+    def _plain_step(
+        self,
+        root: int,
+        single: DraftTree,
+        features: tuple[tuple[int, ...], bool] | None,
+    ) -> tuple[int, Tensor | None]:
+        """A greedy step that drafts nothing (the node budget is off, or the fallback skips drafting), on the
+        eager path: `ar_generate`'s one-node forward and argmax instead of a tree verify and a commit by path.
+
+        Args:
+            root: the token committed last (the forward's input); single: the one-node tree, refilled here.
+            features: (feature layers, keep_last) of the proposer that reads this position at its next call,
+                or None (the budget is off for good: no features at all, exactly AR's step).
+
+        Returns:
+            (the next token, the committed position's features (1, H') or None).
+        """
+        single.tokens.fill_(root)
+        layers, keep_last = features if features is not None else ((), False)
+        logits, hidden, _, _ = self._forward_tree(single, layers, keep_last)  # (1, V), (1, H')
+        bonus = sample_token(logits[-1], 0.0)  # the step's one sync, as AR's
+        self.cache.advance(1)
+        return bonus, hidden[:1] if features is not None else None
 
 
 def make_decoder(

@@ -183,6 +183,68 @@ def test_fallback_and_sampling_on_the_static_path(shape):
         assert a == b
 
 
+class _Recording:
+    """A proposer that records what the decoder hands it (hidden rows, next tokens) and delegates the rest."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.hidden, self.tokens = inner, [], []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.hidden, self.tokens = [], []
+
+    def propose(self, hidden, tokens):
+        self.hidden.append(hidden.clone())
+        self.tokens.append(tokens.clone())
+        return self.inner.propose(hidden, tokens)
+
+
+class _Pattern(FallbackController):
+    """Drafts on a fixed pattern of "D" (draft) and "." (a plain target step)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        super().__init__()
+
+    def reset(self) -> None:
+        super().reset()
+        self.i = 0
+
+    def should_draft(self) -> bool:
+        self.i += 1
+        return self.pattern[(self.i - 1) % len(self.pattern)] == "D"
+
+
+@pytest.mark.parametrize("shape", ["eager", "fixed"])
+def test_plain_steps_hand_every_position_to_the_next_draft(shape):
+    """Plain target steps between drafts (the fallback's, or a node budget that is off) take AR's one-node
+    step on the eager path and hold their positions: the next draft gets each committed position once, in
+    order, with the features and next token a decoder drafting at every step hands over (fp64), and the
+    output equals AR's."""
+    model = _target("llama")
+    dec = _decoder(model, shape)
+    prompt = torch.randint(5, V, (9,), generator=torch.Generator().manual_seed(3))
+    ref, _ = ar_generate(model, None, prompt, 30, stop_ids=set())
+    seen = {}
+    for pattern in ("D", "..D", ".D...D"):
+        rec = _Recording(_proposer("redrafter", model))
+        out, stats = dec.speculative_generate(
+            None, prompt, rec, 30, stop_ids=set(), fallback=_Pattern(pattern)
+        )
+        assert out == ref
+        assert stats.target_steps >= (pattern.count(".") > 0)
+        seen[pattern] = (torch.cat(rec.hidden), torch.cat(rec.tokens))
+    hidden, tokens = seen["D"]
+    committed = torch.cat([prompt[1:], torch.tensor(ref)])
+    for h, t in seen.values():
+        n = t.shape[0]
+        assert t.tolist() == committed[:n].tolist()  # every position once, in order
+        assert h.shape[0] == n and torch.allclose(h, hidden[:n], rtol=0, atol=1e-9)
+
+
 def test_packed_verify_matches_the_reference_rule():
     """Same path and bonus as `greedy_verify` on random trees and logits; padding never accepted."""
     g = torch.Generator().manual_seed(0)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from specdraft.eval.decode import Proposer
+    from specdraft.eval.native_chain import NativeChain
     from specdraft.eval.redrafter_rows import RowsState
     from specdraft.models.family import FamilySpec
     from specdraft.models.panel_linear import PanelLinear
@@ -231,6 +232,8 @@ class ReDrafterProposer:
         self.drafter = drafter
         # the module the beam search runs: the drafter, or its int8 view (`eval/int8_clone.py`) on a CPU
         self._search = cast("ReDrafter", _int8_view(drafter) if int8_layers else drafter)
+        # one-beam searches (the fitted budget's usual CPU trees) one C call per slot (eval/native_chain.py)
+        self._native = _native_chain(drafter) if int8_layers and not static else None
         self.beam_width = beam_width
         self.draft_len = beam_length - 1
         self._full = (beam_width, self.draft_len)  # the search `fit_budget` caps (and restores)
@@ -376,9 +379,12 @@ class ReDrafterProposer:
             )
         context = self._update_memory(hidden, tokens) if self.uses_context else None
         copy = self._update_copy_index(tokens) if self.copy_ngram else None
-        beams, cum = self._search.beam_search(
-            hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy, self.min_logp
-        )  # (W, 1+D) each (a search that stops early once every beam is below `min_prob`)
+        if self.beam_width == 1 and self._native is not None and context is None:
+            beams, cum = self._native.chain(hidden[-1], root, self.draft_len, copy)  # (1, 1+D) each
+        else:
+            beams, cum = self._search.beam_search(
+                hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy, self.min_logp
+            )  # (W, 1+D) each (a search that stops early once every beam is below `min_prob`)
         return self._pack(beams, cum, tokens.device)
 
     def _pack(self, beams: Tensor, cum: Tensor, device: torch.device) -> DraftTree:
@@ -489,6 +495,16 @@ class ReDrafterProposer:
         scores = torch.cat([cum.new_ones(1), cum[:, 1:].float().exp().reshape(-1)])  # (1 + W*D,)
         self.last_compression = 1.0
         return DraftTree(tokens, self._parents, self._depth, self._ancestors, scores=scores)
+
+
+def _native_chain(drafter: torch.nn.Module) -> NativeChain | None:
+    """`eval.native_chain.NativeChain` of `drafter` where it can draft (`native_chain.unsupported`) and
+    `SPECDRAFT_NATIVE_CHAIN` is not 0, else None (one-beam searches then run in torch)."""
+    from specdraft.eval.native_chain import NativeChain, enabled, unsupported
+
+    if not enabled() or unsupported(drafter) is not None:
+        return None
+    return NativeChain(cast("ReDrafter", drafter))
 
 
 def _int8_view(drafter: torch.nn.Module) -> torch.nn.Module:

@@ -58,6 +58,7 @@ SOURCES = (
     Path(__file__).with_name("row_ops.c"),
     Path(__file__).with_name("layer_rows.c"),
     Path(__file__).with_name("qdot.c"),  # int8-activation products of exact panels (models/qdot.py)
+    Path(__file__).with_name("draft_chain.c"),  # one ReDrafter draft slot in one call (eval/native_chain.py)
 )
 # -ffp-contract=off: no FMA the sources do not write (row_ops.c's rotary embedding is torch's bit for bit)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")

@@ -1,0 +1,194 @@
+"""A ReDrafter's one-beam search (a greedy chain) drafted one slot per C call on a CPU (`models/draft_chain.c`).
+
+On a CPU the node budget mostly settles on one-beam trees of 2-4 nodes, and a drafted token through torch is ~60
+small calls (copy-gate lookup, recurrence, input projection, blocks, int8 head, log-softmax mixture, top-k): a
+one-token draft took ~0.6 ms warm but ~1.55 ms inside a decode loop, where every call runs with the code and data
+the target step just evicted (docs/experiments.md, "Session 52"). `NativeChain` keeps int8 copies of the
+drafter's products (one fp32 scale per output row) and runs each slot as one call: the recurrence, the input
+projection (its feature columns once per draft), the residual blocks, the head's argmax and logsumexp, and the copy
+gate's mixture. The copy gate's n-gram lookup stays in Python (`NgramIndex.lookup`, a few dict reads).
+
+It drafts what `beam_search` with one beam drafts, up to the int8 rounding (the torch view quantises the
+activations too), so drafts may differ slightly; verification decides every token, so the output never does.
+`SPECDRAFT_NATIVE_CHAIN=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import Tensor
+
+from specdraft.models.copy_lookup import NO_CANDIDATE
+from specdraft.models.layers import ResBlock
+
+if TYPE_CHECKING:
+    from specdraft.models.copy_lookup import NgramIndex
+    from specdraft.models.redrafter import ReDrafter
+
+
+def enabled() -> bool:
+    """`SPECDRAFT_NATIVE_CHAIN` (default on; "0" turns the native chain off)."""
+    return os.environ.get("SPECDRAFT_NATIVE_CHAIN", "1") != "0"
+
+
+def unsupported(drafter: torch.nn.Module) -> str | None:
+    """Why `NativeChain` cannot draft for `drafter` (None: it can): it needs a ReDrafter with the recurrence and an
+    input projection, without prefix attention, in fp32 on the CPU, and the kernel library."""
+    from specdraft.models.panel_linear import panel_lib
+
+    cfg = getattr(drafter, "config", None)
+    head = getattr(drafter, "head", None)
+    if cfg is None or head is None or getattr(cfg, "architecture", None) != "redrafter":
+        return "not a ReDrafter"
+    if not getattr(cfg, "rnn", False) or getattr(drafter, "input_proj", None) is None:
+        return "needs the recurrence and an input projection"
+    if getattr(drafter, "ctx", None) is not None:
+        return "prefix attention drafts in torch"
+    if head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+        return f"needs fp32 on the CPU, got {head.weight.dtype} on {head.weight.device.type}"
+    lib = panel_lib()
+    if lib is None or not hasattr(lib, "sd_redrafter_slot"):
+        return "no kernel library"
+    return None
+
+
+def _rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> int8 (N, K) and fp32 row scales (N,): w ~ q * s, s = max|w_row| / 127."""
+    w = weight.detach().float().cpu()
+    s = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # (N,)
+    q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), s.contiguous()
+
+
+def _offset(q: Tensor) -> Tensor:
+    """int8 weights -> uint8 q + 128, the form `sd_redrafter_slot` reads (VNNI's unsigned operand)."""
+    return (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
+
+
+class NativeChain:
+    """Int8 copies of a ReDrafter's products and one `sd_redrafter_slot` call per drafted token.
+
+    Args:
+        drafter: a ReDrafter `unsupported` accepts (the copies are taken once, here).
+    """
+
+    def __init__(self, drafter: ReDrafter) -> None:
+        from specdraft.models.panel_linear import panel_lib
+
+        why = unsupported(drafter)
+        if why is not None:
+            raise ValueError(f"NativeChain: {why}")
+        lib = panel_lib()
+        assert lib is not None
+        self.fn = lib.sd_redrafter_slot
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr,
+                            ctypes.c_int]  # fmt: skip
+        self.fn.restype = None
+        self.drafter = drafter
+        cfg = drafter.config
+        assert drafter.input_proj is not None
+        e, x = int(drafter.rnn_u.weight.shape[0]), int(drafter.input_proj.weight.shape[0])
+        f = int(drafter.input_proj.weight.shape[1]) - e
+        vd = int(drafter.head.weight.shape[0])
+        blocks = [cast(ResBlock, b).linear for b in drafter.blocks]
+        self.keep: list[Tensor] = []  # every tensor the pointers address
+
+        def hold(t: Tensor) -> int:
+            t = _offset(t) if t.dtype == torch.int8 else t.detach().float().contiguous()
+            self.keep.append(t)
+            return t.data_ptr()
+
+        u, us = _rows_int8(drafter.rnn_u.weight)
+        w, ws = _rows_int8(drafter.rnn_w.weight)
+        p, ps = _rows_int8(drafter.input_proj.weight)
+        h, hs = _rows_int8(drafter.head.weight)
+        bq = [_rows_int8(b.weight) for b in blocks]
+        zeros_x = torch.zeros(x)
+        bw = torch.stack([q for q, _ in bq]) if bq else torch.zeros(1, dtype=torch.int8)
+        bs = torch.stack([s for _, s in bq]) if bq else zeros_x
+        bb = (
+            torch.stack([b.bias.detach().float() if b.bias is not None else zeros_x for b in blocks])
+            if bq
+            else zeros_x
+        )
+        gate = drafter.copy_gate
+        hc = int(gate.fc.weight.shape[0]) if gate is not None else 0
+        one = torch.zeros(1)
+        addrs = [
+            hold(u), hold(us), hold(drafter.rnn_u.bias if drafter.rnn_u.bias is not None else torch.zeros(e)),
+            hold(w), hold(ws),
+            hold(p), hold(ps), hold(drafter.input_proj.bias if drafter.input_proj.bias is not None else zeros_x),
+            hold(bw), hold(bs), hold(bb),
+            hold(h), hold(hs),
+            hold(gate.fc.weight if gate is not None else one), hold(gate.fc.bias if gate is not None else one),
+            hold(gate.out.weight.reshape(-1) if gate is not None else one),
+            hold(gate.out.bias if gate is not None and gate.out.bias is not None else one),
+            hold(gate.length_bias if gate is not None else one),
+        ]  # fmt: skip
+        self.addrs = torch.tensor(addrs, dtype=torch.int64)  # the pointer table `sd_redrafter_slot` reads
+        self.dims = torch.tensor([e, x, f, vd, len(blocks), hc, int(gate is not None)], dtype=torch.int64)
+        self.gate_scale = float(gate.scale) if gate is not None else 0.0
+        self.e, self.x, self.f = e, x, f
+        self.state = torch.empty(e)  # (E,) the recurrence state, in place
+        self.fproj = torch.empty(x)  # (X,) input_proj's feature columns x features + bias, once per draft
+        self.scratch = torch.empty(2 * x + max(e, x) + vd + 128)
+        self.out_id = torch.zeros(1, dtype=torch.int64)
+        self.out_logp = torch.zeros(1)
+        self.zero_e = torch.zeros(e)
+        # draft id -> target id, target id -> draft id (-1: outside the draft vocabulary), as lists (host reads)
+        draft_ids = drafter.to_target_ids(torch.arange(vd, device=drafter.d2t.device)).cpu()
+        self.to_target: list[int] = draft_ids.tolist()
+        lut = torch.full((int(cfg.vocab_size),), -1, dtype=torch.long)
+        lut[draft_ids] = torch.arange(vd)
+        self.to_draft: list[int] = lut.tolist()
+
+    def _embedding(self, token: int) -> Tensor:
+        """(E,) fp32 contiguous embedding of a target id (`ReDrafter.embed_tokens`)."""
+        ids = torch.tensor([token], dtype=torch.long)
+        return self.drafter.embed_tokens(ids)[0].float().contiguous()
+
+    @torch.inference_mode()
+    def chain(
+        self, hidden: Tensor, root: int, draft_len: int, copy: NgramIndex | None
+    ) -> tuple[Tensor, Tensor]:
+        """The one-beam search from the newest committed position, one C call per slot.
+
+        Args:
+            hidden: (F_raw,) target features at the newest committed position (`ReDrafter.features` input).
+            root: the token the target just committed.
+            draft_len: D tokens to draft after the root.
+            copy: the copy gate's index of the committed tokens before the root (None: no copy gate).
+
+        Returns:
+            beams (1, 1 + D) long target ids; cum (1, 1 + D) float32 cumulative log-probs (cum[:, 0] = 0), as
+            `beam_search` with one beam returns them.
+        """
+        feats = self.drafter.features(hidden.reshape(1, -1))[0].float().contiguous()  # (F,)
+        self.state.copy_(self._embedding(root))
+        tokens, cum, total = [root], [0.0], 0.0
+        prev: Tensor | None = None
+        threads = torch.get_num_threads()
+        gate = self.dims[6].item() == 1 and copy is not None
+        for k in range(draft_len):
+            cand, length = copy.lookup(tokens) if gate and copy is not None else (NO_CANDIDATE, 0)
+            cand_draft = self.to_draft[cand] if cand >= 0 else -1
+            if cand_draft < 0:
+                length = 0
+            cand_emb = self._embedding(cand) if length > 0 else self.zero_e
+            self.fn(
+                self.addrs.data_ptr(), self.dims.data_ptr(), self.state.data_ptr(),
+                None if prev is None else prev.data_ptr(), feats.data_ptr() if k == 0 else None,
+                self.fproj.data_ptr(), cand_draft, length, cand_emb.data_ptr(), self.gate_scale,
+                self.scratch.data_ptr(), self.out_id.data_ptr(), self.out_logp.data_ptr(), threads,
+            )  # fmt: skip
+            token = self.to_target[int(self.out_id[0])]
+            total += float(self.out_logp[0])
+            tokens.append(token)
+            cum.append(total)
+            prev = self._embedding(token) if k + 1 < draft_len else None
+        return torch.tensor([tokens], dtype=torch.long), torch.tensor([cum], dtype=torch.float32)

@@ -1,0 +1,226 @@
+// One ReDrafter draft slot in one call (eval/native_chain.py): the recurrence, the input projection, the residual
+// blocks, the int8 vocabulary head with its max / argmax / logsumexp, and the copy gate's mixture, for one beam.
+//
+// A drafted token through torch is ~60 small calls; inside a decode loop each of them runs with the code and data
+// the target step just evicted (a 1-token draft: ~0.6 ms warm, ~1.5 ms in place). Here the only memory a slot
+// touches is the weights and a few vectors.
+//
+// Products are int8 weights w (stored offset by 128, as uint8) with one fp32 scale per output row: y[r] = s[r] *
+// sum_j w[r, j] x[j]. With AVX-512 VNNI (`sd_qdot_vnni`) each activation vector is quantised to int8 once
+// (x ~ sx q, one scale, as fbgemm's dynamic int8 products do) and a row is 64 byte products an instruction,
+// minus 128 sum(q) for the offset; elsewhere the weights are widened to fp32 against fp32 activations (AVX2 +
+// FMA). The drafts differ slightly from the torch int8 view's; verification decides every token either way.
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float dc_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+// sum_j (w[j] - 128) * x[j]: w the weights stored offset by 128 (uint8), x fp32, k any length
+static inline float dc_dot(const uint8_t *w, const float *x, int64_t k) {
+    const __m256i off = _mm256_set1_epi32(128);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+        __m128i q = _mm_loadu_si128((const __m128i *)(w + j));
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q), off));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)), off));
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j), a0);
+        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + j + 8), a1);
+    }
+    float acc = dc_hsum(_mm256_add_ps(a0, a1));
+    for (; j < k; j++) acc += (float)((int)w[j] - 128) * x[j];
+    return acc;
+}
+
+// sum_j w[j] * q[j] with w uint8, q int8, k a multiple of 64 (AVX-512 VNNI: 64 products an instruction)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline int32_t dc_dot_vnni(
+    const uint8_t *w, const int8_t *q, int64_t k) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    int64_t j = 0;
+    for (; j + 128 <= k; j += 128) {
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(w + j), _mm512_loadu_si512(q + j));
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(w + j + 64), _mm512_loadu_si512(q + j + 64));
+    }
+    for (; j < k; j += 64) a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(w + j), _mm512_loadu_si512(q + j));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+}
+
+// x (k,) -> q int8 (x / sx rounded, within +-127), sx = max|x| / 127, qsum = sum(q)
+static void dc_quant(const float *x, int64_t k, int8_t *q, float *sx, int32_t *qsum) {
+    float m = 0.0f;
+    for (int64_t j = 0; j < k; j++) m = fabsf(x[j]) > m ? fabsf(x[j]) : m;
+    float s = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / s;
+    int32_t t = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int v = (int)lrintf(x[j] * inv);
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        q[j] = (int8_t)v;
+        t += v;
+    }
+    *sx = s;
+    *qsum = t;
+}
+
+// A quantised activation vector: its int8 values, scale and sum (the VNNI products read it).
+typedef struct {
+    int8_t q[4096];
+    float s;
+    int32_t sum;
+} dc_act;
+
+// sum_j (w[j] - 128) * x[j], through the VNNI product of x's quantised copy `a` where `vnni` (k % 64 == 0)
+static inline float dc_row(int vnni, const uint8_t *w, const float *x, const dc_act *a, int64_t k) {
+    if (vnni) return a->s * (float)(dc_dot_vnni(w, a->q, k) - 128 * a->sum);
+    return dc_dot(w, x, k);
+}
+
+static inline float dc_silu(float v) { return v / (1.0f + expf(-v)); }
+
+int sd_qdot_vnni(void); /* qdot.c: AVX-512 VNNI on this CPU and the AVX-512 switch on */
+
+// Whether `sd_redrafter_slot` multiplies through VNNI here for inner sizes that are multiples of 64.
+int sd_draft_vnni(void) { return sd_qdot_vnni(); }
+
+// Pointers in `p` (int64 addresses), in this order:
+//   0 rnn_u (E, E)   1 its row scales (E,)   2 its bias (E,)   3 rnn_w (E, E)   4 its row scales (E,)
+//   5 input_proj (X, E + F) (state columns first)   6 its row scales (X,)   7 its bias (X,)
+//   8 blocks (NB, X, X)   9 their row scales (NB, X)   10 their biases (NB, X)
+//   11 head (VD, X)   12 its row scales (VD,)   (the products' weights: int8 + 128 as uint8)
+//   13 copy gate fc fp32 (HC, X + E)   14 its bias (HC,)   15 gate out fp32 (HC,)   16 its bias (1,)
+//   17 length bias fp32 (NGRAM + 1,)
+// dims: E, X, F, VD, NB, HC, has_gate.
+// state (E,): in/out. emb_tok (E,): the embedding of the token drafted last (NULL at the first slot: `state` is
+// already the root's embedding). feats (F,): the target features, given at the first slot (NULL after): fproj
+// (X,) then holds input_proj's feature columns times feats plus its bias for the later slots. cand / clen: the
+// copy gate's candidate (a draft id, -1: none) and its match length; cand_emb (E,) its embedding. scratch: 2 X +
+// max(E, X) + VD + 2 * 64 floats. Out: the chosen draft id and its log-probability under the slot's mixture.
+void sd_redrafter_slot(const int64_t *p, const int64_t *dims, float *state, const float *emb_tok,
+                       const float *feats, float *fproj, int64_t cand, int64_t clen, const float *cand_emb,
+                       float gate_scale, float *scratch, int64_t *out_id, float *out_logp, int nthreads) {
+    const int64_t E = dims[0], X = dims[1], F = dims[2], VD = dims[3], NB = dims[4], HC = dims[5];
+    const int has_gate = (int)dims[6];
+    const uint8_t *U = (const uint8_t *)p[0], *W = (const uint8_t *)p[3], *P = (const uint8_t *)p[5];
+    const uint8_t *B = (const uint8_t *)p[8], *H = (const uint8_t *)p[11];
+    const float *Us = (const float *)p[1], *Ub = (const float *)p[2], *Ws = (const float *)p[4];
+    const float *Ps = (const float *)p[6], *Pb = (const float *)p[7];
+    const float *Bs = (const float *)p[9], *Bb = (const float *)p[10], *Hs = (const float *)p[12];
+    float *g = scratch, *h = scratch + X, *t = scratch + 2 * X;
+    int64_t tl = E > X ? E : X;
+    float *logits = t + tl;
+    float *tmax = logits + VD, *tsum = tmax + 64;
+    int64_t targ[64];
+    static dc_act a0, a1;  // quantised activations (one slot runs at a time: the decoder is one thread)
+    // VNNI where every inner size is a multiple of 64 and the activations fit the buffers
+    const int vnni = sd_qdot_vnni() && E % 64 == 0 && X % 64 == 0 && F % 64 == 0 && E <= 4096 && X <= 4096 &&
+                     F <= 4096;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (feats) {
+#pragma omp single
+            if (vnni) dc_quant(feats, F, a0.q, &a0.s, &a0.sum);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < X; r++) fproj[r] = Ps[r] * dc_row(vnni, P + r * (E + F) + E, feats, &a0, F) + Pb[r];
+        }
+        if (emb_tok) {  // s' = SiLU(U s + b + W e(token))
+#pragma omp single
+            if (vnni) {
+                dc_quant(state, E, a0.q, &a0.s, &a0.sum);
+                dc_quant(emb_tok, E, a1.q, &a1.s, &a1.sum);
+            }
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < E; r++)
+                t[r] = dc_silu(Us[r] * dc_row(vnni, U + r * E, state, &a0, E) + Ub[r] +
+                               Ws[r] * dc_row(vnni, W + r * E, emb_tok, &a1, E));
+#pragma omp single
+            memcpy(state, t, (size_t)E * sizeof(float));
+        }
+#pragma omp single
+        if (vnni) dc_quant(state, E, a0.q, &a0.s, &a0.sum);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < X; r++) g[r] = Ps[r] * dc_row(vnni, P + r * (E + F), state, &a0, E) + fproj[r];
+        for (int64_t b = 0; b < NB; b++) {  // g = g + SiLU(B g + c)
+            const uint8_t *Bw = B + b * X * X;
+            const float *bs = Bs + b * X, *bb = Bb + b * X;
+            float *src = (b % 2 == 0) ? g : h, *dst = (b % 2 == 0) ? h : g;
+#pragma omp single
+            if (vnni) dc_quant(src, X, a0.q, &a0.s, &a0.sum);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < X; r++)
+                dst[r] = src[r] + dc_silu(bs[r] * dc_row(vnni, Bw + r * X, src, &a0, X) + bb[r]);
+        }
+        const float *gx = (NB % 2 == 0) ? g : h;
+#pragma omp single
+        if (vnni) dc_quant(gx, X, a1.q, &a1.s, &a1.sum);
+        int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float m = -INFINITY;
+        int64_t am = 0;
+#pragma omp for schedule(static)
+        for (int64_t v = 0; v < VD; v++) {
+            float l = Hs[v] * dc_row(vnni, H + v * X, gx, &a1, X);
+            logits[v] = l;
+            if (l > m) m = l, am = v;
+        }
+        tmax[tid] = m;
+        targ[tid] = am;
+#pragma omp barrier
+        float gm = -INFINITY;
+        for (int i = 0; i < nt; i++) gm = tmax[i] > gm ? tmax[i] : gm;
+        float s = 0.0f;
+#pragma omp for schedule(static)
+        for (int64_t v = 0; v < VD; v++) s += expf(logits[v] - gm);
+        tsum[tid] = s;
+#pragma omp barrier
+#pragma omp single
+        {
+            float best = -INFINITY, tot = 0.0f;
+            int64_t arg = 0;
+            for (int i = 0; i < nt; i++) {  // the first thread holding the max: the lowest index wins ties
+                if (tmax[i] > best) best = tmax[i], arg = targ[i];
+                tot += tsum[i];
+            }
+            float lse = gm + logf(tot);
+            float lam = 0.0f;
+            if (has_gate && cand >= 0 && clen > 0) {  // lam = sigmoid((out(SiLU(fc([g; e(c)]))) + bias[m]) * scale)
+                const float *Gw = (const float *)p[13], *Gb = (const float *)p[14];
+                const float *Ow = (const float *)p[15], *Ob = (const float *)p[16], *Lb = (const float *)p[17];
+                float z = Ob[0];
+                for (int64_t k = 0; k < HC; k++) {
+                    const float *row = Gw + k * (X + E);
+                    float a = Gb[k];
+                    for (int64_t j = 0; j < X; j++) a += row[j] * gx[j];
+                    for (int64_t j = 0; j < E; j++) a += row[X + j] * cand_emb[j];
+                    z += Ow[k] * dc_silu(a);
+                }
+                lam = 1.0f / (1.0f + expf(-(z + Lb[clen]) * gate_scale));
+                if (lam > 1.0f - 1.1920929e-07f) lam = 1.0f - 1.1920929e-07f;
+            }
+            float la = best - lse;  // the head's best token
+            if (lam > 0.0f) {
+                float lc = logits[cand] - lse;
+                float pi = (1.0f - lam) * expf(lc) + lam;
+                float lcm = logf(pi > 1.17549435e-38f ? pi : 1.17549435e-38f);
+                float lam_other = la + log1pf(-lam);
+                if (arg == cand || lcm >= lam_other) {
+                    *out_id = cand;
+                    *out_logp = lcm;
+                } else {
+                    *out_id = arg;
+                    *out_logp = lam_other;
+                }
+            } else {
+                *out_id = arg;
+                *out_logp = la;
+            }
+        }
+    }
+}

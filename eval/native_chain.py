@@ -133,7 +133,7 @@ class NativeChain:
         self.addrs = torch.tensor(addrs, dtype=torch.int64)  # the pointer table `sd_redrafter_slot` reads
         self.dims = torch.tensor([e, x, f, vd, len(blocks), hc, int(gate is not None)], dtype=torch.int64)
         self.gate_scale = float(gate.scale) if gate is not None else 0.0
-        self.e, self.x, self.f = e, x, f
+        self.has_gate = gate is not None
         self.state = torch.empty(e)  # (E,) the recurrence state, in place
         self.fproj = torch.empty(x)  # (X,) input_proj's feature columns x features + bias, once per draft
         self.scratch = torch.empty(2 * x + max(e, x) + vd + 128)
@@ -173,7 +173,7 @@ class NativeChain:
         tokens, cum, total = [root], [0.0], 0.0
         prev: Tensor | None = None
         threads = torch.get_num_threads()
-        gate = self.dims[6].item() == 1 and copy is not None
+        gate = self.has_gate and copy is not None
         for k in range(draft_len):
             cand, length = copy.lookup(tokens) if gate and copy is not None else (NO_CANDIDATE, 0)
             cand_draft = self.to_draft[cand] if cand >= 0 else -1

@@ -499,12 +499,17 @@ class ReDrafterProposer:
 
 def _native_chain(drafter: torch.nn.Module) -> NativeChain | None:
     """`eval.native_chain.NativeChain` of `drafter` where it can draft (`native_chain.unsupported`) and
-    `SPECDRAFT_NATIVE_CHAIN` is not 0, else None (one-beam searches then run in torch)."""
+    `SPECDRAFT_NATIVE_CHAIN` is not 0, else None (one-beam searches then run in torch). One per drafter and
+    weights, shared by every proposer of it (calls run one at a time: the decoders are single-threaded)."""
     from specdraft.eval.native_chain import NativeChain, enabled, unsupported
 
     if not enabled() or unsupported(drafter) is not None:
         return None
-    return NativeChain(cast("ReDrafter", drafter))
+    key = weights_key(*drafter.parameters())  # shared by a batch's proposers; rebuilt after training
+    return _NATIVE_CHAINS.get(drafter, key, lambda: NativeChain(cast("ReDrafter", drafter)))
+
+
+_NATIVE_CHAINS: CopyCache[NativeChain] = CopyCache()
 
 
 def _int8_view(drafter: torch.nn.Module) -> torch.nn.Module:

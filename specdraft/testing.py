@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specdraft.eval.fallback import FallbackController
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 
 CHATML_TEMPLATE = (
@@ -503,3 +504,22 @@ class KernelCount(TorchDispatchMode):
         if self.active and name not in self.FREE and not no_op_cast:
             self.ops[name] += 1
         return out
+
+
+class ScriptedFallback(FallbackController):
+    """A fallback controller that drafts on a fixed pattern of "D" (draft) and "." (a plain target step),
+    repeated: every transition exercised deterministically."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        super().__init__()
+
+    def reset(self) -> None:
+        super().reset()
+        self.i = 0
+
+    def should_draft(self) -> bool:
+        """Whether this step drafts: the pattern's next character is "D"."""
+        d = self.pattern[self.i % len(self.pattern)] == "D"
+        self.i += 1
+        return d

@@ -13,7 +13,7 @@ from specdraft.eval.fallback import FallbackController
 from specdraft.eval.proposers import PromptLookupProposer, ReDrafterProposer, make_proposer
 from specdraft.models import eagle3, redrafter
 from specdraft.models.base_llm import target_fingerprint
-from specdraft.testing import tiny_llama, tiny_tokenizer
+from specdraft.testing import ScriptedFallback, tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 
 
@@ -44,23 +44,6 @@ def test_losing_drafts_fall_back_and_probe_with_backoff():
     for _ in range(5):
         c.observe(True, 4, 0.12)
     assert c.drafting and c.probe == c.min_probe and c.should_draft()
-
-
-class Scripted(FallbackController):
-    """Drafts on a fixed pattern, to exercise every transition deterministically."""
-
-    def __init__(self, pattern: str) -> None:
-        self.pattern = pattern
-        super().__init__()
-
-    def reset(self) -> None:
-        super().reset()
-        self.i = 0
-
-    def should_draft(self) -> bool:
-        d = self.pattern[self.i % len(self.pattern)] == "D"
-        self.i += 1
-        return d
 
 
 def _redrafter(target, **kw):
@@ -96,7 +79,7 @@ def test_lossless_whatever_the_controller_decides(kind, pattern):
     for prompt_len, stop in [(3, set()), (17, {7, 9})]:
         prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
         ref, _ = ar_generate(target, None, prompt, 25, stop_ids=stop)
-        ctrl = Scripted(pattern)
+        ctrl = ScriptedFallback(pattern)
         out, stats = speculative_generate(target, None, prompt, proposer, 25, stop_ids=stop, fallback=ctrl)
         assert out == ref
         drafted = pattern.count("D") * stats.steps // len(pattern)

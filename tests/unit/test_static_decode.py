@@ -22,6 +22,7 @@ from specdraft.testing import (
     FAMILIES,
     OracleBeamProposer,
     RandomTreeProposer,
+    ScriptedFallback,
     check_static_equals_ar,
     jitter,
     tiny_llama,
@@ -202,22 +203,6 @@ class _Recording:
         return self.inner.propose(hidden, tokens)
 
 
-class _Pattern(FallbackController):
-    """Drafts on a fixed pattern of "D" (draft) and "." (a plain target step)."""
-
-    def __init__(self, pattern: str) -> None:
-        self.pattern = pattern
-        super().__init__()
-
-    def reset(self) -> None:
-        super().reset()
-        self.i = 0
-
-    def should_draft(self) -> bool:
-        self.i += 1
-        return self.pattern[(self.i - 1) % len(self.pattern)] == "D"
-
-
 @pytest.mark.parametrize("shape", ["eager", "fixed"])
 def test_plain_steps_hand_every_position_to_the_next_draft(shape):
     """Plain target steps between drafts (the fallback's, or a node budget that is off) take AR's one-node
@@ -232,7 +217,7 @@ def test_plain_steps_hand_every_position_to_the_next_draft(shape):
     for pattern in ("D", "..D", ".D...D"):
         rec = _Recording(_proposer("redrafter", model))
         out, stats = dec.speculative_generate(
-            None, prompt, rec, 30, stop_ids=set(), fallback=_Pattern(pattern)
+            None, prompt, rec, 30, stop_ids=set(), fallback=ScriptedFallback(pattern)
         )
         assert out == ref
         assert stats.target_steps >= (pattern.count(".") > 0)

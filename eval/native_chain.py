@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
+from specdraft.eval.tree import DraftTree
 from specdraft.models.copy_lookup import NO_CANDIDATE
 from specdraft.models.layers import ResBlock
 
@@ -140,6 +141,13 @@ class NativeChain:
         self.out_id = torch.zeros(1, dtype=torch.int64)
         self.out_logp = torch.zeros(1)
         self.zero_e = torch.zeros(e)
+        emb = drafter.embed if drafter.embed is not None else drafter._borrowed[0]
+        w_emb = emb.weight.detach()
+        fits = w_emb.dtype == torch.float32 and w_emb.device.type == "cpu" and w_emb.is_contiguous()
+        self.table: Tensor | None = w_emb if fits else None  # (V, E): rows addressed directly
+        self.row_bytes = e * 4
+        self._rows: list[Tensor] = []  # embedding copies of the current call (a table that does not fit)
+        self._chains: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         # draft id -> target id, target id -> draft id (-1: outside the draft vocabulary), as lists (host reads)
         draft_ids = drafter.to_target_ids(torch.arange(vd, device=drafter.d2t.device)).cpu()
         self.to_target: list[int] = draft_ids.tolist()
@@ -147,15 +155,35 @@ class NativeChain:
         lut[draft_ids] = torch.arange(vd)
         self.to_draft: list[int] = lut.tolist()
 
-    def _embedding(self, token: int) -> Tensor:
-        """(E,) fp32 contiguous embedding of a target id (`ReDrafter.embed_tokens`)."""
-        ids = torch.tensor([token], dtype=torch.long)
-        return self.drafter.embed_tokens(ids)[0].float().contiguous()
+    def _embedding(self, token: int) -> int:
+        """The address of the (E,) fp32 embedding of a target id (`ReDrafter.embed_tokens`): a row of the
+        embedding table itself where it is fp32 and contiguous on the CPU, else a copy held until the next call."""
+        if self.table is not None:
+            return self.table.data_ptr() + token * self.row_bytes
+        row = self.drafter.embed_tokens(torch.tensor([token], dtype=torch.long))[0].float().contiguous()
+        self._rows.append(row)
+        return row.data_ptr()
+
+    def tree(self, tokens: list[int], cum: list[float], min_logp: float | None = None) -> DraftTree:
+        """The chain `chain` drafted as a tree with per-node scores (exp of the cumulative log-probs), cut before
+        the first node below `min_logp`: what `pack_beams` and `beam_scores` make of one beam, without their
+        tensor work (one topology per length, cached)."""
+        n = len(tokens)
+        if min_logp is not None:
+            n = next((i for i in range(1, n) if cum[i] < min_logp), n)
+        topo = self._chains.get(n)
+        if topo is None:
+            ar = torch.arange(n)
+            topo = self._chains[n] = (ar - 1, ar, torch.ones(n, n, dtype=torch.bool).tril(), ar[None])
+        parents, depth, ancestors, nodes = (t.clone() for t in topo)
+        tree = DraftTree(torch.tensor(tokens[:n], dtype=torch.long), parents, depth, ancestors, nodes)
+        tree.scores = torch.tensor(cum[:n], dtype=torch.float32).exp()  # (n,), root 1
+        return tree
 
     @torch.inference_mode()
     def chain(
         self, hidden: Tensor, root: int, draft_len: int, copy: NgramIndex | None
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[list[int], list[float]]:
         """The one-beam search from the newest committed position, one C call per slot.
 
         Args:
@@ -165,13 +193,15 @@ class NativeChain:
             copy: the copy gate's index of the committed tokens before the root (None: no copy gate).
 
         Returns:
-            beams (1, 1 + D) long target ids; cum (1, 1 + D) float32 cumulative log-probs (cum[:, 0] = 0), as
-            `beam_search` with one beam returns them.
+            the beam's 1 + D target ids (root first) and cumulative log-probs (0 first), as `beam_search` with
+            one beam returns them (`tree` packs them).
         """
         feats = self.drafter.features(hidden.reshape(1, -1))[0].float().contiguous()  # (F,)
-        self.state.copy_(self._embedding(root))
+        self._rows.clear()
+        root_row = self._embedding(root)
+        ctypes.memmove(self.state.data_ptr(), root_row, self.row_bytes)  # s_1 = e(root)
         tokens, cum, total = [root], [0.0], 0.0
-        prev: Tensor | None = None
+        prev: int | None = None
         threads = torch.get_num_threads()
         gate = self.has_gate and copy is not None
         for k in range(draft_len):
@@ -179,16 +209,15 @@ class NativeChain:
             cand_draft = self.to_draft[cand] if cand >= 0 else -1
             if cand_draft < 0:
                 length = 0
-            cand_emb = self._embedding(cand) if length > 0 else self.zero_e
+            cand_emb = self._embedding(cand) if length > 0 else self.zero_e.data_ptr()
             self.fn(
-                self.addrs.data_ptr(), self.dims.data_ptr(), self.state.data_ptr(),
-                None if prev is None else prev.data_ptr(), feats.data_ptr() if k == 0 else None,
-                self.fproj.data_ptr(), cand_draft, length, cand_emb.data_ptr(), self.gate_scale,
-                self.scratch.data_ptr(), self.out_id.data_ptr(), self.out_logp.data_ptr(), threads,
+                self.addrs.data_ptr(), self.dims.data_ptr(), self.state.data_ptr(), prev,
+                feats.data_ptr() if k == 0 else None, self.fproj.data_ptr(), cand_draft, length, cand_emb,
+                self.gate_scale, self.scratch.data_ptr(), self.out_id.data_ptr(), self.out_logp.data_ptr(), threads,
             )  # fmt: skip
             token = self.to_target[int(self.out_id[0])]
             total += float(self.out_logp[0])
             tokens.append(token)
             cum.append(total)
             prev = self._embedding(token) if k + 1 < draft_len else None
-        return torch.tensor([tokens], dtype=torch.long), torch.tensor([cum], dtype=torch.float32)
+        return tokens, cum

@@ -379,12 +379,13 @@ class ReDrafterProposer:
             )
         context = self._update_memory(hidden, tokens) if self.uses_context else None
         copy = self._update_copy_index(tokens) if self.copy_ngram else None
-        if self.beam_width == 1 and self._native is not None and context is None:
-            beams, cum = self._native.chain(hidden[-1], root, self.draft_len, copy)  # (1, 1+D) each
-        else:
-            beams, cum = self._search.beam_search(
-                hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy, self.min_logp
-            )  # (W, 1+D) each (a search that stops early once every beam is below `min_prob`)
+        if self.beam_width == 1 and self._native is not None and context is None:  # one C call a token
+            chain, logps = self._native.chain(hidden[-1], root, self.draft_len, copy)
+            self.last_compression = 1.0
+            return self._native.tree(chain, logps, self.min_logp).to(tokens.device)
+        beams, cum = self._search.beam_search(
+            hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy, self.min_logp
+        )  # (W, 1+D) each (a search that stops early once every beam is below `min_prob`)
         return self._pack(beams, cum, tokens.device)
 
     def _pack(self, beams: Tensor, cum: Tensor, device: torch.device) -> DraftTree:

@@ -114,12 +114,36 @@ def test_native_chain_drafts_the_int8_search(vnni, copy_ngram):
                 if c is not None:
                     c.extend(history[:-1])
                 copies.append(c)
-            beams, cum = native.chain(hidden, history[-1], 4, copies[0])
+            chain, cum = native.chain(hidden, history[-1], 4, copies[0])
             tokens, ref_cum = _reference_chain(d, hidden, history[-1], 4, copies[1], vnni)
-            assert beams.tolist() == [tokens]
-            assert torch.allclose(cum[0].double(), torch.tensor(ref_cum, dtype=torch.float64), atol=1e-4)
+            assert chain == tokens
+            assert torch.allclose(
+                torch.tensor(cum, dtype=torch.float64), torch.tensor(ref_cum, dtype=torch.float64), atol=1e-4
+            )
     finally:
         qdot.set_vnni(os.environ.get("SPECDRAFT_AVX512", "1") != "0")
+
+
+@pytest.mark.parametrize("min_logp", [None, -1.0])
+def test_chain_tree_is_what_pack_beams_makes_of_one_beam(min_logp):
+    """`NativeChain.tree`: the tokens, topology and per-node scores `pack_beams` + `beam_scores` give the same
+    beam (pruned below `min_logp` as the proposer prunes), without their tensor work."""
+    from specdraft.eval.proposers import beam_scores
+    from specdraft.eval.tree import PAD, pack_beams
+
+    d, _ = _drafter(32)
+    native = NativeChain(d)
+    tokens, cum = [5, 9, 9, 3, 7], [0.0, -0.2, -0.7, -1.3, -2.0]
+    got = native.tree(tokens, cum, min_logp)
+    beams, c = torch.tensor([tokens]), torch.tensor([cum])
+    if min_logp is not None:
+        beams = beams.masked_fill(c < min_logp, PAD)
+    ref, _ = pack_beams(beams)
+    ref.scores = beam_scores(ref, c)
+    assert got.num_nodes == ref.num_nodes == (3 if min_logp is not None else 5)
+    for name in ("tokens", "parents", "depth", "ancestors", "scores"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert native.tree(tokens, cum, min_logp).parents.data_ptr() != got.parents.data_ptr()  # fresh tensors
 
 
 def test_unsupported_says_why():

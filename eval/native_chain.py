@@ -138,8 +138,8 @@ class NativeChain:
         self.state = torch.empty(e)  # (E,) the recurrence state, in place
         self.fproj = torch.empty(x)  # (X,) input_proj's feature columns x features + bias, once per draft
         self.scratch = torch.empty(2 * x + max(e, x) + vd + 128)
-        self.out_id = torch.zeros(1, dtype=torch.int64)
-        self.out_logp = torch.zeros(1)
+        # a slot's results, read without torch
+        self.out_id, self.out_logp = ctypes.c_int64(), ctypes.c_float()
         self.zero_e = torch.zeros(e)
         emb = drafter.embed if drafter.embed is not None else drafter._borrowed[0]
         w_emb = emb.weight.detach()
@@ -213,10 +213,11 @@ class NativeChain:
             self.fn(
                 self.addrs.data_ptr(), self.dims.data_ptr(), self.state.data_ptr(), prev,
                 feats.data_ptr() if k == 0 else None, self.fproj.data_ptr(), cand_draft, length, cand_emb,
-                self.gate_scale, self.scratch.data_ptr(), self.out_id.data_ptr(), self.out_logp.data_ptr(), threads,
+                self.gate_scale, self.scratch.data_ptr(), ctypes.byref(self.out_id), ctypes.byref(self.out_logp),
+                threads,
             )  # fmt: skip
-            token = self.to_target[int(self.out_id[0])]
-            total += float(self.out_logp[0])
+            token = self.to_target[self.out_id.value]
+            total += self.out_logp.value
             tokens.append(token)
             cum.append(total)
             prev = self._embedding(token) if k + 1 < draft_len else None

@@ -86,9 +86,6 @@ static inline float dc_silu(float v) { return v / (1.0f + expf(-v)); }
 
 int sd_qdot_vnni(void); /* qdot.c: AVX-512 VNNI on this CPU and the AVX-512 switch on */
 
-// Whether `sd_redrafter_slot` multiplies through VNNI here for inner sizes that are multiples of 64.
-int sd_draft_vnni(void) { return sd_qdot_vnni(); }
-
 // Pointers in `p` (int64 addresses), in this order:
 //   0 rnn_u (E, E)   1 its row scales (E,)   2 its bias (E,)   3 rnn_w (E, E)   4 its row scales (E,)
 //   5 input_proj (X, E + F) (state columns first)   6 its row scales (X,)   7 its bias (X,)

@@ -41,6 +41,26 @@ def load_script(path: Path) -> ModuleType:
     return mod
 
 
+def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
+    """Pearson chi-square p-value of `n` draws' `counts` against `expected` probabilities (same keys); cells
+    expected fewer than 5 times are pooled, together with draws of keys `expected` does not hold."""
+    obs, exp = [], []
+    pool_o, pool_e = 0.0, 0.0
+    for key, p in expected.items():
+        if p * n < 5:
+            pool_o, pool_e = pool_o + counts.get(key, 0), pool_e + p * n
+        else:
+            obs.append(counts.get(key, 0))
+            exp.append(p * n)
+    unknown = sum(c for k, c in counts.items() if k not in expected)
+    obs.append(pool_o + unknown)
+    exp.append(max(pool_e, 1e-9))
+    o, e = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((o - e) ** 2 / e).sum()
+    df = torch.tensor((len(obs) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level fast tokenizer (printable ASCII + ChatML specials, vocab < 110) with a chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -18,7 +18,7 @@ from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import sample_verify
-from specdraft.testing import OracleBeamProposer, RandomTreeProposer
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer, chi_square_pvalue
 
 VOCAB = 96
 SMALL = dict(
@@ -161,18 +161,6 @@ def _exact_first2(model, prompt, temperature):
     return {(a, b): float(p1[a] * p2[a, b]) for a in range(SV) for b in range(SV)}
 
 
-def _chi2_p(counts, expected, n):
-    keys = [k for k, p in expected.items() if p * n >= 5]
-    o = torch.tensor(
-        [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)], dtype=torch.float64
-    )
-    e = torch.tensor(
-        [expected[k] * n for k in keys] + [n * (1 - sum(expected[k] for k in keys))], dtype=torch.float64
-    )
-    stat = ((o - e) ** 2 / e.clamp_min(1e-9)).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(keys)) / 2, dtype=torch.float64), stat / 2))
-
-
 def _spec_first2_counts(model, prompt, n, temperature):
     g = torch.Generator().manual_seed(7)
     counts = Counter()
@@ -194,7 +182,7 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_model):
     expected = _exact_first2(small_vocab_model, prompt, 0.8)
     n = 1200
     counts = _spec_first2_counts(small_vocab_model, prompt, n, 0.8)
-    assert _chi2_p(counts, expected, n) > 1e-3
+    assert chi_square_pvalue(counts, expected, n) > 1e-3
 
 
 def _broken_rule(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
@@ -223,7 +211,7 @@ def test_batched_sampling_matches_target_distribution(small_vocab_model, static)
     prompt = torch.tensor([1, 4, 2])
     expected = _exact_first2(small_vocab_model, prompt, 0.8)
     counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8, static)
-    assert _chi2_p(counts, expected, 1200) > 1e-3
+    assert chi_square_pvalue(counts, expected, 1200) > 1e-3
 
 
 def test_batched_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
@@ -233,7 +221,7 @@ def test_batched_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
     prompt = torch.tensor([1, 4, 2])
     expected = _exact_first2(small_vocab_model, prompt, 0.8)
     counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8)
-    assert _chi2_p(counts, expected, 1200) < 1e-4
+    assert chi_square_pvalue(counts, expected, 1200) < 1e-4
 
 
 def test_batch1_sampling_draws_as_the_dynamic_path():
@@ -261,4 +249,4 @@ def test_model_level_chi_square_catches_broken_rule(small_vocab_model, monkeypat
     expected = _exact_first2(small_vocab_model, prompt, 0.8)
     n = 1200
     counts = _spec_first2_counts(small_vocab_model, prompt, n, 0.8)
-    assert _chi2_p(counts, expected, n) < 1e-4
+    assert chi_square_pvalue(counts, expected, n) < 1e-4

@@ -5,6 +5,7 @@ ones), and lossless decoding with it in the proposer."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -175,3 +176,53 @@ def test_proposer_with_the_native_chain_is_lossless(beam_length, monkeypatch):
         assert out == ref and max(stats.tree_sizes) == beam_length
     monkeypatch.setenv("SPECDRAFT_NATIVE_CHAIN", "0")
     assert ReDrafterProposer(d, beam_width=1, beam_length=2, int8_layers=True)._native is None
+
+
+def _native_sampling_counts(n: int) -> tuple[Counter, dict, int]:
+    """First two tokens of `n` sampled decodes (T = 0.8) with the native chain drafting 3 tokens over an
+    8-token vocabulary, the exact target probabilities of each pair, and how many drafted tokens were kept."""
+    vocab, temperature = 8, 0.8
+    target = tiny_llama(vocab_size=vocab, hidden_size=32, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)  # rows peaked enough that some drafts are kept, many rejected
+    schema = ReDrafterSchema(draft_len=3, beam_width=1, num_layers=1, exit_dim=32, copy_ngram=2)
+    d = redrafter.build(schema, target, target_fingerprint(target, tiny_tokenizer())).float().eval()
+    proposer = ReDrafterProposer(d, beam_width=1, beam_length=3, int8_layers=True)
+    assert proposer._native is not None
+    prompt = torch.tensor([1, 4, 2, 4, 2])
+    with torch.no_grad():
+        p1 = (target(prompt[None]).logits[0, -1] / temperature).softmax(-1)  # (V,)
+        seqs = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)  # (V, L+1)
+        p2 = (target(seqs).logits[:, -1] / temperature).softmax(-1)  # (V, V)
+    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
+    dec, g = StaticDecoder(target, 64), torch.Generator().manual_seed(3)
+    counts: Counter = Counter()
+    accepted = 0
+    for _ in range(n):
+        out, stats = dec.speculative_generate(None, prompt, proposer, 2, temperature, set(), generator=g)
+        counts[tuple(out)] += 1
+        accepted += sum(stats.accepted)
+    return counts, expected, accepted
+
+
+def test_sampling_with_the_native_chain_keeps_the_target_distribution(monkeypatch):
+    """T > 0 with the native chain drafting: the first two sampled tokens follow the target's own distribution
+    (chi-square over 1,000 draws against two exact target forwards), with drafted tokens both kept and rejected;
+    the same harness rejects a rule that draws the bonus token from p instead of the residual."""
+    import specdraft.eval.static_decode as static_decode
+    from specdraft.eval.verify import sample_verify
+    from specdraft.testing import chi_square_pvalue
+
+    n = 1000
+    counts, expected, accepted = _native_sampling_counts(n)
+    assert 0.05 * n < accepted < 0.9 * n  # 125 of 1,000 here
+    assert chi_square_pvalue(counts, expected, n) > 1e-3
+
+    def broken(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
+        path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
+        probs = (logits[path[-1]] / temperature).softmax(-1)
+        return path, int(torch.multinomial(probs, 1, generator=generator))
+
+    monkeypatch.setattr(static_decode, "sample_verify", broken)
+    counts, expected, _ = _native_sampling_counts(n)
+    assert chi_square_pvalue(counts, expected, n) < 1e-4

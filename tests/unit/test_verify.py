@@ -7,6 +7,7 @@ import torch
 
 from specdraft.eval.tree import DraftTree
 from specdraft.eval.verify import greedy_verify, sample_verify, warp_probs
+from specdraft.testing import chi_square_pvalue
 
 V = 6
 
@@ -79,25 +80,6 @@ def _target_outcomes(tree: DraftTree, probs: torch.Tensor) -> dict[tuple[int, ..
     return out
 
 
-def _chi2_pvalue(counts: Counter, expected: dict, n: int) -> float:
-    """Pearson chi-square p-value; cells with expected count < 5 are pooled."""
-    obs, exp = [], []
-    pool_o, pool_e = 0.0, 0.0
-    for key, p in expected.items():
-        if p * n < 5:
-            pool_o, pool_e = pool_o + counts.get(key, 0), pool_e + p * n
-        else:
-            obs.append(counts.get(key, 0))
-            exp.append(p * n)
-    unknown = sum(c for k, c in counts.items() if k not in expected)
-    obs.append(pool_o + unknown)
-    exp.append(max(pool_e, 1e-9))
-    o, e = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
-    stat = ((o - e) ** 2 / e).sum()
-    df = torch.tensor((len(obs) - 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, stat / 2))
-
-
 def _broken_residual(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
     """BROKEN: correct acceptance, but the bonus is drawn from p_u instead of the residual."""
     path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
@@ -137,7 +119,7 @@ def test_sampling_rule_matches_target_distribution(temperature, top_k, top_p):
     expected = _target_outcomes(SAMPLE_TREE, warp_probs(logits, temperature, top_k, top_p))
     n = 4000
     counts = _sample_outcomes(sample_verify, logits, n, temperature, top_k, top_p)
-    assert _chi2_pvalue(counts, expected, n) > 1e-3
+    assert chi_square_pvalue(counts, expected, n) > 1e-3
 
 
 @pytest.mark.parametrize("broken", [_broken_residual, _broken_no_renorm])
@@ -146,7 +128,7 @@ def test_chi_square_detects_broken_rules(broken):
     expected = _target_outcomes(SAMPLE_TREE, warp_probs(logits, 1.0))
     n = 4000
     counts = _sample_outcomes(broken, logits, n, 1.0)
-    assert _chi2_pvalue(counts, expected, n) < 1e-6
+    assert chi_square_pvalue(counts, expected, n) < 1e-6
 
 
 def test_warp_top_k_top_p():

@@ -93,12 +93,20 @@ def host_info(device: torch.device | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "specdraft_env": specdraft_env(),
     }
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     elif device is None and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def specdraft_env() -> dict[str, str]:
+    """The `SPECDRAFT_*` environment variables set in this process (kernel and code-path switches such as
+    `SPECDRAFT_NATIVE_CHAIN=0` or `SPECDRAFT_AVX512=0`, cache folders), by name: a measurement taken with one
+    of them set is not the default path, so records and environment lines name them."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECDRAFT_")}
 
 
 def cpu_native_bf16() -> tuple[bool, str]:
@@ -314,6 +322,9 @@ def log_environment(stage: str, placement: Placement | None = None, extra: str =
     )
     if extra:
         parts.append(extra)
+    switches = specdraft_env()
+    if switches:
+        parts.append("set: " + " ".join(f"{k}={v}" for k, v in switches.items()))
     on_cpu = placement is None or str(placement.device).startswith("cpu")
     if on_cpu and os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
         parts.append(PASSIVE_WARNING)

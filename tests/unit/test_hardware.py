@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -159,6 +160,21 @@ def test_a_passive_openmp_wait_policy_is_called_out_on_a_cpu(cpu_with, monkeypat
     assert "OMP_WAIT_POLICY" not in log_environment("evaluate", resolve_placement("cpu", "auto"))
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     assert hardware.PASSIVE_WARNING in log_environment("evaluate", resolve_placement("cpu", "auto"))
+
+
+def test_specdraft_switches_are_named_in_the_line_and_the_record(cpu_with, monkeypatch):
+    """A run with a code-path switch set (here the native draft chain turned off) says so in its environment
+    line and in every results record's machine info; without any, neither mentions one."""
+    from specdraft.hardware import host_info
+
+    cpu_with("avx512f")
+    for k in [k for k in os.environ if k.startswith("SPECDRAFT_")]:
+        monkeypatch.delenv(k)
+    assert "set:" not in log_environment("evaluate", resolve_placement("cpu", "auto"))
+    assert host_info(torch.device("cpu"))["specdraft_env"] == {}
+    monkeypatch.setenv("SPECDRAFT_NATIVE_CHAIN", "0")
+    assert "set: SPECDRAFT_NATIVE_CHAIN=0" in log_environment("evaluate", resolve_placement("cpu", "auto"))
+    assert host_info(torch.device("cpu"))["specdraft_env"] == {"SPECDRAFT_NATIVE_CHAIN": "0"}
 
 
 def test_load_target_resolves_auto(cpu_with, tmp_path, monkeypatch):

@@ -226,3 +226,30 @@ def test_sampling_with_the_native_chain_keeps_the_target_distribution(monkeypatc
     monkeypatch.setattr(static_decode, "sample_verify", broken)
     counts, expected, _ = _native_sampling_counts(n)
     assert chi_square_pvalue(counts, expected, n) < 1e-4
+
+
+def test_a_lone_drafting_row_of_a_batch_takes_the_native_chain(monkeypatch):
+    """The batched decoder with one row drafting (batch 1, and a queue's tail once the other requests end)
+    drafts through the row's native chain, two or more rows through the one torch search over all rows; every
+    row's greedy output equals its own AR output (fp64 target)."""
+    from specdraft.eval.batch_decode import BatchDecoder
+    from specdraft.testing import random_prompts
+
+    d, _ = _drafter(32)
+    target = tiny_llama(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, dtype=torch.float64)
+    d.attach_embeddings(target)
+    calls = []
+    chain = NativeChain.chain
+    monkeypatch.setattr(NativeChain, "chain", lambda self, *a: calls.append(1) or chain(self, *a))
+    prompts = random_prompts([4, 9, 6])
+    budgets = [20, 6, 12]  # rows end at different steps: the last one drafts alone
+
+    def factory():
+        return ReDrafterProposer(d, beam_width=1, beam_length=3, int8_layers=True)
+
+    for batch_size in (1, 3):
+        calls.clear()
+        res = BatchDecoder(target, batch_size, 64).generate(prompts, budgets, set(), factory)
+        for prompt, n, (out, _) in zip(prompts, budgets, res, strict=True):
+            assert out == ar_generate(target, None, torch.tensor(prompt), n, stop_ids=set())[0]
+        assert calls  # batch 1 always, batch 3 once two rows have ended

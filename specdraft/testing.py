@@ -44,7 +44,8 @@ def load_script(path: Path) -> ModuleType:
 def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
     """Pearson chi-square p-value of `n` draws' `counts` against `expected` probabilities (same keys); cells
     expected fewer than 5 times are pooled, together with draws of keys `expected` does not hold."""
-    obs, exp = [], []
+    obs: list[float] = []
+    exp: list[float] = []
     pool_o, pool_e = 0.0, 0.0
     for key, p in expected.items():
         if p * n < 5:

@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -106,20 +105,12 @@ def apply_bench_layout(model: nn.Module, layout: str, q8: bool = False) -> str:
     return "panel-q8" if q8 and chosen == "panel" else chosen
 
 
-def drafter_label(drafter: nn.Module, path: str) -> str:
-    """`family:name`, the name being the run's folder for `<run>/export`, else the path's last part."""
-    from specdraft.eval.proposers import drafter_family
-
-    where = Path(path)
-    name = where.parent.name if where.name == "export" and where.parent.name else where.name or path
-    return f"{drafter_family(drafter)}:{name}"
-
-
 def load_bench(a: argparse.Namespace, layout: bool = True) -> Bench:
     """Threads, the target (`--layout` applied unless `layout=False`: the script lays it out itself), its
     tokenizer and stop ids, and every `--drafter` checked against the target's fingerprint, in `--draft-dtype`
     (default: the target's dtype, as evaluate.py)."""
     from specdraft.eval.decode import default_stop_ids
+    from specdraft.eval.proposers import drafter_label
     from specdraft.hardware import draft_dtype_for
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter

@@ -94,7 +94,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     from specdraft.eval.budget import CostCurve, machine_key
     from specdraft.eval.decode import model_device
     from specdraft.eval.graphs import graphs_wanted
-    from specdraft.eval.proposers import PromptLookupProposer, drafter_family, make_proposer, pruned_factories
+    from specdraft.eval.proposers import PromptLookupProposer, drafter_label, make_proposer, pruned_factories
     from specdraft.eval.static_decode import make_decoder
     from specdraft.hardware import draft_dtype_for
     from specdraft.models.base_llm import target_fingerprint
@@ -127,7 +127,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
         # the target's dtype unless set: an fp32 export drafting next to a bf16 target costs 2-7x the draft time
         torch.nn.Module.to(drafter, draft_dtype_for(e.draft_dtype, model))  # (PreTrainedModel.to: a wrapper)
         match_target_layout(drafter, model)  # packed Linear weights like the target's, where it has them
-        base_name = f"{drafter_family(drafter)}:{Path(path).name or path}"
+        base_name = drafter_label(drafter, path)  # `<run>/export` -> family:<run>
         variants = [(base_name, 0)]
         if e.lookup_tokens:  # also with prompt lookup's chain merged into its trees (eval/hybrid.py)
             variants.append((base_name + "+lookup", int(e.lookup_tokens)))

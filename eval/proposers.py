@@ -535,6 +535,16 @@ def drafter_family(drafter: torch.nn.Module) -> str:
     return spec_of(drafter).name
 
 
+def drafter_label(drafter: torch.nn.Module, path: str) -> str:
+    """`family:name` for tables and records, the name being the run's folder for `<run>/export` (several runs'
+    exports side by side stay told apart), else the path's last part (a Hub id's name, a checkpoint folder)."""
+    from pathlib import Path
+
+    where = Path(path)
+    name = where.parent.name if where.name == "export" and where.parent.name else where.name or path
+    return f"{drafter_family(drafter)}:{name}"
+
+
 def make_proposer(
     drafter: torch.nn.Module,
     beam_width: int | None = None,

@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from specdraft.eval.bench_common import drafter_label, first_turns, load_bench, write_json
-    from specdraft.eval.proposers import make_proposer
+    from specdraft.eval.bench_common import first_turns, load_bench, write_json
+    from specdraft.eval.proposers import drafter_label, make_proposer
     from specdraft.eval.static_decode import StaticDecoder
     from specdraft.models.base_llm import target_fingerprint
     from specdraft.models.hub import load_drafter

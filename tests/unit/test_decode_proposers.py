@@ -9,6 +9,7 @@ from specdraft.eval.proposers import (
     Int8Linear,
     PromptLookupProposer,
     ReDrafterProposer,
+    drafter_label,
     int8_supported,
     make_proposer,
     prompt_lookup,
@@ -28,6 +29,17 @@ def target_and_drafter():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return target, drafter
+
+
+def test_drafter_labels_name_the_run_of_an_export(target_and_drafter):
+    """Tables and records tell several runs' exports apart: `<run>/export` is labelled by its run folder, any
+    other folder (a checkpoint, a Hub id) by its last part."""
+    _, d = target_and_drafter
+    assert drafter_label(d, "outputs/redrafter_smollm2_copy_5k/export") == "redrafter:redrafter_smollm2_copy_5k"
+    assert drafter_label(d, "outputs/redrafter_smollm2_copy/export/") == "redrafter:redrafter_smollm2_copy"
+    assert drafter_label(d, "runs/x/checkpoints/step-00000750") == "redrafter:step-00000750"
+    assert drafter_label(d, "export") == "redrafter:export"
+    assert drafter_label(d, "someone/redrafter-vicuna-7b") == "redrafter:redrafter-vicuna-7b"
 
 
 def test_beam_search_cum_are_the_prefix_log_probs(target_and_drafter):

@@ -35,7 +35,9 @@ def test_drafter_labels_name_the_run_of_an_export(target_and_drafter):
     """Tables and records tell several runs' exports apart: `<run>/export` is labelled by its run folder, any
     other folder (a checkpoint, a Hub id) by its last part."""
     _, d = target_and_drafter
-    assert drafter_label(d, "outputs/redrafter_smollm2_copy_5k/export") == "redrafter:redrafter_smollm2_copy_5k"
+    assert (
+        drafter_label(d, "outputs/redrafter_smollm2_copy_5k/export") == "redrafter:redrafter_smollm2_copy_5k"
+    )
     assert drafter_label(d, "outputs/redrafter_smollm2_copy/export/") == "redrafter:redrafter_smollm2_copy"
     assert drafter_label(d, "runs/x/checkpoints/step-00000750") == "redrafter:step-00000750"
     assert drafter_label(d, "export") == "redrafter:export"

@@ -62,6 +62,20 @@ def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
+@torch.no_grad()
+def exact_first_two(
+    model: torch.nn.Module, prompt: torch.Tensor, temperature: float
+) -> dict[tuple[int, int], float]:
+    """The target's exact probability of every first two sampled tokens (a, b) after `prompt` (L,) at
+    `temperature`, from two forwards over its whole (small) vocabulary: the expected cells of the chi-square
+    sampling tests."""
+    p1 = (model(prompt[None]).logits[0, -1] / temperature).softmax(-1)  # (V,)
+    v = p1.shape[0]
+    seqs = torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)  # (V, L+1)
+    p2 = (model(seqs).logits[:, -1] / temperature).softmax(-1)  # (V, V)
+    return {(a, b): float(p1[a] * p2[a, b]) for a in range(v) for b in range(v)}
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level fast tokenizer (printable ASCII + ChatML specials, vocab < 110) with a chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -18,7 +18,7 @@ from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
 from specdraft.eval.verify import sample_verify
-from specdraft.testing import OracleBeamProposer, RandomTreeProposer, chi_square_pvalue
+from specdraft.testing import OracleBeamProposer, RandomTreeProposer, chi_square_pvalue, exact_first_two
 
 VOCAB = 96
 SMALL = dict(
@@ -153,14 +153,6 @@ class FixedTreeProposer:
         return DraftTree(toks, torch.tensor([-1, 0, 0, 0, 0, 1, 1, 2]))
 
 
-def _exact_first2(model, prompt, temperature):
-    with torch.no_grad():
-        p1 = (model(prompt[None]).logits[0, -1] / temperature).softmax(-1)  # (V,)
-        seqs = torch.cat([prompt.expand(SV, -1), torch.arange(SV)[:, None]], 1)  # (V, L+1)
-        p2 = (model(seqs).logits[:, -1] / temperature).softmax(-1)  # (V, V)
-    return {(a, b): float(p1[a] * p2[a, b]) for a in range(SV) for b in range(SV)}
-
-
 def _spec_first2_counts(model, prompt, n, temperature):
     g = torch.Generator().manual_seed(7)
     counts = Counter()
@@ -179,7 +171,7 @@ def small_vocab_model():
 
 def test_speculative_sampling_matches_target_distribution(small_vocab_model):
     prompt = torch.tensor([1, 4, 2])
-    expected = _exact_first2(small_vocab_model, prompt, 0.8)
+    expected = exact_first_two(small_vocab_model, prompt, 0.8)
     n = 1200
     counts = _spec_first2_counts(small_vocab_model, prompt, n, 0.8)
     assert chi_square_pvalue(counts, expected, n) > 1e-3
@@ -209,7 +201,7 @@ def _batched_first2_counts(model, prompt, calls, temperature, static=False):
 def test_batched_sampling_matches_target_distribution(small_vocab_model, static):
     """Every row of the batched decoder (refills included) samples the target's distribution."""
     prompt = torch.tensor([1, 4, 2])
-    expected = _exact_first2(small_vocab_model, prompt, 0.8)
+    expected = exact_first_two(small_vocab_model, prompt, 0.8)
     counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8, static)
     assert chi_square_pvalue(counts, expected, 1200) > 1e-3
 
@@ -219,7 +211,7 @@ def test_batched_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
 
     monkeypatch.setattr(batch_decode, "sample_verify", _broken_rule)  # bonus from p, not the residual
     prompt = torch.tensor([1, 4, 2])
-    expected = _exact_first2(small_vocab_model, prompt, 0.8)
+    expected = exact_first_two(small_vocab_model, prompt, 0.8)
     counts = _batched_first2_counts(small_vocab_model, prompt, 200, 0.8)
     assert chi_square_pvalue(counts, expected, 1200) < 1e-4
 
@@ -246,7 +238,7 @@ def test_batch1_sampling_draws_as_the_dynamic_path():
 def test_model_level_chi_square_catches_broken_rule(small_vocab_model, monkeypatch):
     monkeypatch.setattr(decode, "sample_verify", _broken_rule)  # bonus from p instead of the residual
     prompt = torch.tensor([1, 4, 2])
-    expected = _exact_first2(small_vocab_model, prompt, 0.8)
+    expected = exact_first_two(small_vocab_model, prompt, 0.8)
     n = 1200
     counts = _spec_first2_counts(small_vocab_model, prompt, n, 0.8)
     assert chi_square_pvalue(counts, expected, n) < 1e-4

@@ -19,7 +19,7 @@ from specdraft.models import qdot, redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.panel_linear import panel_available
-from specdraft.testing import tiny_llama, tiny_tokenizer
+from specdraft.testing import exact_first_two, tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 
 pytestmark = pytest.mark.skipif(not panel_available(), reason="needs the CPU kernel library")
@@ -190,11 +190,7 @@ def _native_sampling_counts(n: int) -> tuple[Counter, dict, int]:
     proposer = ReDrafterProposer(d, beam_width=1, beam_length=3, int8_layers=True)
     assert proposer._native is not None
     prompt = torch.tensor([1, 4, 2, 4, 2])
-    with torch.no_grad():
-        p1 = (target(prompt[None]).logits[0, -1] / temperature).softmax(-1)  # (V,)
-        seqs = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)  # (V, L+1)
-        p2 = (target(seqs).logits[:, -1] / temperature).softmax(-1)  # (V, V)
-    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
+    expected = exact_first_two(target, prompt, temperature)
     dec, g = StaticDecoder(target, 64), torch.Generator().manual_seed(3)
     counts: Counter = Counter()
     accepted = 0

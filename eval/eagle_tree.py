@@ -39,6 +39,7 @@ from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
+from specdraft.models.registry import spec_of
 
 if TYPE_CHECKING:
     from specdraft.eval.decode import Proposer
@@ -128,9 +129,8 @@ class EagleTreeProposer:
         self.drafter = drafter
         self.total_tokens, self.depth, self.top_k = int(total_tokens), int(depth), int(top_k)
         self._full = (self.total_tokens, self.depth)  # the sizes `fit_budget` caps (and restores)
-        self.target_layers: tuple[int, ...] = tuple(
-            int(i) for i in getattr(drafter.config, "target_layers", ()) or ()
-        )
+        # the intermediate layers the family declares it reads (EAGLE-3: `config.target_layers`; EAGLE-1: none)
+        self.target_layers: tuple[int, ...] = spec_of(drafter).layers_for(drafter.config)
         self.spec = ProposerSpec(
             feature_layers=self.target_layers, max_depth=self.depth, node_budget=1 + self.total_tokens
         )
@@ -425,7 +425,6 @@ def _draft_block(drafter: torch.nn.Module, kind: str) -> DraftBlock | None:
     if kind == "hf":
         return None
     from specdraft.eval.draft_block import draft_block, resolve_kind
-    from specdraft.models.registry import spec_of
 
     kind = resolve_kind(kind, spec_of(drafter))
     layer, extra = cast("EagleDrafter | Eagle3Drafter", drafter).draft_layer()

@@ -141,7 +141,7 @@ def measure_rank_accuracies(
         for s in range(0, h.shape[0], chunk):
             logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1], root=root[s : s + chunk]).float()
             labels = tg[s : s + chunk].to(logits.device)  # (n, K) target ids, -100 = ignored
-            if getattr(drafter, "reduced_vocab", False):  # draft ids; -1 (never a hit) outside the vocabulary
+            if drafter.reduced_vocab:  # draft ids; -1 (never a hit) outside the vocabulary
                 labels = drafter.to_draft_ids(labels, missing=-1).masked_fill(labels == -100, -100)
             hh, vv = rank_hits(logits, labels, topk)
             hits, valid = (hh, vv) if hits is None else (hits + hh, cast(Tensor, valid) + vv)  # set together
@@ -185,8 +185,8 @@ class MedusaProposer:
         drafter = cast("Medusa", drafter)  # duck-typed: any module with Medusa's `config` and `topk_tokens`
         cfg = drafter.config
         heads = int(cfg.draft_len)
-        given = choices if choices is not None else getattr(cfg, "tree_choices", None)
-        paths = resolve_paths(given, heads, int(getattr(cfg, "topk", 10)), max_nodes)
+        given = choices if choices is not None else cfg.tree_choices
+        paths = resolve_paths(given, heads, int(cfg.topk), max_nodes)
         self.drafter = drafter
         self._search = drafter  # what drafts: the drafter, or its int8 view (below)
         if int8_layers:

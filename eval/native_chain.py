@@ -40,19 +40,19 @@ def unsupported(drafter: torch.nn.Module) -> str | None:
     """Why `NativeChain` cannot draft for `drafter` (None: it can): it needs a ReDrafter with the recurrence and an
     input projection, without prefix attention, in fp32 on the CPU, and the kernel library."""
     from specdraft.models.panel_linear import panel_lib
+    from specdraft.models.redrafter import ReDrafter
 
-    cfg = getattr(drafter, "config", None)
-    head = getattr(drafter, "head", None)
-    if cfg is None or head is None or getattr(cfg, "architecture", None) != "redrafter":
-        return "not a ReDrafter"
-    if not getattr(cfg, "rnn", False) or getattr(drafter, "input_proj", None) is None:
+    if not isinstance(drafter, ReDrafter):
+        return f"not a ReDrafter ({type(drafter).__name__})"
+    if not drafter.config.rnn or drafter.input_proj is None:
         return "needs the recurrence and an input projection"
-    if getattr(drafter, "ctx", None) is not None:
+    if drafter.ctx is not None:
         return "prefix attention drafts in torch"
-    if head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
-        return f"needs fp32 on the CPU, got {head.weight.dtype} on {head.weight.device.type}"
+    weight = drafter.head.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return f"needs fp32 on the CPU, got {weight.dtype} on {weight.device.type}"
     lib = panel_lib()
-    if lib is None or not hasattr(lib, "sd_redrafter_slot"):
+    if lib is None or not hasattr(lib, "sd_redrafter_slot"):  # a library built before the chain's kernel
         return "no kernel library"
     return None
 

@@ -22,6 +22,7 @@ from specdraft.hardware import cpu_int8_full_range
 from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.layers import CopyCache, weights_key
 from specdraft.models.redrafter_beam import beam_search_fixed_rows, beam_search_rows
+from specdraft.models.registry import spec_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from specdraft.models.family import FamilySpec
     from specdraft.models.panel_linear import PanelLinear
     from specdraft.models.redrafter import ReDrafter
+    from specdraft.models.redrafter_config import ReDrafterConfig
 
 
 class Int8Linear(torch.nn.Module):
@@ -238,14 +240,14 @@ class ReDrafterProposer:
         self.draft_len = beam_length - 1
         self._full = (beam_width, self.draft_len)  # the search `fit_budget` caps (and restores)
         self.last_compression: float | None = None
-        on_cpu = drafter.head.weight.device.type == "cpu" if hasattr(drafter, "head") else False
+        on_cpu = drafter.head.weight.device.type == "cpu"
         self.head = int8_copy(drafter.head) if int8_head and on_cpu and int8_supported() else None
         self.max_depth = self.draft_len  # deepest possible draft (acceptance-rate unit)
         self.min_logp = math.log(min_prob) if min_prob > 0 else None
         # extra target layers the drafter reads after h (`ReDrafterConfig.target_layers`): the decoder returns
         # [h; layers] for every verified position (`spec.keep_last_hidden`)
-        cfg = getattr(drafter, "config", None)
-        self.target_layers = tuple(int(i) for i in (getattr(cfg, "target_layers", None) or ()))
+        cfg = cast("ReDrafterConfig", drafter.config)  # its declared fields, read as they are
+        self.target_layers = spec_of(drafter).layers_for(cfg)  # the family's declared feature layers
         self.spec = ProposerSpec(  # the decoder passes h first, then the drafter's `target_layers` (if any)
             feature_layers=self.target_layers,
             keep_last_hidden=True,
@@ -253,14 +255,14 @@ class ReDrafterProposer:
             node_budget=1 + beam_width * self.draft_len,
         )
         # prefix attention (`context_heads` > 0): keys/values of every committed position, grown each step
-        self.uses_context = bool(getattr(cfg, "context_heads", 0))
-        self.hidden_size = int(getattr(cfg, "base_hidden_size", 0) or 0)
+        self.uses_context = cfg.context_heads > 0
+        self.hidden_size = int(cfg.base_hidden_size)
         self._history: Tensor | None = None  # (m,) x_1 .. x_m: the token after each committed position
         # keys, values (capacity, A): rows [: self._used] are the sink, then positions 2 .. m - 1
         self._memory: tuple[Tensor, Tensor] | None = None
         self._used = 0
         # copy gate (`copy_ngram` > 0): m-gram index of the committed tokens before the root, grown each step
-        self.copy_ngram = int(getattr(cfg, "copy_ngram", 0) or 0)
+        self.copy_ngram = int(cfg.copy_ngram or 0)
         self._copy: NgramIndex | None = None
         self._root: int | None = None  # the previous call's root: committed, indexed on the next call
         plain = not (self.uses_context or min_prob > 0)
@@ -355,6 +357,12 @@ class ReDrafterProposer:
         self._root = int(tokens[-1])
         return self._copy
 
+    def _chain_now(self) -> NativeChain | None:
+        """The native chain `propose` drafts through now, else None: a one-beam search with drafts, of a drafter
+        the chain supports (`_native`, set only off the fixed-shape step), without prefix attention."""
+        one_beam = self.beam_width == 1 and self.draft_len > 0 and not self.uses_context
+        return self._native if one_beam else None
+
     @torch.inference_mode()
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
         """Beams from the newest position (hidden[-1], root tokens[-1]) packed into a tree.
@@ -379,10 +387,11 @@ class ReDrafterProposer:
             )
         context = self._update_memory(hidden, tokens) if self.uses_context else None
         copy = self._update_copy_index(tokens) if self.copy_ngram else None
-        if self.beam_width == 1 and self._native is not None and context is None:  # one C call a token
-            chain, logps = self._native.chain(hidden[-1], root, self.draft_len, copy)
+        native = self._chain_now()
+        if native is not None:  # one C call a token
+            chain, logps = native.chain(hidden[-1], root, self.draft_len, copy)
             self.last_compression = 1.0
-            return self._native.tree(chain, logps, self.min_logp).to(tokens.device)
+            return native.tree(chain, logps, self.min_logp).to(tokens.device)
         beams, cum = self._search.beam_search(
             hidden[-1], root, self.beam_width, self.draft_len, context, self.head, copy, self.min_logp
         )  # (W, 1+D) each (a search that stops early once every beam is below `min_prob`)
@@ -422,7 +431,7 @@ class ReDrafterProposer:
         ps = cast("list[ReDrafterProposer]", list(rows))
         if any((p._search, p.beam_width, p.draft_len, p.min_logp) != search for p in ps):
             return None
-        if len(ps) == 1 and ps[0]._native is not None and ps[0].beam_width == 1:
+        if len(ps) == 1 and ps[0]._chain_now() is not None:
             # one drafting row (batch 1, a queue's tail, the other rows paused): its own one-beam search, one C
             # call a token (in place 0.56 against 1.42 ms a one-token draft through torch, Session 52)
             return [ps[0].propose(hidden[0], tokens[0])]
@@ -530,8 +539,6 @@ def drafter_family(drafter: torch.nn.Module) -> str:
     Raises:
         ValueError: no `config.architecture`, or a family not in models/registry.py.
     """
-    from specdraft.models.registry import spec_of
-
     return spec_of(drafter).name
 
 
@@ -575,8 +582,6 @@ def make_proposer(
             family declares `int8_draft_layer`, else fused). ReDrafter: "int8" (or "auto" where declared)
             searches through int8 products of its recurrence, blocks and copy gate (`eval/int8_clone.py`).
     """
-    from specdraft.models.registry import spec_of
-
     try:
         spec = spec_of(drafter)  # the family's declared contract: `spec.proposer` names the builder
     except ValueError as err:
@@ -595,8 +600,6 @@ def pruned_factories(drafter: torch.nn.Module, **settings) -> Callable[[float], 
     """min_prob -> a factory of `drafter`'s proposers (`make_proposer` with `settings`) whose trees drop the beam
     positions below that drafter probability (`eval.batch_min_prob`, `bench_batch.py --min-prob`); None for a
     family whose proposer takes no `min_prob` (only ReDrafter's beam search prunes by it)."""
-    from specdraft.models.registry import spec_of
-
     if spec_of(drafter).proposer != "redrafter_beams":
         return None
     return lambda min_prob: partial(make_proposer, drafter, min_prob=min_prob, **settings)
@@ -621,8 +624,9 @@ def _family_proposer(
     # ReDrafter / Medusa: draft through an int8 view of the drafter's products (`eval/int8_clone.py`)
     int8_layers = resolve_kind(draft_block, spec) == "int8"
     if spec.proposer == "redrafter_beams":
-        w = beam_width or getattr(cfg, "beam_width", None) or 8
-        length = beam_length or getattr(cfg, "draft_len", 4) + 1
+        rcfg = cast("ReDrafterConfig", cfg)  # the family's declared config (`FamilySpec.config`)
+        w = beam_width or rcfg.beam_width or 8
+        length = beam_length or rcfg.draft_len + 1
         return ReDrafterProposer(
             drafter, int(w), int(length), int8_head, min_prob, static, graphs, int8_layers
         )

@@ -156,6 +156,7 @@ def test_unsupported_says_why():
     no_rnn, _ = _drafter(32)
     no_rnn.config.rnn = False
     assert "recurrence" in (unsupported(no_rnn) or "")
+    assert unsupported(torch.nn.Linear(4, 4)) == "not a ReDrafter (Linear)"
 
 
 @pytest.mark.parametrize("beam_length", [2, 4])

@@ -35,6 +35,8 @@ LossFn = Callable[
 ]
 # tree_accept(model, logits (N, D, V), targets (N, D)) -> (N,) long drafts the decoder's own draft tree accepts
 TreeAcceptFn = Callable[[Any, Tensor, Tensor], Tensor]
+# copy_ngram(config) -> n: the longest n-gram whose prompt-lookup candidates `compute_loss` reads (0: none)
+CopyNgramFn = Callable[[PretrainedConfig], int]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class FamilySpec:
             logits alone (a static tree over per-slot ranks: Medusa), `tree_accept(model, logits (N, D, V),
             targets (N, D)) -> (N,)` drafts its served tree accepts there; held-out evaluation reports
             `eval/tree_accept_len` from it. None (beam search, dynamic trees): only the chain estimates.
+        copy_ngram: where `compute_loss` reads the prompt-lookup candidates of each draft slot (a copy gate:
+            `batch["copy_ids"]`, `batch["copy_len"]`), `copy_ngram(config) -> n`, the longest n-gram they are
+            looked up with (0: none for this model); the trainer's collator computes them. None: never.
     """
 
     name: str
@@ -85,6 +90,7 @@ class FamilySpec:
     uses_token_counts: bool = False
     int8_draft_layer: bool = False
     tree_accept: TreeAcceptFn | None = None
+    copy_ngram: CopyNgramFn | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -99,8 +105,9 @@ class FamilySpec:
         for field in ("build", "attach", "compute_loss"):
             if not callable(getattr(self, field)):
                 problems.append(f"{field} is not callable")
-        if self.tree_accept is not None and not callable(self.tree_accept):
-            problems.append("tree_accept is not callable")
+        for name in ("tree_accept", "copy_ngram"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                problems.append(f"{name} is not callable")
         if self.proposer not in BUILTIN_PROPOSERS and ":" not in self.proposer:
             problems.append(
                 f"proposer={self.proposer!r}: expected one of {BUILTIN_PROPOSERS} or 'module:callable'"
@@ -124,6 +131,10 @@ class FamilySpec:
         if self.target_layers == "config":
             return tuple(int(i) for i in (config.target_layers or ()))
         return self.target_layers
+
+    def copy_ngram_of(self, config: PretrainedConfig) -> int:
+        """The n-gram order of the lookup candidates a built drafter with `config` trains on (0: none)."""
+        return 0 if self.copy_ngram is None else int(self.copy_ngram(config))
 
     def check_loss(self, loss: str) -> str | None:
         """None when `train.loss=loss` is implemented by this family, else the one-line problem."""

@@ -41,7 +41,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from specdraft.models import redrafter_beam
 from specdraft.models.copy_lookup import CopyGate, mix_log_probs, mix_logits
@@ -377,6 +377,11 @@ def init_from_lm_head(model: ReDrafter, lm_head: Tensor) -> None:
         model.head.weight.copy_(w)
 
 
+def _copy_ngram(config: PretrainedConfig) -> int:
+    """`config.copy_ngram`: the copy gate's n-gram order (0: no gate, and exports older than the field)."""
+    return int(cast(ReDrafterConfig, config).copy_ngram or 0)
+
+
 FAMILY = FamilySpec(
     name="redrafter",
     model=ReDrafter,
@@ -391,4 +396,5 @@ FAMILY = FamilySpec(
     low_precision_outputs=True,  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
     uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
     int8_draft_layer=True,  # int8 recurrence/blocks/copy gate: 2.39 -> 2.44 tokens/step, 6.1 -> 4.7 ms (Session 31)
+    copy_ngram=_copy_ngram,  # the copy gate (an extension) reads the slots' lookup candidates
 )

@@ -172,7 +172,7 @@ def train(cfg: DictConfig) -> Path:
             list(layers),
             list(feats.get("layers") or ()),
         )
-    copy_ngram = int(getattr(model.config, "copy_ngram", 0) or 0)  # ReDrafter copy gate: lookup candidates
+    copy_ngram = family.copy_ngram_of(model.config)  # declared (ReDrafter's copy gate): lookup candidates
     collate = Collator(int(tokenizer.pad_token_id), int(cfg.drafter.draft_len), copy_ngram=copy_ngram)
     # held-out metrics always score assistant positions only (what decoding sees)
     train_collate = Collator(collate.pad_id, collate.draft_len, bool(cfg.train.context_positions), copy_ngram)

@@ -50,6 +50,11 @@ def test_declared_capabilities_of_the_four_families() -> None:
     assert spec["redrafter"].low_precision_outputs and not spec["eagle"].low_precision_outputs
     assert [n for n, s in spec.items() if s.uses_token_counts] == ["redrafter", "medusa", "eagle", "eagle3"]
     assert [n for n, s in spec.items() if s.tree_accept is not None] == ["medusa"]  # a static tree
+    # the copy gate's lookup candidates: declared by the ReDrafter (from its config), never read by the others
+    assert spec["redrafter"].copy_ngram_of(spec["redrafter"].config(copy_ngram=4)) == 4
+    assert spec["redrafter"].copy_ngram_of(spec["redrafter"].config()) == 0
+    assert [n for n, s in spec.items() if s.copy_ngram is not None] == ["redrafter"]
+    assert spec["medusa"].copy_ngram_of(spec["medusa"].config()) == 0
 
 
 def test_an_incomplete_spec_is_refused() -> None:
@@ -63,6 +68,8 @@ def test_an_incomplete_spec_is_refused() -> None:
         )
     with pytest.raises(ValueError, match="tree_accept is not callable"):
         FamilySpec("toy", ToyDrafter, ToyConfig, build, attach, compute_loss, "medusa_tree", tree_accept=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="copy_ngram is not callable"):
+        FamilySpec("toy", ToyDrafter, ToyConfig, build, attach, compute_loss, "medusa_tree", copy_ngram=4)  # type: ignore[arg-type]
 
 
 def _compose(*overrides: str):

@@ -11,13 +11,15 @@ the scheduler computes at serving time). Each signal is scored by k-fold cross-v
 by a probe that did not see it) against the constant baseline (the training folds' majority bucket), with the
 Spearman rank correlation of the out-of-fold expected length and the true length (the scheduler sorts by it);
 the chosen signal (`--signal`, default: the best cross-validated accuracy, then rank correlation, then the
-cheaper) is refitted on all rows and saved (safetensors; the accuracy table is also written beside it as <out>.json).
+cheaper) is refitted on all rows and saved (safetensors; the accuracy table is also written beside it as <out>.json,
+with the command, wall time and machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -100,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
     from tqdm.auto import tqdm
 
+    from specdraft.eval.cli import machine_info
     from specdraft.eval.length_predictor import SIGNALS, bucket_names, fit_length_predictor, prompt_features
     from specdraft.models.base_llm import load_target
     from specdraft.utils import atomic_write_json
 
+    t0 = time.perf_counter()
     if not Path(a.data).is_dir():
         print(
             f"error: --data {a.data}: no such folder (a distilled dataset written by distill.py)",
@@ -178,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         "cross_validation": reports,
     }
     pred.save(a.out)
-    atomic_write_json(Path(a.out).with_suffix(".json"), {"signal": best, "edges": a.edges, **pred.info})
+    record = {"signal": best, "edges": a.edges, **pred.info}
+    args = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python scripts/train_length_predictor.py", *args])
+    record |= {"command": command, "wall_s": round(time.perf_counter() - t0, 1)}
+    atomic_write_json(Path(a.out).with_suffix(".json"), record | {"machine": machine_info(model)})
     print(f"saved {a.out} (signal {best}, bucket lengths {[round(x) for x in pred.bucket_lengths.tolist()]})")
     return 0
 

@@ -133,3 +133,26 @@ def test_script_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "manifest.json not found" in err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_script_trains_saves_and_records_its_command_and_machine(tmp_path: Path, monkeypatch) -> None:
+    """The script's success path on a tiny target: the predictor file loads, and the JSON beside it carries the
+    cross-validated table with the command, wall time and machine it was measured with."""
+    mod = _script()
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, 90, (int(n),), generator=g).tolist()
+        for n in torch.randint(2, 40, (40,), generator=g)
+    ]
+    lengths = [len(p) * 4 for p in prompts]  # the prompt length decides the bucket
+    monkeypatch.setattr(mod, "load_examples", lambda path: (prompts, lengths, {}))
+    target = tiny_target()
+    monkeypatch.setattr("specdraft.models.base_llm.load_target", lambda cfg: (target, None))
+    out = tmp_path / "lp.safetensors"
+    argv = ["--data", str(tmp_path), "--out", str(out), "--signal", "length", "--folds", "2"]
+    assert mod.main(argv) == 0
+    assert load_length_predictor(str(out)).signal == "length"
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["rows"] == 40 and record["cross_validation"]["length"]["n"] == 40
+    assert record["command"] == " ".join(["python scripts/train_length_predictor.py", *argv])
+    assert record["wall_s"] >= 0 and record["machine"]["device"] == "cpu" and "cpu_count" in record["machine"]

@@ -22,7 +22,8 @@
 Prints the verify cost curve (ms for 1..128 nodes after a 256-token prefix, on the static path) and one table:
 per method and path, tok/s, tokens/step, speedup over AR on the same path and over the dynamic AR, and ms
 per step in draft / verify / accept (device-synchronised), with the overhead outside the verify forward as
-a fraction of it. `--budget` adds each drafter with the node budget fitted to this machine (`--budget-refit 0
+a fraction of it. The target's Linear weights are laid out as evaluate.py lays them out (`--layout auto`, the
+default: `eval.linear_layout=auto`); `--layout native` and the other values measure another layout. `--budget` adds each drafter with the node budget fitted to this machine (`--budget-refit 0
 128` once with a final first fit and once refitted every 128+ steps, the default).
 """
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     add_target_args(
         p,
         layouts=(
+            "auto",
             "native",
             "transposed",
             "packed",
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             "panel-q8",
             *LAYOUT_SETS,
         ),
-        layout_default="native",
+        layout_default="auto",  # what evaluate.py runs (eval.linear_layout=auto): the panels on most CPUs
     )
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs on the static path")
     p.add_argument("--budget", action="store_true", help="also run each drafter with eval.node_budget=auto")
@@ -168,10 +170,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # static paths: (label, decoder, cost curve, proposer factories over drafters laid out like that target);
     # "static" over native weights, "-T" transposed, "-P" packed, "-panel" panels
-    paths = []
+    paths, applied = [], []
     for k, layout in enumerate(layouts):
         m = model if k == 0 else copy.deepcopy(native)
         layout = apply_bench_layout(m, layout, q8=a.q8_activations)  # "panel" + --q8-activations: "panel-q8"
+        applied.append(layout)  # "auto" resolved
         dec = make_decoder(m, "static", a.graphs)
         assert dec is not None
         cost = CostCurve.load_or_measure(machine_key(m, dec.path_name()), dec.measure_costs, refresh=True)
@@ -321,7 +324,11 @@ def main(argv: list[str] | None = None) -> None:
     costs = {"cost_ms": paths[0][2].ms}
     costs.update({f"cost_ms_{layout}": c.ms for layout, (_, _, c, _) in list(zip(layouts, paths))[1:]})
     report_captures()
-    write_json(a.json, model, {"path": paths[0][1].path_name(), "layout": a.layout, **costs, "rows": rows})
+    write_json(
+        a.json,
+        model,
+        {"path": paths[0][1].path_name(), "layout": a.layout, "layouts": applied, **costs, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -67,6 +67,26 @@ def test_bench_decode(eval_assets: Path, tmp_path: Path, capsys) -> None:
     assert set(res["cost_ms"]) >= {"1", "2", "4"} and set(res["cost_ms_transposed"]) >= {"1", "2", "4"}
     assert layout == "both" or set(res["cost_ms_packed"]) >= {"1", "2", "4"}
     assert "decode paths on cpu" in capsys.readouterr().out
+    assert res["layouts"] == ["native", "transposed", *(["packed", "panel"] if layout == "all" else [])]
+
+
+def test_bench_decode_lays_the_target_out_as_evaluate_does_by_default(
+    eval_assets: Path, tmp_path: Path
+) -> None:
+    """Without --layout the script measures the layout `eval.linear_layout=auto` gives (what evaluate.py runs),
+    not the native weights, and records the one it resolved."""
+    from types import SimpleNamespace
+
+    from specdraft.models.base_llm import load_target
+    from specdraft.models.linear_layout import apply_layout
+
+    out = tmp_path / "decode.json"
+    _main("bench_decode")([*_common(eval_assets, out), "--prompts", "1", "--max-new-tokens", "4"])
+    res = _load(out)
+    target, _ = load_target(
+        SimpleNamespace(name_or_path=str(eval_assets / "target"), dtype="fp32", device="cpu")
+    )
+    assert res["layout"] == "auto" and res["layouts"] == [apply_layout(target, "auto")]
 
 
 def test_bench_batch(eval_assets: Path, tmp_path: Path, capsys) -> None:

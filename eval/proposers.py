@@ -255,7 +255,7 @@ class ReDrafterProposer:
             node_budget=1 + beam_width * self.draft_len,
         )
         # prefix attention (`context_heads` > 0): keys/values of every committed position, grown each step
-        self.uses_context = cfg.context_heads > 0
+        self.uses_context = bool(cfg.context_heads)
         self.hidden_size = int(cfg.base_hidden_size)
         self._history: Tensor | None = None  # (m,) x_1 .. x_m: the token after each committed position
         # keys, values (capacity, A): rows [: self._used] are the sink, then positions 2 .. m - 1

@@ -133,11 +133,13 @@ def time_round_robin(
     return {b: sorted(ts)[len(ts) // 2] * 1e3 for b, ts in times.items()}
 
 
-def typical_ms(ms: list[float]) -> float:
-    """Mean of `ms` without its slowest eighth (at least one sample once there are two): a step that
-    captured a CUDA graph at a new size (tens to hundreds of ms, once) must not price that size's every
-    step; on a CPU the trimmed mean is within noise of the plain mean."""
-    keep = sorted(ms)[: len(ms) - max(1, len(ms) // 8)] if len(ms) > 1 else list(ms)
+def typical_ms(ms: list[float], trim: bool = True) -> float:
+    """Mean of `ms`, with `trim` without its slowest eighth (at least one sample once there are two): under
+    CUDA graphs a step that captured a graph at a new size (tens to hundreds of ms, once) must not price that
+    size's every step. Without captures (`trim` False: a CPU) the plain mean: a proposer whose steps take two
+    kinds of time (prompt lookup's chain alone on most steps, the drafter's search on the others,
+    `eval/hybrid.py`) would lose its slow, real steps to the trim and be priced as if it rarely drafted."""
+    keep = sorted(ms)[: len(ms) - max(1, len(ms) // 8)] if trim and len(ms) > 1 else list(ms)
     return sum(keep) / len(keep)
 
 
@@ -267,6 +269,8 @@ class NodeBudget:
             `probe_floor` nodes (`refit_cap`); 0: full-size trees.
         probe_floor: the smallest probe of a fit on a steep curve (`refit_cap`): a fit that settles on it is
             refitted at once, `refit_scale` times further.
+        trim_slowest: draft times are averaged without their slowest eighth (`typical_ms`): on for a decoder
+            that captures CUDA graphs (a capture is one slow step), off elsewhere.
     """
 
     cost: CostCurve
@@ -282,6 +286,7 @@ class NodeBudget:
     drift_window_max: int = 256
     refit_scale: int = 4
     probe_floor: int = 4
+    trim_slowest: bool = True
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -443,7 +448,7 @@ class NodeBudget:
         self.checks.append((draft_s * 1e3, accepted))
         if len(self.checks) >= self.check_steps:
             k = len(self.checks)
-            draft = typical_ms([c[0] for c in self.checks])
+            draft = typical_ms([c[0] for c in self.checks], self.trim_slowest)
             self._check_tokens[self.cap] = sum(c[1] for c in self.checks) / k  # the drift test's expectation
             self.measured[self.cap] = self.rates([draft])[self.cap]  # phase 1's gain, this draft time
             self.checks = []
@@ -493,7 +498,7 @@ class NodeBudget:
     def rates(self, draft_ms: list[float]) -> dict[int, float]:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
         phase-1 gain curve and the typical draft time of `draft_ms` (`typical_ms`)."""
-        draft = typical_ms(draft_ms)
+        draft = typical_ms(draft_ms, self.trim_slowest)
         out = {1: 1.0 / self.cost(1)}
         for b in self.sizes[1:]:
             gain = sum(g[min(b, len(g)) - 1] for g in self.gains) / len(self.gains)

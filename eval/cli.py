@@ -81,7 +81,11 @@ def _spec(
         bool(e.fallback),
         decoder,
         NodeBudget(
-            cost, label=name, refit_gap=int(e.node_budget_refit), refit_scale=int(e.node_budget_refit_scale)
+            cost,
+            label=name,
+            refit_gap=int(e.node_budget_refit),
+            refit_scale=int(e.node_budget_refit_scale),
+            trim_slowest=decoder is not None and decoder.graphs,  # captures happen only under graphs
         )
         if cost is not None
         else None,

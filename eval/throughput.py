@@ -196,6 +196,7 @@ def throughput_rows(
                     label=f"{name} at batch {b}",
                     refit_gap=budget_refit,
                     refit_scale=budget_refit_scale,
+                    trim_slowest=dec.graphs,  # captures happen only under graphs
                 )
                 if name in fitted:  # its gain curve from the previous batch size
                     budget.warm_start(fitted[name])

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                 [(r, x) for r in a.budget_refit for x in (scales if r else scales[:1])] if a.budget else []
             )
             for refit, scale in combos:
-                b = NodeBudget(c, label=name, refit_gap=refit, refit_scale=scale)
+                b = NodeBudget(c, label=name, refit_gap=refit, refit_scale=scale, trim_slowest=d.graphs)
                 prop = new_proposer()
                 what = [f"refit {refit}"] if len(a.budget_refit) > 1 else []
                 what += (

@@ -100,6 +100,24 @@ def test_typical_draft_time_drops_the_slowest_eighth():
     assert typical_ms([3.0, 300.0]) == 3.0  # one sample of two dropped
     assert typical_ms([1.0] * 7 + [500.0]) == 1.0  # a CUDA graph capture (once) does not price the size
     assert typical_ms([float(i) for i in range(1, 17)]) == sum(range(1, 15)) / 14  # 16 samples: slowest 2 out
+    assert typical_ms([1.0] * 7 + [9.0], trim=False) == 2.0  # no captures (a CPU): the plain mean
+
+
+def test_without_captures_a_hybrids_slow_steps_are_priced() -> None:
+    """A proposer with two kinds of steps (lookup's chain alone: 0.1 ms; the drafter's search: 6 ms, one step in
+    eight) is priced at its mean draft time where nothing is captured; the trimmed mean would drop every
+    search and rate its trees as if drafting were nearly free."""
+    cost = CostCurve({1: 5.0, 2: 6.0, 4: 7.5, 8: 11.0, 16: 19.0, 32: 35.0, 64: 66.0, 128: 130.0})
+    draft = [6.0 if i % 8 == 0 else 0.1 for i in range(48)]
+    gains = [[1, 2, 2, 3, 3, 3, 3, 3]] * 48
+    rated = {}
+    for trim in (True, False):
+        b = NodeBudget(cost, trim_slowest=trim)
+        b.gains, b.draft_ms = [list(g) for g in gains], list(draft)
+        rated[trim] = b.rates(b.draft_ms)
+    assert rated[True][4] == pytest.approx(3 / (7.5 + 0.1))  # the searches trimmed away
+    assert rated[False][4] == pytest.approx(3 / (7.5 + sum(draft) / 48))
+    assert all(rated[False][k] < rated[True][k] for k in rated[True] if k > 1)
 
 
 def test_a_capture_step_does_not_turn_drafting_off():

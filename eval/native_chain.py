@@ -165,9 +165,9 @@ class NativeChain:
         return row.data_ptr()
 
     def tree(self, tokens: list[int], cum: list[float], min_logp: float | None = None) -> DraftTree:
-        """The chain `tokens` (root first) drafted as a tree with per-node scores (exp of the cumulative log-probs), cut before
-        the first node below `min_logp`: what `pack_beams` and `beam_scores` make of one beam, without their
-        tensor work (one topology per length, cached)."""
+        """The chain `tokens` (root first) drafted as a tree with per-node scores (exp of the cumulative
+        log-probs), cut before the first node below `min_logp`: what `pack_beams` and `beam_scores` make of one
+        beam, without their tensor work (one topology per length, cached)."""
         n = len(tokens)
         if min_logp is not None:
             n = next((i for i in range(1, n) if cum[i] < min_logp), n)

@@ -247,7 +247,8 @@ class ReDrafterProposer:
         # extra target layers the drafter reads after h (`ReDrafterConfig.target_layers`): the decoder returns
         # [h; layers] for every verified position (`spec.keep_last_hidden`)
         cfg = cast("ReDrafterConfig", drafter.config)  # its declared fields, read as they are
-        self.target_layers = spec_of(drafter).layers_for(cfg)  # the family's declared feature layers
+        spec = spec_of(drafter)  # the family's declared contract
+        self.target_layers = spec.layers_for(cfg)  # its feature layers
         self.spec = ProposerSpec(  # the decoder passes h first, then the drafter's `target_layers` (if any)
             feature_layers=self.target_layers,
             keep_last_hidden=True,
@@ -262,7 +263,7 @@ class ReDrafterProposer:
         self._memory: tuple[Tensor, Tensor] | None = None
         self._used = 0
         # copy gate (`copy_ngram` > 0): m-gram index of the committed tokens before the root, grown each step
-        self.copy_ngram = int(cfg.copy_ngram or 0)
+        self.copy_ngram = spec.copy_ngram_of(cfg)
         self._copy: NgramIndex | None = None
         self._root: int | None = None  # the previous call's root: committed, indexed on the next call
         plain = not (self.uses_context or min_prob > 0)

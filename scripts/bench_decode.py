@@ -23,8 +23,9 @@ Prints the verify cost curve (ms for 1..128 nodes after a 256-token prefix, on t
 per method and path, tok/s, tokens/step, speedup over AR on the same path and over the dynamic AR, and ms
 per step in draft / verify / accept (device-synchronised), with the overhead outside the verify forward as
 a fraction of it. The target's Linear weights are laid out as evaluate.py lays them out (`--layout auto`, the
-default: `eval.linear_layout=auto`); `--layout native` and the other values measure another layout. `--budget` adds each drafter with the node budget fitted to this machine (`--budget-refit 0
-128` once with a final first fit and once refitted every 128+ steps, the default).
+default: `eval.linear_layout=auto`); `--layout native` and the other values measure another layout. `--budget`
+adds each drafter with the node budget fitted to this machine (`--budget-refit 0 128` once with a final first
+fit and once refitted every 128+ steps, the default).
 """
 
 from __future__ import annotations

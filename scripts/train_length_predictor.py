@@ -182,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         "cross_validation": reports,
     }
     pred.save(a.out)
-    record = {"signal": best, "edges": a.edges, **pred.info}
     args = sys.argv[1:] if argv is None else argv
-    command = " ".join(["python scripts/train_length_predictor.py", *args])
-    record |= {"command": command, "wall_s": round(time.perf_counter() - t0, 1)}
-    atomic_write_json(Path(a.out).with_suffix(".json"), record | {"machine": machine_info(model)})
+    record = {
+        "signal": best,
+        "edges": a.edges,
+        **pred.info,
+        "command": " ".join(["python scripts/train_length_predictor.py", *args]),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "machine": machine_info(model),
+    }
+    atomic_write_json(Path(a.out).with_suffix(".json"), record)
     print(f"saved {a.out} (signal {best}, bucket lengths {[round(x) for x in pred.bucket_lengths.tolist()]})")
     return 0
 

@@ -148,6 +148,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
                 and decoder.static,  # fixed-shape draft steps where verify is fixed
                 graphs=decoder is not None and decoder.graphs,
                 draft_block=str(e.draft_block),
+                verify_cost=cost,  # a lookup branch prices its drafter on the fitted budget's curve
             )
             while any(m.name == name for m in methods):
                 name += "'"

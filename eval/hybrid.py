@@ -23,19 +23,30 @@ drafter does not draft at all: its draft time and its nodes would buy nothing on
 positions committed meanwhile are kept and handed to the drafter on its next step, as the decoders do for a
 node budget that paused drafting.
 
+With the target's verify cost curve (`cost`: ms per node count, `eval/budget.py`) the branch also prices the
+drafter: a step drafts with it only while its modelled rate, (1 + the drafter's mean accepted length) tokens over
+its measured draft time plus the verify of the union's nodes, beats the step without it (lookup's chain, or the
+root alone when lookup finds nothing: a plain target step), priced the same way. Otherwise the drafter idles
+and is probed again after a few steps (doubling up to `max_probe` while it keeps losing). So where drafting does
+not pay on a machine (measured, 2-core Zen 5 in fp32: the node budget turned most drafters off, and lookup went
+off with them on turns where prompt lookup alone ran 1.2-1.5x over AR), the step keeps lookup's chain, and the
+node budget fitted around the branch prices what it really drafts.
+
 The decoder hands `propose` every committed position, whichever branch the target accepted, so neither source
 needs to know about the other. Which nodes are verified never changes the output: lossless as any proposer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 from torch import Tensor
 
 from specdraft.eval.adaptive import accepted_length, effective_scores
+from specdraft.eval.budget import FULL
 from specdraft.eval.decode import Proposer, RowBatchedProposer
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.tree import DraftTree, ProposerSpec, reorder_tree
@@ -142,7 +153,11 @@ class LookupBranch:
         max_ngram: longest suffix n-gram matched against the committed tokens.
         lookup_alone: propose lookup's chain alone (the drafter idle) on steps where it is expected to accept
             more than the drafter's recent mean (False: always the union).
-        ema: weight of the newest drafted step in the drafter's mean accepted length.
+        ema: weight of the newest drafted step in the drafter's mean accepted length (and its draft time).
+        cost: verify ms of a tree of n nodes on this decode path (`budget.CostCurve`); None: the drafter drafts
+            whenever lookup's chain is not expected to beat it (no pricing).
+        min_probe, max_probe: steps the drafter idles, once priced out, before it drafts again as a probe; the
+            gap doubles (up to `max_probe`) after each probe that still does not pay.
     """
 
     def __init__(
@@ -152,9 +167,22 @@ class LookupBranch:
         max_ngram: int = 3,
         lookup_alone: bool = True,
         ema: float = 0.25,
+        cost: Callable[[float], float] | None = None,
+        min_probe: int = 4,
+        max_probe: int = 64,
     ) -> None:
         if num_tokens < 1:
             raise ValueError(f"LookupBranch: num_tokens={num_tokens} must be >= 1")
+        if not 1 <= min_probe <= max_probe:
+            raise ValueError(f"LookupBranch: need 1 <= min_probe={min_probe} <= max_probe={max_probe}")
+        self.cost, self.min_probe, self.max_probe = cost, min_probe, max_probe
+        self.draft_ms: float | None = None  # EMA of the drafter's propose time (ms), steps without catch-up
+        self.inner_nodes = 0  # nodes of the drafter's latest tree
+        self._cap = FULL  # the node cap the decoder's budget set (`fit_budget`)
+        self._idle = 0  # steps since the drafter last drafted
+        self._probe = min_probe  # idle steps before the next probe
+        self.priced_out = 0  # steps the drafter idled because it did not pay (reported)
+        self._timed = False  # this step's draft time is a plain step's (`_begin`)
         self.inner, self.lookup = inner, PromptLookupProposer(num_tokens, max_ngram)
         self.calibration = LookupCalibration(num_tokens)
         self.lookup_alone, self.ema = lookup_alone, ema
@@ -179,9 +207,11 @@ class LookupBranch:
         self.calibration.reset()
         self._chain, self.last_compression = None, None
         self._inner_tree, self.inner_mean, self._pending = None, None, None
+        self._idle = 0  # (the drafter's cost and its probe gap are the machine's: kept)
 
     def fit_budget(self, nodes: int) -> None:
         """Each source drafts no more than a `nodes`-node tree (the merged tree is cut to its best `nodes`)."""
+        self._cap = nodes
         self.inner.fit_budget(nodes)
         self.lookup.fit_budget(nodes)
 
@@ -197,7 +227,9 @@ class LookupBranch:
         if isinstance(step, DraftTree):
             return step
         chain, hidden, tokens = step
-        return self._end(self.inner.propose(hidden, tokens), chain)
+        t0 = time.perf_counter()
+        tree = self.inner.propose(hidden, tokens)
+        return self._end(tree, chain, (time.perf_counter() - t0) * 1e3 if self._timed else None)
 
     def propose_rows(
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
@@ -242,6 +274,8 @@ class LookupBranch:
                 a if self.inner_mean is None else self.ema * a + (1 - self.ema) * self.inner_mean
             )
         chain = self.lookup.propose(hidden, tokens)  # (1 + k,) chain, k = 0 without a match
+        # the drafter's time is a step's only when it reads one step's positions (no prompt, no idle steps)
+        self._timed = self._pending is None and tokens.shape[0] <= self.spec.max_depth + 1
         if self._pending is not None:  # the drafter idled: it gets every position committed since it drafted
             hidden, tokens = torch.cat([self._pending[0], hidden]), torch.cat([self._pending[1], tokens])
             self._pending = None
@@ -250,15 +284,51 @@ class LookupBranch:
         chain.scores = torch.tensor(
             [1.0, *rates], dtype=torch.float32, device=chain.tokens.device
         )  # (1 + k,)
-        if self._chain and self.lookup_alone and self.inner_mean is not None and sum(rates) > self.inner_mean:
+        better = (
+            self._chain and self.lookup_alone and self.inner_mean is not None and sum(rates) > self.inner_mean
+        )
+        priced_out = not better and not self._drafter_pays(len(self._chain), sum(rates))
+        if better or priced_out:
             self._pending, self._inner_tree = (hidden, tokens), None
-            self.alone_steps += 1
+            self.alone_steps += bool(self._chain)
+            self.priced_out += priced_out
+            self._idle += 1
             self.last_compression = 1.0
-            return chain
+            return chain  # (1 + k,): the root alone when lookup found nothing (a plain target step)
         return chain, hidden, tokens
 
-    def _end(self, tree: DraftTree, chain: DraftTree) -> DraftTree:
-        """The drafter's tree of this step merged with the lookup chain (when lookup found one)."""
-        self._inner_tree = tree
+    def _drafter_pays(self, k: int, lookup_tokens: float) -> bool:
+        """Whether this step drafts with the drafter, priced on the cost curve (always without one, or before its
+        accepted length and draft time are measured): the union's modelled tokens per ms, (1 + max(the drafter's
+        mean accepted length, lookup's expected tokens)) / (verify of drafter + lookup nodes, cut to the cap,
+        + the draft time), against lookup's chain alone, (1 + its expected tokens) / (verify of 1 + k nodes).
+        A probe (the drafter idled `_probe` steps) drafts anyway and doubles the gap while it loses.
+
+        Args:
+            k: lookup's chain length this step (0: no match); lookup_tokens: its expected accepted tokens.
+        """
+        if self.cost is None or self.inner_mean is None or self.draft_ms is None:
+            return True
+        cost, cap = self.cost, self._cap
+        alone = (1.0 + lookup_tokens) / cost(min(1 + k, cap))
+        union = (1.0 + max(self.inner_mean, lookup_tokens)) / (
+            cost(min(self.inner_nodes + k, cap)) + self.draft_ms
+        )
+        if union >= alone:
+            self._probe = self.min_probe
+            return True
+        if self._idle >= self._probe:  # a probe: the drafter's accepted length may have changed with the text
+            self._probe = min(2 * self._probe, self.max_probe)
+            return True
+        return False
+
+    def _end(self, tree: DraftTree, chain: DraftTree, draft_ms: float | None = None) -> DraftTree:
+        """The drafter's tree of this step merged with the lookup chain (when lookup found one); `draft_ms`: the
+        drafter's time this step (None: not timed, e.g. drafted with other rows or catching up on idle steps)."""
+        self._inner_tree, self.inner_nodes, self._idle = tree, tree.num_nodes, 0
+        if draft_ms is not None:
+            self.draft_ms = (
+                draft_ms if self.draft_ms is None else self.ema * draft_ms + (1 - self.ema) * self.draft_ms
+            )
         self.last_compression = self.inner.last_compression  # the inner beams' packing
         return merge_trees(tree, chain) if self._chain else tree

@@ -564,6 +564,7 @@ def make_proposer(
     static: bool = False,
     graphs: bool = False,
     draft_block: str = "hf",
+    verify_cost: Callable[[float], float] | None = None,
 ):
     """The proposer for `drafter`'s family, with decode settings (None: the drafter's defaults).
 
@@ -582,6 +583,9 @@ def make_proposer(
             decode-time copy with fused / int8 products on CPU: `eval/draft_block.py`), "auto" (int8 where the
             family declares `int8_draft_layer`, else fused). ReDrafter: "int8" (or "auto" where declared)
             searches through int8 products of its recurrence, blocks and copy gate (`eval/int8_clone.py`).
+        verify_cost: with `lookup_tokens`: the target's verify ms per node count on this decode path
+            (`budget.CostCurve`), so the branch drafts with the drafter only on steps where that is expected to pay
+            over lookup's chain alone (None: the drafter drafts every step lookup does not beat it).
     """
     try:
         spec = spec_of(drafter)  # the family's declared contract: `spec.proposer` names the builder
@@ -593,7 +597,7 @@ def make_proposer(
     if lookup_tokens > 0:
         from specdraft.eval.hybrid import LookupBranch
 
-        return LookupBranch(proposer, lookup_tokens)
+        return LookupBranch(proposer, lookup_tokens, cost=verify_cost)
     return proposer
 
 

@@ -130,3 +130,33 @@ def test_lookup_alone_where_it_beats_the_drafter_and_the_drafter_gets_the_skippe
     assert tree.tokens.tolist() == [9, 1, 2, 3] and inner.seen[-1] == (4, [8, 5, 6, 9])
     assert branch.lookup.context.tolist() == [5, 6, 7, 8, 5, 6, 9]  # lookup saw each position once
     assert branch.inner_mean == 0.0
+
+
+def test_a_priced_drafter_idles_where_it_does_not_pay_and_is_probed_again():
+    """With a verify cost curve, the drafter drafts only while (1 + its mean accepted) / (verify of its nodes +
+    its draft time) beats the step without it; priced out, the step is lookup's chain or the root alone, and the
+    drafter drafts again as a probe after `min_probe` idle steps, the gap doubling up to `max_probe`."""
+    inner = _FixedChain()
+    steep = lambda n: float(n)  # noqa: E731  (ms per n verified nodes: a 4-node tree costs 4 plain steps)
+    branch = LookupBranch(inner, 4, cost=steep, min_probe=2, max_probe=4)
+    assert branch.propose(torch.zeros(3, 4), torch.tensor([5, 6, 7])).num_nodes == 4  # unmeasured: it drafts
+    assert branch.draft_ms is not None and branch.draft_ms >= 0.0  # one step's positions: timed
+    # its first token was right (mean 1 accepted): (1 + 1) / (4 + draft) < 1 / 1 for a plain step
+    assert branch.propose(torch.zeros(1, 4), torch.tensor([1])).tokens.tolist() == [1]
+    assert branch.propose(torch.zeros(1, 4), torch.tensor([9])).tokens.tolist() == [9]
+    assert inner.calls == 1 and branch.priced_out == 2 and branch.inner_mean == 1.0
+    # two idle steps: a probe drafts, handed every position since its last tree
+    assert branch.propose(torch.ones(1, 4), torch.tensor([10])).num_nodes == 4
+    assert inner.calls == 2 and inner.seen[-1] == (3, [1, 9, 10])
+    for tok in range(11, 15):  # the probe lost (mean 0.75): four idle steps now
+        assert branch.propose(torch.zeros(1, 4), torch.tensor([tok])).num_nodes == 1
+    assert inner.calls == 2 and branch.priced_out == 6
+    branch.propose(torch.zeros(1, 4), torch.tensor([15]))
+    assert inner.calls == 3 and branch._probe == 4  # probed again; the gap stays at max_probe
+    # on a flat curve the same drafter pays: it drafts every step and the gap is back at min_probe
+    branch.cost = lambda n: 1.0
+    for tok in range(16, 19):
+        assert branch.propose(torch.zeros(1, 4), torch.tensor([tok])).num_nodes == 4
+    assert inner.calls == 6 and branch._probe == 2
+    with pytest.raises(ValueError, match="min_probe"):
+        LookupBranch(inner, 4, min_probe=0)

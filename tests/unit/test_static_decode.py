@@ -142,6 +142,29 @@ def test_every_family_with_a_lookup_branch_equals_ar(arch, family, shape):
     check_static_equals_ar(_decoder(model, shape), model, proposer, vocab=V)
 
 
+@pytest.mark.parametrize("shape", ["eager", "fixed"])
+@pytest.mark.parametrize("family", ["redrafter", "eagle3"])
+def test_a_priced_lookup_branch_under_a_node_budget_equals_ar(family, shape):
+    """A lookup branch that prices its drafter on the verify cost curve (a steep one: the drafter idles on most
+    steps, probed now and then, and lookup's chain or the root alone is verified instead), under a fitted node
+    budget: echoing prompts and fresh ones, the output is the target's own greedy output."""
+    from specdraft.eval.budget import CostCurve, NodeBudget
+
+    model = _target("llama")
+    dec = _decoder(model, shape)
+    curve = CostCurve({1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0})  # ms: trees could pay, a random drafter not
+    budget = NodeBudget(curve, fit_steps=4, check_steps=2, sizes=(1, 2, 4, 8, 16))
+    proposer = LookupBranch(_proposer(family, model), 6, cost=curve, min_probe=2, max_probe=8)
+    for seed in (3, 4, 5):
+        prompt = torch.randint(5, 128, (9,), generator=torch.Generator().manual_seed(seed))
+        head, _ = ar_generate(model, None, prompt, 20, stop_ids=set())
+        echo = torch.cat([prompt, torch.tensor(head[:12]), prompt[-3:]]) if seed != 4 else prompt
+        ref, _ = ar_generate(model, None, echo, 30, stop_ids=set())
+        out, _ = dec.speculative_generate(None, echo, proposer, 30, stop_ids=set(), budget=budget)
+        assert out == ref
+    assert proposer.priced_out > 0 and proposer.alone_steps > 0 and proposer.draft_ms is not None
+
+
 @pytest.mark.parametrize("family", ["redrafter", "medusa", "eagle3"])
 def test_a_lookup_branch_finds_an_echo_and_stays_lossless(family):
     """The AR continuation echoed in the prompt: the merged tree accepts it in long runs (more tokens per step

@@ -220,6 +220,9 @@ EAGLE3: Table = {
     "norm_fused": ANY,
     "target_layers": ANY,
     "draft_vocab_size": optional(POSITIVE),
+    "copy_ngram": COUNT,
+    "copy_hidden": POSITIVE,
+    "copy_scale": above(0),
     **EAGLE_TREE,
 }
 OPTIM: Table = {

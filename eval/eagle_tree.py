@@ -23,10 +23,15 @@ a preallocated head cache with a length counter, device-side masks and positions
 1 + min(total_tokens, k + (depth-1)*k*k) nodes and, with `graphs=True` on CUDA, the expansion is one CUDA
 graph replay (one graph per size: `fit_budget` picks among the node budget's few sizes). Only the commit
 of the n newly accepted positions stays eager (n varies per call).
+
+A head with a copy gate (`models/eagle_copy.py`, the family's declared `copy_ngram` > 0) mixes every expanded
+node's distribution with its prompt-lookup candidate, looked up on the committed tokens + the root + the node's
+path (`NgramIndex`, on the host: one sync per level), so it drafts on the dynamic expansion, one row at a time.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -38,7 +43,9 @@ from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.attention import varying_shape_sdpa
+from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
+from specdraft.models.eagle_copy import mixed_log_probs
 from specdraft.models.registry import spec_of
 
 if TYPE_CHECKING:
@@ -154,6 +161,16 @@ class EagleTreeProposer:
             pre, head = drafter.draft_head()
             self.int8 = (pre, int8_copy(head)) if int8_supported() else None
         self.block = _draft_block(drafter, draft_block)  # the head's layer as fused products (CPU) or None
+        # copy gate (declared by the family): lookups per node on the host, so the dynamic expansion only
+        self.copy_ngram = spec_of(drafter).copy_ngram_of(drafter.config)
+        if self.copy_ngram and static:
+            warnings.warn(
+                "EagleTreeProposer: a head with a copy gate drafts on the dynamic expansion (static=False)",
+                stacklevel=2,
+            )
+            static = graphs = False
+        self._copy: NgramIndex | None = None  # the committed tokens before the root (copy gate)
+        self._root: int | None = None  # the previous call's root
         slots = (self.depth - 1) * self.top_k  # draft entries one expansion writes to the head cache
         # under graphs the head cache starts with room for 2,048 positions: each growth recaptures every size
         room = 2048 if graphs else 256
@@ -176,6 +193,7 @@ class EagleTreeProposer:
         """Forget the previous prompt's cache."""
         self.cache = DynamicCache()
         self.committed = 0
+        self._copy, self._root = None, None
         if self.fixed is not None:
             self.fixed.reset()
         if self.group is not None:  # stays a member, with an empty slot
@@ -239,7 +257,11 @@ class EagleTreeProposer:
             tree_tok, parents, depth, anc = (t.clone() for t in res)  # graph outputs are overwritten
             return DraftTree(tree_tok, parents, depth, anc).to(tokens.device)
         out = self.commit(hidden, tokens)  # (n, H)
-        tok, par, score, depth = self.grow(out[-1])
+        if self.copy_ngram:  # index the committed tokens before the new root: the previous root, tokens[:-1]
+            self._copy = self._copy or NgramIndex(self.copy_ngram)
+            self._copy.extend(([] if self._root is None else [self._root]) + tokens[:-1].tolist())
+            self._root = int(tokens[-1])
+        tok, par, score, depth = self.grow(out[-1], root=tokens[-1:])
         return self.rerank(tokens[-1:], tok, par, score, depth, tokens.device)
 
     def propose_rows(
@@ -255,7 +277,7 @@ class EagleTreeProposer:
         Args:
             rows: R proposers (this one among them); hidden: R of (n_i, F); tokens: R of (n_i,).
         """
-        same = all(
+        same = not self.copy_ngram and all(  # (a copy gate: every row's own `propose`)
             isinstance(p, EagleTreeProposer)
             and (p.fixed is None) == (self.fixed is None)
             and p.graphs == self.graphs
@@ -288,22 +310,36 @@ class EagleTreeProposer:
         anc, node_depth = fixed_ancestors(parents, self.depth)
         return tokens, parents, node_depth, anc
 
-    def _topk(self, out: Tensor) -> tuple[Tensor, Tensor]:
-        """(m, H) head outputs -> top-k log-probs (m, k) float32 and target token ids (m, k)."""
-        if self.int8 is not None:
-            logits = self.int8[1](self.int8[0](out))  # (m, Vd)
+    def _topk(self, out: Tensor, chains: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(m, H) head outputs -> top-k log-probs (m, k) float32 and target token ids (m, k); with a copy gate,
+        `chains` (m, c) are each node's root + path (its lookup candidate's context after the committed tokens);
+        where no node has a candidate the gate is skipped (lam would be 0 on every row)."""
+        looked = (
+            [] if self._copy is None or chains is None else [self._copy.lookup(c) for c in chains.tolist()]
+        )
+        if any(n for _, n in looked):  # (the level's one host sync) a candidate somewhere: the gate's mixture
+            pre, head = self.int8 if self.int8 is not None else self.drafter.draft_head()
+            state = pre(out)  # (m, H) what the vocabulary head and the gate read
+            cand = torch.tensor([c for c, _ in looked], dtype=torch.long, device=out.device)  # (m,)
+            length = torch.tensor([n for _, n in looked], dtype=torch.long, device=out.device)  # (m,)
+            logp = mixed_log_probs(cast("Eagle3Drafter", self.drafter), state, head(state), cand, length)
+        elif self.int8 is not None:
+            logp = torch.log_softmax(self.int8[1](self.int8[0](out)).float(), dim=-1)  # (m, Vd)
         else:
-            logits = self.drafter.draft_logits(out)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (m, Vd)
+            logp = torch.log_softmax(self.drafter.draft_logits(out).float(), dim=-1)  # (m, Vd)
         sc, ix = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
         return sc, self.drafter.to_target_ids(ix)
 
-    def grow(self, last: Tensor, attend: Attend | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Candidate pool from the newest committed output `last` (H,); fixed shapes, no host sync.
+    def grow(
+        self, last: Tensor, attend: Attend | None = None, root: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Candidate pool from the newest committed output `last` (H,); fixed shapes, no host sync (but one
+        per level with a copy gate).
 
         Args:
             last: (H,) head output at the newest committed position.
             attend: runs one frontier through the head (None: the dynamic `DynamicCache` step).
+            root: (1,) the committed root (a copy gate's lookups start from it; None: no gate).
 
         Returns:
             tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each
@@ -314,12 +350,12 @@ class EagleTreeProposer:
         def attend_one(level: int, rows: Tensor, feats: Tensor, toks: Tensor) -> Tensor:
             return one(level, rows[0], feats[0], toks[0])[None]  # one row: (1, k, ...) <-> (k, ...)
 
-        pool = [x[0] for x in self.grow_rows(last[None], attend_one, [0])]
+        pool = [x[0] for x in self.grow_rows(last[None], attend_one, [0], root)]
         self.last_pool = dict(zip(("tokens", "parents", "scores", "depths"), pool))
         return pool[0], pool[1], pool[2], pool[3]
 
     def grow_rows(
-        self, last: Tensor, attend: AttendRows, drafting: list[int]
+        self, last: Tensor, attend: AttendRows, drafting: list[int], roots: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The candidate pools of G rows at once (one head pass per level for all of them).
 
@@ -334,6 +370,7 @@ class EagleTreeProposer:
             attend: one frontier level of every row, (level, rows (G, k, s), feats (G, k, H), toks (G, k))
                 -> (G, k, H).
             drafting: the rows whose trees are wanted (the others ride along).
+            roots: (G,) each row's committed root, for a copy gate's lookups (one row; None: no gate).
 
         Returns:
             tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each (G, P) with
@@ -342,8 +379,12 @@ class EagleTreeProposer:
         """
         dev, g = last.device, last.shape[0]
         stop = self.early_stop and (self.fixed is None or not self.fixed.graphs)  # a host sync per level
-        sc, ids = self._topk(last)  # (G, k)
+        start = roots.reshape(g, 1) if self._copy is not None and roots is not None else None  # (G, 1)
+        sc, ids = self._topk(last, start)  # (G, k)
         k = sc.shape[1]
+        paths = (  # (G, k, 2) root + path of every frontier node (copy gate only)
+            None if start is None else torch.stack([start.expand(g, k), ids], dim=-1)
+        )
         self.last_levels = 0
         toks, pars, scores = [ids], [torch.full((g, k), -1, device=dev)], [sc]
         depths = [torch.ones(g, k, dtype=torch.long, device=dev)]
@@ -365,7 +406,9 @@ class EagleTreeProposer:
             rows[:, :, base : base + k] |= eye  # each node sees itself
             anc[:, base : base + k] = rows
             out = attend(level, rows[:, :, : base + k], front_in, front_tok)  # (G, k, H)
-            csc, cids = self._topk(out.reshape(g * k, -1))
+            csc, cids = self._topk(
+                out.reshape(g * k, -1), None if paths is None else paths.reshape(g * k, -1)
+            )
             csc, cids = csc.reshape(g, k * k), cids.reshape(g, k * k)  # (G, k*k) children, parent-major
             cum = front_score.repeat_interleave(k, dim=1) + csc  # (G, k*k)
             toks.append(cids)
@@ -376,6 +419,9 @@ class EagleTreeProposer:
             front, front_tok = size + best, cids.gather(1, best)
             front_in = out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))  # (G, k, H)
             front_slot = base + best // k
+            if paths is not None:  # (G, k, level + 2) the new frontier's paths
+                parent = paths.gather(1, (best // k)[..., None].expand(-1, -1, paths.shape[-1]))
+                paths = torch.cat([parent, front_tok[..., None]], dim=-1)
             size += k * k
             self.last_levels = level
             if stop and level < self.depth - 1 and size >= self.total_tokens:

@@ -18,7 +18,9 @@ activations (linear in S) and the attention scores of all steps sum to L^2 * S(S
 allows S = 1..7.
 
 `config.norm_fused` (off by default) is the EAGLE-3.1 normalisation of `models/eagle31.py`: per-layer RMSNorm
-of the fused features before fc, and the post-norm state fed back as the next step's g.
+of the fused features before fc, and the post-norm state fed back as the next step's g. `config.copy_ngram` > 0
+(off by default) adds a copy gate (`models/eagle_copy.py`): each step's distribution mixed with the prompt-lookup
+candidate of its context.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from specdraft.models.eagle_common import (
     target_block,
     unroll,
 )
+from specdraft.models.eagle_copy import build_gate, mixed_logits
 from specdraft.models.family import FamilySpec
 from specdraft.models.hf_compat import cache_kwargs
 from specdraft.models.layers import check_target_layers, d2t_to_draft_ids, draft_vocab_ids, scatter_to_vocab
@@ -78,6 +81,11 @@ class Eagle3Config(PretrainedConfig):
     tree_total_tokens: int = 24  # EAGLE-2 tree: draft nodes kept after reranking (root excluded)
     tree_depth: int = 5  # EAGLE-2 tree: maximum draft depth
     tree_top_k: int = 6  # EAGLE-2 tree: children per expanded node / nodes expanded per depth
+    copy_ngram: int = (
+        0  # > 0: copy gate over the prompt-lookup candidate, n-grams up to this (models/eagle_copy.py)
+    )
+    copy_hidden: int = 64  # hidden width of the copy gate
+    copy_scale: float = 8.0  # multiplier of the gate's log-odds
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -116,7 +124,13 @@ class Eagle3Drafter(PreTrainedModel):
         self.borrowed = Borrowed()
         # EAGLE-3.1 option, built last so the EAGLE-3 weights draw the same random numbers with it on or off
         self.fc_norm = ChunkNorm(cast(nn.Module, layer.input_layernorm), m) if config.norm_fused else None
+        self.copy_gate = build_gate(config)  # the copy gate (extension), last for the same reason
         self.post_init()
+        if (
+            self.copy_gate is not None
+        ):  # its output layer back at zero (post_init drew it): lam = 1/2 at first
+            nn.init.zeros_(self.copy_gate.out.weight)
+            nn.init.zeros_(self.copy_gate.out.bias)
 
     def draft_ids(self) -> Tensor:
         """(Vd,) long: the target id of every draft-vocabulary entry."""
@@ -254,6 +268,9 @@ def build(
         draft_vocab_size=vd,
         ttt_decay=float(schema.ttt_decay),
         norm_fused=bool(getattr(schema, "norm_fused", False)),
+        copy_ngram=int(getattr(schema, "copy_ngram", 0) or 0),
+        copy_hidden=int(getattr(schema, "copy_hidden", 64) or 64),
+        copy_scale=float(getattr(schema, "copy_scale", 8.0) or 8.0),
     )
     model = attach(Eagle3Drafter(config), target)
     with torch.no_grad():
@@ -273,7 +290,8 @@ def compute_loss(
 
     Args:
         model: the (possibly accelerate-wrapped) Eagle3Drafter.
-        batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate.
+        batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate; with a
+            copy gate also `copy_ids`, `copy_len` (B, L, D) (the collator adds them: `FAMILY.copy_ngram`).
         target_out: `TargetOutput` with `hidden` (B, L, H) and `layers` (B, L, m, H) of `config.target_layers`.
         opts: `draft_len` (S), `max_positions`, `generator`; `loss` containing "lk" adds `lk_weight` *
             `train.losses.expected_accept_loss` over the S unroll steps (draft-vocabulary labels; a label outside
@@ -298,6 +316,11 @@ def compute_loss(
     b, t = select_positions(batch, opts)
     outs = model(feats, next_tokens(batch["input_ids"], steps), steps=steps, at=(b, t))  # (N, S, H)
     targets = batch["targets"][b, t, :steps]  # (N, S)
+    copy = (
+        None
+        if inner.copy_gate is None
+        else (batch["copy_ids"][b, t, :steps], batch["copy_len"][b, t, :steps])
+    )
     f, ids = target_out.hidden, inner.draft_ids()  # (B, L, H), (Vd,)
     w_teacher = inner.borrowed.weight("lm_head", f)  # (V, H) target LM head, cast once
     if ids.shape[0] < w_teacher.shape[0]:
@@ -310,6 +333,8 @@ def compute_loss(
         p = t + 1 + i  # (N,) position whose target distribution step i imitates
         valid = (p < length) & (targets[:, i] != -100)
         q = inner.draft_logits(outs[:, i])  # (N, Vd)
+        if copy is not None:  # mixed with step i's lookup candidate (N,)
+            q = mixed_logits(inner, inner.draft_head()[0](outs[:, i]), q, copy[0][:, i], copy[1][:, i])
         with torch.no_grad():
             teacher = torch.softmax(
                 F.linear(f[b, p.clamp_max(length - 1)], w_teacher).float(), dim=-1
@@ -333,6 +358,11 @@ def compute_loss(
     return loss, aux
 
 
+def _copy_ngram(config: PretrainedConfig) -> int:
+    """`config.copy_ngram`: the copy gate's n-gram order (0: no gate, and exports older than the field)."""
+    return int(cast(Eagle3Config, config).copy_ngram or 0)
+
+
 FAMILY = FamilySpec(
     name="eagle3",
     model=Eagle3Drafter,
@@ -348,4 +378,5 @@ FAMILY = FamilySpec(
     losses=("ce", "ce+lk"),
     uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
     int8_draft_layer=True,  # int8 layer products: 2.43 -> 2.48 tokens/step, 6.5 -> 4.3 ms a draft (Session 29)
+    copy_ngram=_copy_ngram,  # the copy gate's loss reads the slots' lookup candidates (`copy_ids`, `copy_len`)
 )

@@ -1,0 +1,72 @@
+"""Copy gate for the EAGLE-3 head (an extension, off by default: `copy_ngram` = 0).
+
+The ReDrafter's copy gate (`models/copy_lookup.py`) on an EAGLE step: a small target repeats its prompt and itself,
+and a head that reads the target's features but not the prefix's tokens cannot copy them. With `copy_ngram` = n > 0
+every drafted position gets one lookup candidate,
+
+    c = the token after the most recent earlier occurrence of the longest suffix m-gram (m <= n) of the context
+        the step has seen (the committed tokens, the root and the drafted path to the node),
+
+and the head's draft-vocabulary distribution becomes (1 - lam) p_draft + lam onehot(c), with
+lam = CopyGate([norm(o); e(c)], m) read from the step's own normed state (what the vocabulary head reads) and the
+candidate's target embedding. The gate starts at lam = 1/2 on every candidate. Training reads the same candidates
+from the row's own tokens (`data.collate.Collator` with the family's declared `copy_ngram`: `copy_ids`, `copy_len`
+(B, L, S), slot i of position t being unroll step i there); decoding looks them up per tree node on the committed
+tokens + the node's path (`eval/eagle_tree.py`, the dynamic expansion).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from specdraft.models.copy_lookup import CopyGate, mix_log_probs, mix_logits
+from specdraft.models.layers import d2t_to_draft_ids
+
+if TYPE_CHECKING:
+    from specdraft.models.eagle3 import Eagle3Drafter
+
+
+def build_gate(config: Any) -> CopyGate | None:
+    """The head's `CopyGate` when `config.copy_ngram` > 0 (state and candidate embedding both H wide), else None
+    (exports older than the field included)."""
+    n = int(config.copy_ngram or 0)
+    if n <= 0:
+        return None
+    h = int(config.base_hidden_size)
+    return CopyGate(h, h, n, int(config.copy_hidden), float(config.copy_scale))
+
+
+def gate(model: Eagle3Drafter, state: Tensor, cand: Tensor, length: Tensor) -> tuple[Tensor, Tensor]:
+    """The candidates in draft ids and their copy weights.
+
+    Args:
+        model: a head with a copy gate (`model.copy_gate`).
+        state: (..., H) the normed step outputs the vocabulary head reads (`draft_head()[0](out)`).
+        cand: (...) long target ids (-1: no candidate); length: (...) long match lengths (0: none).
+
+    Returns:
+        draft ids (...) long (0 where there is none) and lam (...) float32, 0 where there is no candidate or it is
+        outside the draft vocabulary.
+    """
+    assert model.copy_gate is not None, "gate(): the head has no copy gate (copy_ngram = 0)"
+    v, vd = int(model.config.vocab_size), int(model.d2t.shape[0])
+    draft = d2t_to_draft_ids(cand, model.d2t, vd < v, v, missing=-1, owner=model)  # (...)
+    length = length.to(draft.device).masked_fill(draft < 0, 0)
+    lam = model.copy_gate(state, model.embed(cand.clamp_min(0).to(draft.device)), length)  # (...)
+    return draft.clamp_min(0), lam
+
+
+def mixed_logits(model: Eagle3Drafter, state: Tensor, logits: Tensor, cand: Tensor, length: Tensor) -> Tensor:
+    """Training: logits (..., Vd) of the mixture (differentiable in the head and the gate: `mix_logits`)."""
+    draft, lam = gate(model, state, cand, length)
+    return mix_logits(logits, draft, lam)
+
+
+def mixed_log_probs(
+    model: Eagle3Drafter, state: Tensor, logits: Tensor, cand: Tensor, length: Tensor
+) -> Tensor:
+    """Decoding: log-probabilities (..., Vd) float32 of the mixture (`mix_log_probs`)."""
+    draft, lam = gate(model, state, cand, length)
+    return mix_log_probs(logits, draft, lam)

@@ -26,12 +26,13 @@ of the n newly accepted positions stays eager (n varies per call).
 
 A head with a copy gate (`models/eagle_copy.py`, the family's declared `copy_ngram` > 0) mixes every expanded
 node's distribution with its prompt-lookup candidate, looked up on the committed tokens + the root + the node's
-path (`NgramIndex`, on the host: one sync per level), so it drafts on the dynamic expansion, one row at a time.
+path: on the host in the dynamic expansion (`NgramIndex`, one sync per level), on the device in the fixed-shape
+one (`copy_lookup.lookup_fixed_rows` over a buffer of the committed tokens: no sync, so a CUDA graph captures it).
+Such a head drafts batch rows one at a time (`propose_rows` declines).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -43,7 +44,7 @@ from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.attention import varying_shape_sdpa
-from specdraft.models.copy_lookup import NgramIndex
+from specdraft.models.copy_lookup import NgramIndex, lookup_fixed_rows
 from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 from specdraft.models.eagle_copy import mixed_log_probs
 from specdraft.models.registry import spec_of
@@ -161,16 +162,16 @@ class EagleTreeProposer:
             pre, head = drafter.draft_head()
             self.int8 = (pre, int8_copy(head)) if int8_supported() else None
         self.block = _draft_block(drafter, draft_block)  # the head's layer as fused products (CPU) or None
-        # copy gate (declared by the family): lookups per node on the host, so the dynamic expansion only
+        # copy gate (declared by the family): the committed tokens before the root, indexed on the host
+        # (dynamic expansion) or in a device buffer (fixed shape: a graph input, doubled when full: recapture)
         self.copy_ngram = spec_of(drafter).copy_ngram_of(drafter.config)
-        if self.copy_ngram and static:
-            warnings.warn(
-                "EagleTreeProposer: a head with a copy gate drafts on the dynamic expansion (static=False)",
-                stacklevel=2,
-            )
-            static = graphs = False
-        self._copy: NgramIndex | None = None  # the committed tokens before the root (copy gate)
+        self._copy: NgramIndex | None = None
         self._root: int | None = None  # the previous call's root
+        dev = next(drafter.parameters()).device
+        room = (2048 if graphs else 256) if self.copy_ngram and static else 1
+        self._ctx = torch.zeros(room, dtype=torch.long, device=dev)  # (C,)
+        self._ctx_n, self._ctx_len = 0, torch.zeros((), dtype=torch.long, device=dev)  # host, device
+        self._ctx_root: Tensor | None = None  # (1,) the previous call's root, committed on the next
         slots = (self.depth - 1) * self.top_k  # draft entries one expansion writes to the head cache
         # under graphs the head cache starts with room for 2,048 positions: each growth recaptures every size
         room = 2048 if graphs else 256
@@ -194,6 +195,8 @@ class EagleTreeProposer:
         self.cache = DynamicCache()
         self.committed = 0
         self._copy, self._root = None, None
+        self._ctx_n, self._ctx_root = 0, None
+        self._ctx_len.fill_(0)
         if self.fixed is not None:
             self.fixed.reset()
         if self.group is not None:  # stays a member, with an empty slot
@@ -251,6 +254,8 @@ class EagleTreeProposer:
         """
         if self.fixed is not None:  # commit + expansion in one fixed-shape step (a CUDA graph under graphs)
             size = (self.total_tokens, self.depth)
+            if self.copy_ngram:
+                self._commit_ctx(tokens)
             res = self.fixed.run(self._expand_fixed, hidden, tokens, size)
             self.committed = self.fixed.cache.length
             self.graphs = self.fixed.graph is not None
@@ -299,11 +304,29 @@ class EagleTreeProposer:
 
         return propose_rows(self, ps, list(hidden), list(tokens))
 
+    def _commit_ctx(self, tokens: Tensor) -> None:
+        """Copy gate, fixed shape: append the committed tokens before the new root (the previous root, then
+        tokens[:-1]) to the device buffer (eager, no host sync), doubling it when full (the captured expansions
+        read the old buffer: captured again)."""
+        assert self.fixed is not None
+        new = tokens[:-1].to(self._ctx.device)
+        if self._ctx_root is not None:
+            new = torch.cat([self._ctx_root, new])  # (n',)
+        end = self._ctx_n + new.shape[0]
+        if end > self._ctx.shape[0]:
+            grown = self._ctx.new_zeros(max(end, 2 * self._ctx.shape[0]))
+            grown[: self._ctx_n] = self._ctx[: self._ctx_n]
+            self._ctx, self.fixed.captured, self.fixed.graph = grown, {}, None
+        self._ctx[self._ctx_n : end] = new
+        self._ctx_n = end
+        self._ctx_len.fill_(end)
+        self._ctx_root = tokens[-1:].to(self._ctx.device).clone()
+
     def _expand_fixed(self, last: Tensor, root: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Fixed-shape expansion + reranking (what the CUDA graph captures): last (H,), root (1,) ->
         tokens (N,), parents (N,), depth (N,), ancestors (N, N) with N = 1 + min(total_tokens, P)."""
         assert self.fixed is not None
-        tok, par, score, depth = self.grow(last, self.fixed.attend)
+        tok, par, score, depth = self.grow(last, self.fixed.attend, root=root if self.copy_ngram else None)
         kept, kept_par, _ = select_nodes(tok, par, score, depth, self.total_tokens)  # (N - 1,) each
         tokens = torch.cat([root, kept])  # (N,)
         parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=last.device), kept_par])  # (N,)
@@ -312,16 +335,23 @@ class EagleTreeProposer:
 
     def _topk(self, out: Tensor, chains: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(m, H) head outputs -> top-k log-probs (m, k) float32 and target token ids (m, k); with a copy gate,
-        `chains` (m, c) are each node's root + path (its lookup candidate's context after the committed tokens);
-        where no node has a candidate the gate is skipped (lam would be 0 on every row)."""
-        looked = (
-            [] if self._copy is None or chains is None else [self._copy.lookup(c) for c in chains.tolist()]
-        )
-        if any(n for _, n in looked):  # (the level's one host sync) a candidate somewhere: the gate's mixture
+        `chains` (m, c) are each node's root + path (its lookup candidate's context after the committed tokens),
+        looked up on the device with fixed shapes, or on the host where the gate is skipped when no node has a
+        candidate (lam would be 0 on every row)."""
+        cand = length = None  # (m,) each: the nodes' lookup candidates (a copy gate)
+        if chains is not None and self.fixed is not None:  # fixed shape: on the device, no host sync
+            found = lookup_fixed_rows(
+                self._ctx[None], self._ctx_len.reshape(1), chains[None], self.copy_ngram
+            )
+            cand, length = found[0][0], found[1][0]
+        elif chains is not None and self._copy is not None:
+            looked = [self._copy.lookup(c) for c in chains.tolist()]  # the level's one host sync
+            if any(n for _, n in looked):  # a candidate somewhere (else lam would be 0 on every row)
+                cand = torch.tensor([c for c, _ in looked], dtype=torch.long, device=out.device)
+                length = torch.tensor([n for _, n in looked], dtype=torch.long, device=out.device)
+        if cand is not None and length is not None:  # the gate's mixture
             pre, head = self.int8 if self.int8 is not None else self.drafter.draft_head()
             state = pre(out)  # (m, H) what the vocabulary head and the gate read
-            cand = torch.tensor([c for c, _ in looked], dtype=torch.long, device=out.device)  # (m,)
-            length = torch.tensor([n for _, n in looked], dtype=torch.long, device=out.device)  # (m,)
             logp = mixed_log_probs(cast("Eagle3Drafter", self.drafter), state, head(state), cand, length)
         elif self.int8 is not None:
             logp = torch.log_softmax(self.int8[1](self.int8[0](out)).float(), dim=-1)  # (m, Vd)
@@ -379,7 +409,7 @@ class EagleTreeProposer:
         """
         dev, g = last.device, last.shape[0]
         stop = self.early_stop and (self.fixed is None or not self.fixed.graphs)  # a host sync per level
-        start = roots.reshape(g, 1) if self._copy is not None and roots is not None else None  # (G, 1)
+        start = roots.reshape(g, 1) if self.copy_ngram and roots is not None else None  # (G, 1)
         sc, ids = self._topk(last, start)  # (G, k)
         k = sc.shape[1]
         paths = (  # (G, k, 2) root + path of every frontier node (copy gate only)

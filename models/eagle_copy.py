@@ -12,7 +12,7 @@ lam = CopyGate([norm(o); e(c)], m) read from the step's own normed state (what t
 candidate's target embedding. The gate starts at lam = 1/2 on every candidate. Training reads the same candidates
 from the row's own tokens (`data.collate.Collator` with the family's declared `copy_ngram`: `copy_ids`, `copy_len`
 (B, L, S), slot i of position t being unroll step i there); decoding looks them up per tree node on the committed
-tokens + the node's path (`eval/eagle_tree.py`, the dynamic expansion).
+tokens + the node's path (`eval/eagle_tree.py`: on the host, or on the device in the fixed-shape expansion).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from specdraft.data.collate import Collator
@@ -125,5 +124,26 @@ def test_the_tree_drafts_the_candidate_the_gate_trusts_and_stays_lossless():
     tree = proposer.propose(feats, echo[1:])  # root = echo[-1], whose 3-gram ended the prompt
     cand, length = ngram_candidates(echo.tolist(), 3)
     assert length[-1] > 0 and int(tree.tokens[1]) == cand[-1] and float(tree.scores[1]) > 0.99
-    with pytest.warns(UserWarning, match="dynamic expansion"):
-        assert EagleTreeProposer(head, 8, 4, 2, static=True).fixed is None
+    # the fixed-shape expansion looks the candidates up on the device: the same tree, and lossless
+    fixed = EagleTreeProposer(head, total_tokens=8, depth=4, top_k=2, static=True)
+    assert fixed.fixed is not None
+    same = fixed.propose(feats, echo[1:])
+    assert same.tokens.tolist() == tree.tokens.tolist() and same.parents.tolist() == tree.parents.tolist()
+    fixed.reset()
+    out, _ = speculative_generate(target, None, echo, fixed, 24, stop_ids=set())
+    assert out == want
+
+
+def test_the_fixed_shape_buffer_of_committed_tokens_grows_and_restarts():
+    target = tiny_llama(num_layers=8, dtype=torch.float64)
+    proposer = EagleTreeProposer(_head(target), total_tokens=8, depth=4, top_k=2, static=True)
+    assert proposer.fixed is not None and proposer._ctx.shape[0] == 256
+    proposer.fixed.captured = {"stale": None}
+    first = torch.arange(5, 305)  # 300 committed tokens: the buffer doubles, the captured steps are dropped
+    proposer._commit_ctx(first)
+    assert proposer._ctx.shape[0] == 512 and proposer.fixed.captured == {}
+    assert proposer._ctx[:299].tolist() == first[:-1].tolist() and int(proposer._ctx_len) == 299
+    proposer._commit_ctx(torch.tensor([7, 8]))  # the previous root joins, then the new tokens before the root
+    assert proposer._ctx[:301].tolist()[-2:] == [304, 7] and int(proposer._ctx_len) == 301
+    proposer.reset()
+    assert proposer._ctx_n == 0 and int(proposer._ctx_len) == 0 and proposer._ctx_root is None

@@ -205,6 +205,9 @@ EAGLE: Table = {
     "feature_weight": at_least(0),
     "token_weight": at_least(0),
     "noise": at_least(0),
+    "copy_ngram": COUNT,
+    "copy_hidden": POSITIVE,
+    "copy_scale": above(0),
     **EAGLE_TREE,
 }
 TTT_DEPTH = (

@@ -50,9 +50,16 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     target_block,
     unroll,
 )
+from specdraft.models.eagle_copy import build_gate, mixed_logits
 from specdraft.models.family import FamilySpec
 from specdraft.models.hf_compat import cache_kwargs
-from specdraft.models.layers import d2t_draft_ids, draft_vocab_ids, scatter_to_vocab, weights_key
+from specdraft.models.layers import (
+    d2t_draft_ids,
+    d2t_to_draft_ids,
+    draft_vocab_ids,
+    scatter_to_vocab,
+    weights_key,
+)
 
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------------------
@@ -78,6 +85,11 @@ class EagleConfig(PretrainedConfig):
     tree_total_tokens: int = 24  # EAGLE-2: draft nodes kept after reranking (root excluded)
     tree_depth: int = 5  # EAGLE-2: maximum draft depth
     tree_top_k: int = 6  # EAGLE-2: children per expanded node / nodes expanded per depth
+    copy_ngram: int = (
+        0  # > 0: copy gate over the prompt-lookup candidate, n-grams up to this (models/eagle_copy.py)
+    )
+    copy_hidden: int = 64  # hidden width of the copy gate
+    copy_scale: float = 8.0  # multiplier of the gate's log-odds
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
 
@@ -102,7 +114,13 @@ class EagleDrafter(PreTrainedModel):
         self.reduced = vd < config.vocab_size
         if self.reduced:  # saved with the head; absent (the full vocabulary) in older exports
             self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id - draft id
+        self.copy_gate = build_gate(config)  # the copy gate (extension), last: the head's init draws the same
         self.post_init()
+        if (
+            self.copy_gate is not None
+        ):  # its output layer back at zero (post_init drew it): lam = 1/2 at first
+            nn.init.zeros_(self.copy_gate.out.weight)
+            nn.init.zeros_(self.copy_gate.out.bias)
 
     def embed(self, ids: Tensor) -> Tensor:
         """ids (...) long -> (..., H) borrowed target embeddings in the head's dtype."""
@@ -192,6 +210,13 @@ class EagleDrafter(PreTrainedModel):
         """Draft-vocabulary ids (...) -> target ids (identity without a draft vocabulary)."""
         return ids + cast(Tensor, self.d2t)[ids] if self.reduced else ids
 
+    def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
+        """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
+        v = int(self.config.vocab_size)
+        if not self.reduced:
+            return torch.where((ids >= 0) & (ids < v), ids, missing)
+        return d2t_to_draft_ids(ids, cast(Tensor, self.d2t), True, v, missing, self)
+
     def forward(
         self,
         feats: Tensor,
@@ -246,6 +271,9 @@ def build(
         feature_weight=float(schema.feature_weight),
         token_weight=float(schema.token_weight),
         noise=float(schema.noise),
+        copy_ngram=int(getattr(schema, "copy_ngram", 0) or 0),
+        copy_hidden=int(getattr(schema, "copy_hidden", 64) or 64),
+        copy_scale=float(getattr(schema, "copy_scale", 8.0) or 8.0),
     )
     model = attach(EagleDrafter(config), target)
     if model.reduced:
@@ -261,7 +289,9 @@ def compute_loss(
 
     Args:
         model: the (possibly accelerate-wrapped) EagleDrafter.
-        batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate.
+        batch: `input_ids` (B, L), `root` (B, L), `targets` (B, L, D), `pos_mask` (B, L) from data.collate; with a
+            copy gate also `copy_ids`, `copy_len` (B, L, D) (the collator adds them: `FAMILY.copy_ngram`): every
+            slot's distribution is mixed with its candidate (`models/eagle_copy.py`).
         target_out: `TargetOutput` with `hidden` (B, L, H).
         opts: `draft_len`, `max_positions`, `generator`; `loss` containing "lk" adds `lk_weight` *
             `train.losses.expected_accept_loss` over the D-step unroll (trained through every step); the
@@ -290,31 +320,49 @@ def compute_loss(
     )  # (N, S, H)
     pred = outs[:, 0]  # (N, H) predicts f_{t+1}
     true = f[b, t + 1].to(pred.dtype)  # (N, H)
-    logits0 = inner.full_logits(pred)  # (N, V)
+    copy = (
+        None if inner.copy_gate is None else (batch["copy_ids"][b, t], batch["copy_len"][b, t])
+    )  # (N, D) x2
+
+    def full(i: int) -> Tensor:  # (N, V) slot i's logits through the LM head, mixed with its candidate
+        logits = inner.full_logits(outs[:, i])
+        if copy is None:
+            return logits
+        return mixed_logits(inner, outs[:, i], logits, copy[0][:, i], copy[1][:, i], target_ids=True)
+
+    logits0 = full(0)  # (N, V)
     with torch.no_grad():
         teacher = torch.softmax(inner.full_logits(true).float(), dim=-1)  # (N, V) target's p(x_{t+2})
     loss = cfg.feature_weight * smooth_l1_feature_loss(pred, true) + cfg.token_weight * soft_cross_entropy(
         logits0, teacher
     )
     if lk:  # the D-slot chain with autograd: + lk_weight * -E[accepted length]
-        chain = torch.stack([logits0] + [inner.full_logits(outs[:, i]) for i in range(1, steps)], dim=1)
+        chain = torch.stack([logits0] + [full(i) for i in range(1, steps)], dim=1)
         loss = loss + float(opts.get("lk_weight", 1.0)) * expected_accept_loss(
             chain, chain_labels(batch, b, t, steps)
         )  # chain: (N, D, V)
     steps = 1 if inner.training else d
     with torch.no_grad():  # the drafts the decoder makes: draft-vocabulary logits, in target ids
-        first = logits0.detach() if not inner.reduced else _drafted(inner, pred)  # (N, V)
+        slot = [None if copy is None else (copy[0][:, i], copy[1][:, i]) for i in range(steps)]
+        first = logits0.detach() if not inner.reduced else _drafted(inner, pred, slot[0])  # (N, V)
         logits = torch.stack(
-            [first] + [_drafted(inner, outs[:, i]) for i in range(1, steps)], dim=1
+            [first] + [_drafted(inner, outs[:, i], slot[i]) for i in range(1, steps)], dim=1
         )  # (N, S, V)
     return loss, {"logits": logits, "targets": batch["targets"][b, t, :steps]}
 
 
-def _drafted(head: EagleDrafter, out: Tensor) -> Tensor:
+def _drafted(head: EagleDrafter, out: Tensor, copy: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """(N, H) head outputs -> (N, V) the decoder's draft scores in target ids (outside the draft vocabulary:
-    below every drafted token, `scatter_to_vocab`)."""
+    below every drafted token, `scatter_to_vocab`); `copy`: the slot's candidates and match lengths (N,) each."""
     logits = head.draft_logits(out.detach())
+    if copy is not None:
+        logits = mixed_logits(head, out.detach(), logits, *copy)  # the gate's mixture, as the decoder drafts
     return scatter_to_vocab(logits, head.draft_ids(), head.config.vocab_size) if head.reduced else logits
+
+
+def _copy_ngram(config: PretrainedConfig) -> int:
+    """`config.copy_ngram`: the copy gate's n-gram order (0: no gate, and exports older than the field)."""
+    return int(cast(EagleConfig, config).copy_ngram or 0)
 
 
 FAMILY = FamilySpec(
@@ -333,4 +381,5 @@ FAMILY = FamilySpec(
     # int8 layer products with 8-bit activations: 2.10 -> 2.18 tokens/step, 5.6 -> 3.9 ms (Session 31; with
     # 7-bit ones they drafted worse, 2.08 -> 1.95, Session 29)
     int8_draft_layer=True,
+    copy_ngram=_copy_ngram,  # the copy gate's loss reads the slots' lookup candidates (`copy_ids`, `copy_len`)
 )

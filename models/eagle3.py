@@ -209,6 +209,11 @@ class Eagle3Drafter(PreTrainedModel):
         """Draft-vocabulary ids (...) -> target ids (...)."""
         return ids + self.d2t[ids]
 
+    def to_draft_ids(self, ids: Tensor, missing: int = -100) -> Tensor:
+        """Target ids (...) -> draft ids (...); ids < 0 and tokens outside the draft vocabulary -> `missing`."""
+        v = int(self.config.vocab_size)
+        return d2t_to_draft_ids(ids, self.d2t, int(self.d2t.shape[0]) < v, v, missing, self)
+
     def forward(
         self,
         feats: Tensor,

@@ -1,4 +1,4 @@
-"""Copy gate for the EAGLE-3 head (an extension, off by default: `copy_ngram` = 0).
+"""Copy gate for the EAGLE heads, EAGLE-1 and EAGLE-3 (an extension, off by default: `copy_ngram` = 0).
 
 The ReDrafter's copy gate (`models/copy_lookup.py`) on an EAGLE step: a small target repeats its prompt and itself,
 and a head that reads the target's features but not the prefix's tokens cannot copy them. With `copy_ngram` = n > 0
@@ -8,10 +8,11 @@ every drafted position gets one lookup candidate,
         the step has seen (the committed tokens, the root and the drafted path to the node),
 
 and the head's draft-vocabulary distribution becomes (1 - lam) p_draft + lam onehot(c), with
-lam = CopyGate([norm(o); e(c)], m) read from the step's own normed state (what the vocabulary head reads) and the
-candidate's target embedding. The gate starts at lam = 1/2 on every candidate. Training reads the same candidates
-from the row's own tokens (`data.collate.Collator` with the family's declared `copy_ngram`: `copy_ids`, `copy_len`
-(B, L, S), slot i of position t being unroll step i there); decoding looks them up per tree node on the committed
+lam = CopyGate([s; e(c)], m) read from the state the vocabulary head reads (EAGLE-3: norm(o); EAGLE-1: the
+predicted feature) and the candidate's target embedding; lam = 0 for a candidate outside the draft vocabulary. The
+gate starts at lam = 1/2 on every candidate. Training reads the same candidates from the row's own tokens
+(`data.collate.Collator` with the family's declared `copy_ngram`: `copy_ids`, `copy_len` (B, L, S), slot i of
+position t being unroll step i there; EAGLE-1 trains slot 0); decoding looks them up per tree node on the committed
 tokens + the node's path (`eval/eagle_tree.py`: on the host, or on the device in the fixed-shape expansion).
 """
 
@@ -22,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from specdraft.models.copy_lookup import CopyGate, mix_log_probs, mix_logits
-from specdraft.models.layers import d2t_to_draft_ids
 
 if TYPE_CHECKING:
+    from specdraft.models.eagle import EagleDrafter
     from specdraft.models.eagle3 import Eagle3Drafter
 
 
@@ -38,7 +39,9 @@ def build_gate(config: Any) -> CopyGate | None:
     return CopyGate(h, h, n, int(config.copy_hidden), float(config.copy_scale))
 
 
-def gate(model: Eagle3Drafter, state: Tensor, cand: Tensor, length: Tensor) -> tuple[Tensor, Tensor]:
+def gate(
+    model: EagleDrafter | Eagle3Drafter, state: Tensor, cand: Tensor, length: Tensor
+) -> tuple[Tensor, Tensor]:
     """The candidates in draft ids and their copy weights.
 
     Args:
@@ -51,21 +54,28 @@ def gate(model: Eagle3Drafter, state: Tensor, cand: Tensor, length: Tensor) -> t
         outside the draft vocabulary.
     """
     assert model.copy_gate is not None, "gate(): the head has no copy gate (copy_ngram = 0)"
-    v, vd = int(model.config.vocab_size), int(model.d2t.shape[0])
-    draft = d2t_to_draft_ids(cand, model.d2t, vd < v, v, missing=-1, owner=model)  # (...)
+    draft = model.to_draft_ids(cand, missing=-1)  # (...)
     length = length.to(draft.device).masked_fill(draft < 0, 0)
     lam = model.copy_gate(state, model.embed(cand.clamp_min(0).to(draft.device)), length)  # (...)
     return draft.clamp_min(0), lam
 
 
-def mixed_logits(model: Eagle3Drafter, state: Tensor, logits: Tensor, cand: Tensor, length: Tensor) -> Tensor:
-    """Training: logits (..., Vd) of the mixture (differentiable in the head and the gate: `mix_logits`)."""
+def mixed_logits(
+    model: EagleDrafter | Eagle3Drafter,
+    state: Tensor,
+    logits: Tensor,
+    cand: Tensor,
+    length: Tensor,
+    target_ids: bool = False,
+) -> Tensor:
+    """Training: logits (..., Vd) of the mixture (differentiable in the head and the gate: `mix_logits`);
+    `target_ids`: `logits` are over the whole target vocabulary (..., V) (EAGLE-1's loss through the LM head)."""
     draft, lam = gate(model, state, cand, length)
-    return mix_logits(logits, draft, lam)
+    return mix_logits(logits, cand.clamp_min(0).to(draft.device) if target_ids else draft, lam)
 
 
 def mixed_log_probs(
-    model: Eagle3Drafter, state: Tensor, logits: Tensor, cand: Tensor, length: Tensor
+    model: EagleDrafter | Eagle3Drafter, state: Tensor, logits: Tensor, cand: Tensor, length: Tensor
 ) -> Tensor:
     """Decoding: log-probabilities (..., Vd) float32 of the mixture (`mix_log_probs`)."""
     draft, lam = gate(model, state, cand, length)

@@ -247,7 +247,7 @@ def run_tiny_train(
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
 FAMILIES = (
     "redrafter", "redrafter_context", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3",
-    "eagle_int8", "eagle3_int8", "eagle3_copy", "redrafter_int8", "lookup",
+    "eagle_int8", "eagle3_int8", "eagle_copy", "eagle3_copy", "redrafter_int8", "lookup",
 )  # fmt: skip
 
 
@@ -263,8 +263,9 @@ def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, gr
     """A randomly initialised drafter of `family` (one of `FAMILIES`; "redrafter_copy": the copy gate without
     prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over
     64 of the 128 tokens; "eagle_int8" / "eagle3_int8" / "eagle3_fused": the head's layer run
-    as int8 / fused products (`eval.draft_block`); "eagle3_copy": EAGLE-3 with a copy gate (dynamic expansion); "redrafter_int8": the copy-gate ReDrafter searching through
-    int8 products (`eval/int8_clone.py`); "lookup": prompt lookup of 4 tokens) on a
+    as int8 / fused products (`eval.draft_block`); "eagle_copy" / "eagle3_copy": the head with a copy gate;
+    "redrafter_int8": the copy-gate ReDrafter searching through int8 products (`eval/int8_clone.py`);
+    "lookup": prompt lookup of 4 tokens) on a
     `tiny_target`, in the target's dtype, behind its real decoding proposer (seed 1: the same drafter every
     call). Small trees (10-12 nodes, depth 4) so lossless checks run in milliseconds. `static` / `graphs`: the
     fixed-shape draft step and its CUDA graph (`make_proposer`; graphs only with the target on CUDA)."""
@@ -316,13 +317,14 @@ def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, gr
         "eagle_int8",
         "eagle3_int8",
         "eagle3_fused",
+        "eagle_copy",
         "eagle3_copy",
     ):
         vocab = 64 if family == "eagle_vocab" else None  # the most frequent half of random counts
         eagle_schema = SimpleNamespace(
             draft_len=3, tree_total_tokens=10, tree_depth=4, tree_top_k=3, fc_bias=True, feature_weight=1.0,
             token_weight=0.1, noise=0.0, target_layers=None, draft_vocab_size=vocab, ttt_decay=0.8,
-            copy_ngram=3 if family == "eagle3_copy" else 0, copy_hidden=8, copy_scale=8.0,
+            copy_ngram=3 if family.endswith("_copy") else 0, copy_hidden=8, copy_scale=8.0,
         )  # fmt: skip
         module = eagle3 if family.startswith("eagle3") else eagle
         counts = torch.rand(int(fp["vocab_size"]), generator=torch.Generator().manual_seed(2))  # (V,)

@@ -131,6 +131,9 @@ class EagleSchema:
     tree_total_tokens: int = 24  # EAGLE-2 decode: draft nodes kept after reranking (root excluded)
     tree_depth: int = 5  # EAGLE-2 decode: maximum draft depth
     tree_top_k: int = 6  # EAGLE-2 decode: children per node / nodes expanded per depth
+    copy_ngram: int = 0  # > 0: copy gate over the prompt-lookup candidate, n-grams up to this (an extension)
+    copy_hidden: int = 64  # hidden width of the copy gate
+    copy_scale: float = 8.0  # multiplier of the gate's log-odds (an Adam step moves them this many times lr)
 
 
 @dataclass

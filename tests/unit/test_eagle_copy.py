@@ -147,3 +147,53 @@ def test_the_fixed_shape_buffer_of_committed_tokens_grows_and_restarts():
     assert proposer._ctx[:301].tolist()[-2:] == [304, 7] and int(proposer._ctx_len) == 301
     proposer.reset()
     assert proposer._ctx_n == 0 and int(proposer._ctx_len) == 0 and proposer._ctx_root is None
+
+
+def test_eagle1_takes_the_same_gate_on_its_first_slot_loss_and_its_tree():
+    """EAGLE-1: the token loss of slot 0 through the target's LM head is the soft CE of the mixture (a brute-force
+    computation), the gate starts at 1/2, and its tree drafts the candidate the gate trusts, losslessly."""
+    target = tiny_llama(num_layers=2)
+    torch.manual_seed(2)
+    schema = SimpleNamespace(
+        draft_len=3, tree_total_tokens=8, tree_depth=4, tree_top_k=2, fc_bias=True, feature_weight=1.0,
+        token_weight=0.1, noise=0.0, draft_vocab_size=None, copy_ngram=3, copy_hidden=8, copy_scale=8.0,
+    )  # fmt: skip
+    head = eagle.build(schema, target, FP).train()
+    assert spec_of(head).copy_ngram_of(head.config) == 3
+    seq = torch.randint(5, 40, (8,), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([seq, seq, seq[:4]])  # (20,)
+    batch = Collator(pad_id=0, draft_len=3, copy_ngram=3)([{"input_ids": ids, "loss_mask": torch.ones(20)}])
+    tout = forward_with_hidden(target, batch["input_ids"])
+    loss, _ = eagle.compute_loss(head, batch, tout, {"draft_len": 3})
+    b, t = eagle.select_positions(batch, {})
+    pred = head(tout.hidden, eagle.next_tokens(batch["input_ids"], 1), steps=1)[b, t, 0]  # (N, H)
+    true = tout.hidden[b, t + 1]
+    c, n = batch["copy_ids"][b, t, 0], batch["copy_len"][b, t, 0]
+    lam = head.copy_gate(pred, head.embed(c.clamp_min(0)), n)[:, None]  # (N, 1)
+    assert set(lam[n > 0].flatten().tolist()) == {0.5}
+    mix = (1 - lam) * torch.softmax(head.full_logits(pred), -1)
+    mix = mix + lam * torch.nn.functional.one_hot(c.clamp_min(0), 128) * (n > 0)[:, None]
+    teacher = torch.softmax(head.full_logits(true), -1)
+    manual = eagle.smooth_l1_feature_loss(pred, true) + 0.1 * (-(teacher * mix.log()).sum(-1)).mean()
+    torch.testing.assert_close(loss, manual, rtol=1e-4, atol=1e-5)
+    loss.backward()
+    assert head.copy_gate.length_bias.grad.abs().sum() > 0
+    # decoding: lam ~ 1 on every candidate, the root's best child is the candidate, the output is AR's
+    head = head.double().eval()
+    target = target.double()
+    eagle.attach(head, target)
+    with torch.no_grad():
+        head.copy_gate.length_bias.fill_(2.0)
+    prompt = torch.randint(5, 128, (10,), generator=torch.Generator().manual_seed(3))
+    ref, _ = ar_generate(target, None, prompt, 30, stop_ids=set())
+    echo = torch.cat([prompt, torch.tensor(ref[:20]), prompt[-4:]])
+    want, _ = ar_generate(target, None, echo, 24, stop_ids=set())
+    for static in (False, True):
+        proposer = EagleTreeProposer(head, total_tokens=8, depth=4, top_k=2, static=static)
+        out, _ = speculative_generate(target, None, echo, proposer, 24, stop_ids=set())
+        assert out == want
+        proposer.reset()
+        feats = forward_with_hidden(target, echo[None, :-1]).hidden[0]  # (L - 1, H)
+        tree = proposer.propose(feats, echo[1:])
+        cand, length = ngram_candidates(echo.tolist(), 3)
+        assert length[-1] > 0 and int(tree.tokens[1]) == cand[-1]

@@ -53,7 +53,8 @@ def test_declared_capabilities_of_the_four_families() -> None:
     # the copy gate's lookup candidates: declared by the ReDrafter (from its config), never read by the others
     assert spec["redrafter"].copy_ngram_of(spec["redrafter"].config(copy_ngram=4)) == 4
     assert spec["redrafter"].copy_ngram_of(spec["redrafter"].config()) == 0
-    assert [n for n, s in spec.items() if s.copy_ngram is not None] == ["redrafter", "eagle3"]
+    assert [n for n, s in spec.items() if s.copy_ngram is not None] == ["redrafter", "eagle", "eagle3"]
+    assert spec["eagle"].copy_ngram_of(spec["eagle"].config(copy_ngram=2)) == 2
     assert spec["eagle3"].copy_ngram_of(spec["eagle3"].config(copy_ngram=3)) == 3
     assert spec["eagle3"].copy_ngram_of(spec["eagle3"].config()) == 0
     assert spec["medusa"].copy_ngram_of(spec["medusa"].config()) == 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU (after the setup calls of docs/gpu.md; carry .gpu/d with sharegpt8k.jsonl.xz): self-distill the
-# long preset's set (3,000 prompts) alone, then train the ReDrafter copy-gate, EAGLE-1, EAGLE-3 (copy gate) and Medusa recipes
+# long preset's set (3,000 prompts) alone, then train the ReDrafter, EAGLE-1 and EAGLE-3 recipes (all three with the copy gate) and Medusa's
 # side by side on it while the CUDA tests (and then the rest of the suite, until the trainings end) run on the host's CPUs.
 # Exports land in /tmp/o/<preset>/export; bf16 copies, logs and summaries go to $OUT (Medusa's, 75 MB in bf16,
 # stays in /tmp/bf for measure.sh to send: at most 8 files, ~64 MB in all, come back per call). Usage (from the checkout):
@@ -35,9 +35,9 @@ C="output_root=/tmp/o base_model.device=$DEV data.num_samples=$N train.allow_inc
 TESTS=$!
 OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=redrafter_smollm2_copy $C train.max_steps=$S1 train.batch_size=32 \
   train.eval_every=$S1 train.ckpt_every=$S1 > $OUT/logs/train_redrafter.log 2>&1 & P1=$!
-OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=eagle_smollm2_long $C train.max_steps=$S2 train.batch_size=32 \
+OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=eagle_smollm2_long drafter.copy_ngram=4 $C train.max_steps=$S2 train.batch_size=32 \
   train.eval_every=$S2 train.ckpt_every=$S2 > $OUT/logs/train_eagle.log 2>&1 & P2=$!
-# EAGLE-3 with the copy gate (as the ReDrafter recipe has its own): session 55's like-for-like comparison
+# EAGLE-1 and EAGLE-3 with the copy gate (as the ReDrafter recipe has its own): session 55's like-for-like comparison
 OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=eagle3_smollm2_long drafter.copy_ngram=4 $C train.max_steps=$S3 train.batch_size=16 \
   train.eval_every=$S3 train.ckpt_every=$S3 > $OUT/logs/train_eagle3.log 2>&1 & P3=$!
 OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=medusa_smollm2_long $C train.max_steps=$S4 train.batch_size=32 \

@@ -352,7 +352,7 @@ class EagleTreeProposer:
         if cand is not None and length is not None:  # the gate's mixture
             pre, head = self.int8 if self.int8 is not None else self.drafter.draft_head()
             state = pre(out)  # (m, H) what the vocabulary head and the gate read
-            logp = mixed_log_probs(cast("Eagle3Drafter", self.drafter), state, head(state), cand, length)
+            logp = mixed_log_probs(self.drafter, state, head(state), cand, length)
         elif self.int8 is not None:
             logp = torch.log_softmax(self.int8[1](self.int8[0](out)).float(), dim=-1)  # (m, Vd)
         else:

@@ -102,6 +102,11 @@ def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:
     return reorder_tree(merged, sorted(range(len(toks)), key=lambda i: (-s1[i], depth[i], i)))
 
 
+def _ema(old: float | None, new: float, weight: float) -> float:
+    """A running mean: `new` at first, then `weight` of the newest value."""
+    return new if old is None else weight * new + (1 - weight) * old
+
+
 class LookupCalibration:
     """Per-depth acceptance rates of lookup chains, from the tokens committed after each chain was proposed.
 
@@ -182,7 +187,7 @@ class LookupBranch:
         self._idle = 0  # steps since the drafter last drafted
         self._probe = min_probe  # idle steps before the next probe
         self.priced_out = 0  # steps the drafter idled because it did not pay (reported)
-        self._timed = False  # this step's draft time is a plain step's (`_begin`)
+        self._timed = False  # whether this step's draft time is one step's (`_begin`: no prompt, no catch-up)
         self.inner, self.lookup = inner, PromptLookupProposer(num_tokens, max_ngram)
         self.calibration = LookupCalibration(num_tokens)
         self.lookup_alone, self.ema = lookup_alone, ema
@@ -269,10 +274,7 @@ class LookupBranch:
         if self._chain:  # how far the previous chain was right: the committed tokens begin with its answer
             self.calibration.observe(self._chain, committed)
         if self._inner_tree is not None:  # and the drafter's previous tree
-            a = accepted_length(self._inner_tree, committed)
-            self.inner_mean = (
-                a if self.inner_mean is None else self.ema * a + (1 - self.ema) * self.inner_mean
-            )
+            self.inner_mean = _ema(self.inner_mean, accepted_length(self._inner_tree, committed), self.ema)
         chain = self.lookup.propose(hidden, tokens)  # (1 + k,) chain, k = 0 without a match
         # the drafter's time is a step's only when it reads one step's positions (no prompt, no idle steps)
         self._timed = self._pending is None and tokens.shape[0] <= self.spec.max_depth + 1
@@ -327,8 +329,6 @@ class LookupBranch:
         drafter's time this step (None: not timed, e.g. drafted with other rows or catching up on idle steps)."""
         self._inner_tree, self.inner_nodes, self._idle = tree, tree.num_nodes, 0
         if draft_ms is not None:
-            self.draft_ms = (
-                draft_ms if self.draft_ms is None else self.ema * draft_ms + (1 - self.ema) * self.draft_ms
-            )
+            self.draft_ms = _ema(self.draft_ms, draft_ms, self.ema)
         self.last_compression = self.inner.last_compression  # the inner beams' packing
         return merge_trees(tree, chain) if self._chain else tree

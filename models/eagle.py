@@ -50,7 +50,7 @@ from specdraft.models.eagle_common import (  # noqa: F401  (re-exported for eagl
     target_block,
     unroll,
 )
-from specdraft.models.eagle_copy import build_gate, mixed_logits
+from specdraft.models.eagle_copy import build_gate, copy_ngram, mixed_logits, reset_gate
 from specdraft.models.family import FamilySpec
 from specdraft.models.hf_compat import cache_kwargs
 from specdraft.models.layers import (
@@ -85,9 +85,7 @@ class EagleConfig(PretrainedConfig):
     tree_total_tokens: int = 24  # EAGLE-2: draft nodes kept after reranking (root excluded)
     tree_depth: int = 5  # EAGLE-2: maximum draft depth
     tree_top_k: int = 6  # EAGLE-2: children per expanded node / nodes expanded per depth
-    copy_ngram: int = (
-        0  # > 0: copy gate over the prompt-lookup candidate, n-grams up to this (models/eagle_copy.py)
-    )
+    copy_ngram: int = 0  # > 0: copy gate over the lookup candidate, n-grams up to this (models/eagle_copy.py)
     copy_hidden: int = 64  # hidden width of the copy gate
     copy_scale: float = 8.0  # multiplier of the gate's log-odds
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
@@ -116,11 +114,7 @@ class EagleDrafter(PreTrainedModel):
             self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id - draft id
         self.copy_gate = build_gate(config)  # the copy gate (extension), last: the head's init draws the same
         self.post_init()
-        if (
-            self.copy_gate is not None
-        ):  # its output layer back at zero (post_init drew it): lam = 1/2 at first
-            nn.init.zeros_(self.copy_gate.out.weight)
-            nn.init.zeros_(self.copy_gate.out.bias)
+        reset_gate(self.copy_gate)  # lam = 1/2 at first (post_init drew its output layer)
 
     def embed(self, ids: Tensor) -> Tensor:
         """ids (...) long -> (..., H) borrowed target embeddings in the head's dtype."""
@@ -360,11 +354,6 @@ def _drafted(head: EagleDrafter, out: Tensor, copy: tuple[Tensor, Tensor] | None
     return scatter_to_vocab(logits, head.draft_ids(), head.config.vocab_size) if head.reduced else logits
 
 
-def _copy_ngram(config: PretrainedConfig) -> int:
-    """`config.copy_ngram`: the copy gate's n-gram order (0: no gate, and exports older than the field)."""
-    return int(cast(EagleConfig, config).copy_ngram or 0)
-
-
 FAMILY = FamilySpec(
     name="eagle",
     model=EagleDrafter,
@@ -381,5 +370,5 @@ FAMILY = FamilySpec(
     # int8 layer products with 8-bit activations: 2.10 -> 2.18 tokens/step, 5.6 -> 3.9 ms (Session 31; with
     # 7-bit ones they drafted worse, 2.08 -> 1.95, Session 29)
     int8_draft_layer=True,
-    copy_ngram=_copy_ngram,  # the copy gate's loss reads the slots' lookup candidates (`copy_ids`, `copy_len`)
+    copy_ngram=copy_ngram,  # the copy gate's loss reads the slots' lookup candidates (`copy_ids`, `copy_len`)
 )

@@ -47,7 +47,7 @@ from specdraft.models.eagle_common import (
     target_block,
     unroll,
 )
-from specdraft.models.eagle_copy import build_gate, mixed_logits
+from specdraft.models.eagle_copy import build_gate, copy_ngram, mixed_logits, reset_gate
 from specdraft.models.family import FamilySpec
 from specdraft.models.hf_compat import cache_kwargs
 from specdraft.models.layers import check_target_layers, d2t_to_draft_ids, draft_vocab_ids, scatter_to_vocab
@@ -81,9 +81,7 @@ class Eagle3Config(PretrainedConfig):
     tree_total_tokens: int = 24  # EAGLE-2 tree: draft nodes kept after reranking (root excluded)
     tree_depth: int = 5  # EAGLE-2 tree: maximum draft depth
     tree_top_k: int = 6  # EAGLE-2 tree: children per expanded node / nodes expanded per depth
-    copy_ngram: int = (
-        0  # > 0: copy gate over the prompt-lookup candidate, n-grams up to this (models/eagle_copy.py)
-    )
+    copy_ngram: int = 0  # > 0: copy gate over the lookup candidate, n-grams up to this (models/eagle_copy.py)
     copy_hidden: int = 64  # hidden width of the copy gate
     copy_scale: float = 8.0  # multiplier of the gate's log-odds
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
@@ -126,11 +124,7 @@ class Eagle3Drafter(PreTrainedModel):
         self.fc_norm = ChunkNorm(cast(nn.Module, layer.input_layernorm), m) if config.norm_fused else None
         self.copy_gate = build_gate(config)  # the copy gate (extension), last for the same reason
         self.post_init()
-        if (
-            self.copy_gate is not None
-        ):  # its output layer back at zero (post_init drew it): lam = 1/2 at first
-            nn.init.zeros_(self.copy_gate.out.weight)
-            nn.init.zeros_(self.copy_gate.out.bias)
+        reset_gate(self.copy_gate)  # lam = 1/2 at first (post_init drew its output layer)
 
     def draft_ids(self) -> Tensor:
         """(Vd,) long: the target id of every draft-vocabulary entry."""
@@ -363,11 +357,6 @@ def compute_loss(
     return loss, aux
 
 
-def _copy_ngram(config: PretrainedConfig) -> int:
-    """`config.copy_ngram`: the copy gate's n-gram order (0: no gate, and exports older than the field)."""
-    return int(cast(Eagle3Config, config).copy_ngram or 0)
-
-
 FAMILY = FamilySpec(
     name="eagle3",
     model=Eagle3Drafter,
@@ -383,5 +372,5 @@ FAMILY = FamilySpec(
     losses=("ce", "ce+lk"),
     uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
     int8_draft_layer=True,  # int8 layer products: 2.43 -> 2.48 tokens/step, 6.5 -> 4.3 ms a draft (Session 29)
-    copy_ngram=_copy_ngram,  # the copy gate's loss reads the slots' lookup candidates (`copy_ids`, `copy_len`)
+    copy_ngram=copy_ngram,  # the copy gate's loss reads the slots' lookup candidates (`copy_ids`, `copy_len`)
 )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from specdraft.models.copy_lookup import CopyGate, mix_log_probs, mix_logits
 
@@ -29,14 +29,28 @@ if TYPE_CHECKING:
     from specdraft.models.eagle3 import Eagle3Drafter
 
 
+def copy_ngram(config: Any) -> int:
+    """`config.copy_ngram` of an EAGLE head's config: the gate's n-gram order (0: no gate; the family's declared
+    `FamilySpec.copy_ngram`)."""
+    return int(config.copy_ngram or 0)
+
+
 def build_gate(config: Any) -> CopyGate | None:
     """The head's `CopyGate` when `config.copy_ngram` > 0 (state and candidate embedding both H wide), else None
     (exports older than the field included)."""
-    n = int(config.copy_ngram or 0)
+    n = copy_ngram(config)
     if n <= 0:
         return None
     h = int(config.base_hidden_size)
     return CopyGate(h, h, n, int(config.copy_hidden), float(config.copy_scale))
+
+
+def reset_gate(gate: CopyGate | None) -> None:
+    """Zero the gate's output layer again after the head's `post_init` drew it: lam = 1/2 on every candidate
+    at first (no-op without a gate)."""
+    if gate is not None:
+        nn.init.zeros_(gate.out.weight)
+        nn.init.zeros_(gate.out.bias)
 
 
 def gate(

@@ -15,7 +15,9 @@ while it is grouped, so each level of every row's expansion is one head pass ove
     level's k frontier nodes of slot g written at len_g + (level - 1) * k under a (G, 1, k, S) mask, S = the
     longest slot's committed positions + the draft entries (attention never reads the buffer's empty tail);
   * reranking: each row's own `rerank` on its own pool, so every row gets the tree its `propose` would give
-    (same pool; int8 heads quantise the rows' activations together, which may move a near tie).
+    (same pool; int8 heads quantise the rows' activations together, which may move a near tie);
+  * a copy gate: each row's nodes look their candidates up in that row's own committed tokens (its
+    `copy_ctx` index, `eagle_tree.host_lookups`: one host sync per level for all rows).
 
 Slots that do not draft this step (idle rows, a lookup chain drafting alone) ride along with dummy inputs
 whose writes are stale. A member that is asked to `propose` alone leaves the group with its positions
@@ -24,6 +26,7 @@ whose writes are stale. A member that is asked to `propose` alone leaves the gro
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -31,8 +34,10 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specdraft.eval.eagle_tree import host_lookups
 from specdraft.eval.tree import DraftTree
 from specdraft.models.attention import varying_shape_sdpa
+from specdraft.models.copy_lookup import NgramIndex
 
 if TYPE_CHECKING:
     from specdraft.eval.eagle_tree import EagleTreeProposer
@@ -294,7 +299,16 @@ def propose_rows(
         group = RowGroup([*rows, *keep])  # their positions copied into one buffer, other members kept
     slots = [p.slot for p in rows]
     last = group.commit(slots, hidden, tokens, (lead.depth - 1) * lead.top_k)  # (G, H)
-    tok, par, score, depth = lead.grow_rows(last, group.attend, slots)  # (G, P) each
+    roots, lookup = None, None
+    if lead.copy_ngram:  # each row's committed tokens indexed on the host, its root where its chains start
+        g = last.shape[0]
+        indexes: list[NgramIndex | None] = [None] * g  # slots that do not draft: no candidates
+        roots = torch.zeros(g, dtype=torch.long, device=last.device)  # (G,)
+        for p, t in zip(rows, tokens, strict=True):
+            indexes[p.slot] = p.copy_ctx.update_index(t)
+            roots[p.slot] = t[-1]
+        lookup = partial(host_lookups, indexes)
+    tok, par, score, depth = lead.grow_rows(last, group.attend, slots, roots, lookup)  # (G, P) each
     out = []
     for i, p in enumerate(rows):
         s = p.slot

@@ -17,7 +17,9 @@ that drafts alone (or commits a prompt eagerly) writes where the batched step re
     slots (each level's k frontier nodes of slot g at len_g + (level - 1) * k), then every slot's reranking
     (`select_nodes` and `fixed_ancestors` over rows);
   * slots that do not draft this step ride along with m = 0: their writes land past their length (stale),
-    their lengths stay.
+    their lengths stay;
+  * a copy gate: each member's committed tokens (its `copy_ctx` buffer, appended eagerly) are stacked into
+    (G, C) step inputs at one capacity, and every slot's nodes look up in its own row (`lookup_fixed_rows`).
 
 Each row's tree equals its own static `propose` (same commits, same expansion; fp rounding of batched
 products aside). A batch of B rows captures one graph per tree size (a node budget's few sizes), replayed
@@ -26,6 +28,7 @@ for any lengths; new members or a grown buffer recapture.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +41,7 @@ from specdraft.eval.eagle_static import commit_mask, fixed_ancestors
 from specdraft.eval.eagle_tree import select_nodes
 from specdraft.eval.graphs import CudaGraph, replay_or_run
 from specdraft.eval.tree import DraftTree
+from specdraft.models.copy_lookup import lookup_fixed_rows
 
 if TYPE_CHECKING:
     from specdraft.eval.eagle_static import StaticHeadState
@@ -63,6 +67,9 @@ class StaticRows:
     hid: Tensor = field(default_factory=lambda: torch.zeros(0))  # (G, M, F) newest committed features
     tok: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # (G, M) their tokens
     sizes: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # (2, G) base, m
+    # copy gate: every slot's committed tokens (G, C) at one capacity C, and their counts (G,)
+    ctx: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    ctx_len: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     graphs: dict[tuple[Any, ...], CudaGraph[TreeTensors] | None] = field(default_factory=dict)
 
 
@@ -179,6 +186,7 @@ def propose_static_rows(
         0, at, torch.cat([t[-count[p.rows_slot] :] for p, t in zip(rows, tokens, strict=True)]).to(dev)
     )
     drafting = [p.rows_slot for p in rows]
+    lookup = _stage_copy(state, rows, tokens) if lead.copy_ngram else None
 
     def attend(level: int, anc: Tensor, feats: Tensor, toks: Tensor) -> Tensor:
         # (G, k) positions, (G, k) writes, (G, 1, k, C) mask
@@ -194,7 +202,7 @@ def propose_static_rows(
         newest = (new - 1).clamp_min(0)[:, None]  # (G, 1); idle slots: anything
         last = out.gather(1, newest[..., None].expand(-1, -1, out.shape[-1]))[:, 0]  # (G, H)
         root = state.tok.gather(1, newest)  # (G, 1)
-        pool = lead.grow_rows(last, attend, drafting)  # (G, P) each
+        pool = lead.grow_rows(last, attend, drafting, root[:, 0], lookup)  # (G, P) each
         kept, kept_par, _ = select_nodes(*pool, lead.total_tokens)  # (G, N - 1) each
         toks = torch.cat([root, kept], dim=1)  # (G, N)
         parents = torch.cat([torch.full_like(root, -1), kept_par], dim=1)  # (G, N)
@@ -202,7 +210,7 @@ def propose_static_rows(
         return toks, parents, depth, anc
 
     fresh = not rc.layer.is_initialized  # no member has positions yet: the step allocates the buffers
-    key = (lead.total_tokens, lead.depth, g, rc.capacity, feat.shape[-1], feat.dtype)
+    key = (lead.total_tokens, lead.depth, g, rc.capacity, feat.shape[-1], feat.dtype, state.ctx.shape[-1])
     if lead.graphs:
         out = replay_or_run(state.graphs, key, step, dev, f"the EAGLE-2 draft step of {g} rows")
     else:
@@ -227,3 +235,28 @@ def _forward(
     rc, lead = state.cache, state.members[0]
     rc.rows, rc.write_pos, rc.span = slice(0, rc.slots), write, rc.capacity
     return lead.drafter.step(feats, toks, cast(DynamicCache, rc), pos, mask, lead.block)
+
+
+def _stage_copy(
+    state: StaticRows, rows: list[EagleTreeProposer], tokens: list[Tensor]
+) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """Copy gate: append each drafting row's committed tokens to its own buffer, bring every member's buffer to
+    one capacity, and stack them into the step's (G, C) inputs (a new capacity: new inputs, graphs dropped; a
+    member's own moved buffer: its single-row graphs dropped). Returns the step's lookup: chains (G, j, c) ->
+    candidates and lengths (G, j), each slot in its own row, on the device."""
+    for p, t in zip(rows, tokens, strict=True):
+        if p.copy_ctx.commit(t):
+            _fixed(p).captured, _fixed(p).graph = {}, None
+    cap = max(p.copy_ctx.buf.shape[0] for p in state.members)
+    for p in state.members:
+        if p.copy_ctx.reserve(cap, exact=True):
+            _fixed(p).captured, _fixed(p).graph = {}, None
+    g, dev = len(state.members), state.lengths.device
+    if state.ctx.shape != (g, cap):
+        state.ctx = torch.zeros(g, cap, dtype=torch.long, device=dev)
+        state.ctx_len = torch.zeros(g, dtype=torch.long, device=dev)
+        state.graphs = {}
+    torch.stack([p.copy_ctx.buf for p in state.members], out=state.ctx)  # (G, C)
+    torch.stack([p.copy_ctx.length for p in state.members], out=state.ctx_len)  # (G,)
+    n = state.members[0].copy_ngram
+    return lambda chains: lookup_fixed_rows(state.ctx, state.ctx_len, chains, n)

@@ -28,7 +28,8 @@ A head with a copy gate (`models/eagle_copy.py`, the family's declared `copy_ngr
 node's distribution with its prompt-lookup candidate, looked up on the committed tokens + the root + the node's
 path: on the host in the dynamic expansion (`NgramIndex`, one sync per level), on the device in the fixed-shape
 one (`copy_lookup.lookup_fixed_rows` over a buffer of the committed tokens: no sync, so a CUDA graph captures it).
-Such a head drafts batch rows one at a time (`propose_rows` declines).
+Batch rows drafted together look up in their own committed tokens (`host_lookups` over each row's index, or
+`lookup_fixed_rows` over the rows' stacked buffers).
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from specdraft.eval.copy_context import CopyContext
 from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.attention import varying_shape_sdpa
-from specdraft.models.copy_lookup import NgramIndex, lookup_fixed_rows
+from specdraft.models.copy_lookup import NO_CANDIDATE, NgramIndex, lookup_fixed_rows
 from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 from specdraft.models.eagle_copy import mixed_log_probs
 from specdraft.models.registry import spec_of
@@ -60,6 +62,9 @@ if TYPE_CHECKING:
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 # the same for G rows at once: (level, rows (G, k, s), feats (G, k, H), toks (G, k)) -> (G, k, H)
 AttendRows = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+# a copy gate's lookups of G rows: chains (G, j, c) -> candidates and match lengths (G, j) each, or None where
+# no chain has a candidate (the gate would be 0 everywhere)
+Lookup = Callable[[Tensor], "tuple[Tensor, Tensor] | None"]
 # how the head's decoder layer runs while drafting (`eval.draft_block`; `eval/draft_block.py`)
 DRAFT_BLOCKS = ("auto", "hf", "fused", "int8")
 
@@ -165,13 +170,8 @@ class EagleTreeProposer:
         # copy gate (declared by the family): the committed tokens before the root, indexed on the host
         # (dynamic expansion) or in a device buffer (fixed shape: a graph input, doubled when full: recapture)
         self.copy_ngram = spec_of(drafter).copy_ngram_of(drafter.config)
-        self._copy: NgramIndex | None = None
-        self._root: int | None = None  # the previous call's root
-        dev = next(drafter.parameters()).device
         room = (2048 if graphs else 256) if self.copy_ngram and static else 1
-        self._ctx = torch.zeros(room, dtype=torch.long, device=dev)  # (C,)
-        self._ctx_n, self._ctx_len = 0, torch.zeros((), dtype=torch.long, device=dev)  # host, device
-        self._ctx_root: Tensor | None = None  # (1,) the previous call's root, committed on the next
+        self.copy_ctx = CopyContext(self.copy_ngram, next(drafter.parameters()).device, room)
         slots = (self.depth - 1) * self.top_k  # draft entries one expansion writes to the head cache
         # under graphs the head cache starts with room for 2,048 positions: each growth recaptures every size
         room = 2048 if graphs else 256
@@ -194,9 +194,7 @@ class EagleTreeProposer:
         """Forget the previous prompt's cache."""
         self.cache = DynamicCache()
         self.committed = 0
-        self._copy, self._root = None, None
-        self._ctx_n, self._ctx_root = 0, None
-        self._ctx_len.fill_(0)
+        self.copy_ctx.reset()
         if self.fixed is not None:
             self.fixed.reset()
         if self.group is not None:  # stays a member, with an empty slot
@@ -254,8 +252,8 @@ class EagleTreeProposer:
         """
         if self.fixed is not None:  # commit + expansion in one fixed-shape step (a CUDA graph under graphs)
             size = (self.total_tokens, self.depth)
-            if self.copy_ngram:
-                self._commit_ctx(tokens)
+            if self.copy_ngram and self.copy_ctx.commit(tokens):  # the buffer moved: capture again
+                self.fixed.captured, self.fixed.graph = {}, None
             res = self.fixed.run(self._expand_fixed, hidden, tokens, size)
             self.committed = self.fixed.cache.length
             self.graphs = self.fixed.graph is not None
@@ -263,9 +261,7 @@ class EagleTreeProposer:
             return DraftTree(tree_tok, parents, depth, anc).to(tokens.device)
         out = self.commit(hidden, tokens)  # (n, H)
         if self.copy_ngram:  # index the committed tokens before the new root: the previous root, tokens[:-1]
-            self._copy = self._copy or NgramIndex(self.copy_ngram)
-            self._copy.extend(([] if self._root is None else [self._root]) + tokens[:-1].tolist())
-            self._root = int(tokens[-1])
+            self.copy_ctx.update_index(tokens)
         tok, par, score, depth = self.grow(out[-1], root=tokens[-1:])
         return self.rerank(tokens[-1:], tok, par, score, depth, tokens.device)
 
@@ -282,7 +278,7 @@ class EagleTreeProposer:
         Args:
             rows: R proposers (this one among them); hidden: R of (n_i, F); tokens: R of (n_i,).
         """
-        same = not self.copy_ngram and all(  # (a copy gate: every row's own `propose`)
+        same = all(
             isinstance(p, EagleTreeProposer)
             and (p.fixed is None) == (self.fixed is None)
             and p.graphs == self.graphs
@@ -304,24 +300,6 @@ class EagleTreeProposer:
 
         return propose_rows(self, ps, list(hidden), list(tokens))
 
-    def _commit_ctx(self, tokens: Tensor) -> None:
-        """Copy gate, fixed shape: append the committed tokens before the new root (the previous root, then
-        tokens[:-1]) to the device buffer (eager, no host sync), doubling it when full (the captured expansions
-        read the old buffer: captured again)."""
-        assert self.fixed is not None
-        new = tokens[:-1].to(self._ctx.device)
-        if self._ctx_root is not None:
-            new = torch.cat([self._ctx_root, new])  # (n',)
-        end = self._ctx_n + new.shape[0]
-        if end > self._ctx.shape[0]:
-            grown = self._ctx.new_zeros(max(end, 2 * self._ctx.shape[0]))
-            grown[: self._ctx_n] = self._ctx[: self._ctx_n]
-            self._ctx, self.fixed.captured, self.fixed.graph = grown, {}, None
-        self._ctx[self._ctx_n : end] = new
-        self._ctx_n = end
-        self._ctx_len.fill_(end)
-        self._ctx_root = tokens[-1:].to(self._ctx.device).clone()
-
     def _expand_fixed(self, last: Tensor, root: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Fixed-shape expansion + reranking (what the CUDA graph captures): last (H,), root (1,) ->
         tokens (N,), parents (N,), depth (N,), ancestors (N, N) with N = 1 + min(total_tokens, P)."""
@@ -333,22 +311,17 @@ class EagleTreeProposer:
         anc, node_depth = fixed_ancestors(parents, self.depth)
         return tokens, parents, node_depth, anc
 
-    def _topk(self, out: Tensor, chains: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(m, H) head outputs -> top-k log-probs (m, k) float32 and target token ids (m, k); with a copy gate,
-        `chains` (m, c) are each node's root + path (its lookup candidate's context after the committed tokens),
-        looked up on the device with fixed shapes, or on the host where the gate is skipped when no node has a
-        candidate (lam would be 0 on every row)."""
-        cand = length = None  # (m,) each: the nodes' lookup candidates (a copy gate)
-        if chains is not None and self.fixed is not None:  # fixed shape: on the device, no host sync
-            found = lookup_fixed_rows(
-                self._ctx[None], self._ctx_len.reshape(1), chains[None], self.copy_ngram
-            )
-            cand, length = found[0][0], found[1][0]
-        elif chains is not None and self._copy is not None:
-            looked = [self._copy.lookup(c) for c in chains.tolist()]  # the level's one host sync
-            if any(n for _, n in looked):  # a candidate somewhere (else lam would be 0 on every row)
-                cand = torch.tensor([c for c, _ in looked], dtype=torch.long, device=out.device)
-                length = torch.tensor([n for _, n in looked], dtype=torch.long, device=out.device)
+    def _topk(
+        self, out: Tensor, chains: Tensor | None = None, lookup: Lookup | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(G * j, H) head outputs -> top-k log-probs (G * j, k) float32 and target token ids (G * j, k); with a
+        copy gate, `chains` (G, j, c) are each node's root + path (its lookup candidate's context after its
+        row's committed tokens), looked up by `lookup` (None: this proposer's own, one row, `_lookup`)."""
+        cand = length = None  # (G * j,) each: the nodes' lookup candidates (a copy gate)
+        if chains is not None:
+            found = (lookup or self._lookup)(chains)
+            if found is not None:
+                cand, length = found[0].reshape(-1), found[1].reshape(-1)
         if cand is not None and length is not None:  # the gate's mixture
             pre, head = self.int8 if self.int8 is not None else self.drafter.draft_head()
             state = pre(out)  # (m, H) what the vocabulary head and the gate read
@@ -359,6 +332,15 @@ class EagleTreeProposer:
             logp = torch.log_softmax(self.drafter.draft_logits(out).float(), dim=-1)  # (m, Vd)
         sc, ix = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
         return sc, self.drafter.to_target_ids(ix)
+
+    def _lookup(self, chains: Tensor) -> tuple[Tensor, Tensor] | None:
+        """This proposer's own lookups (one row, G = 1): chains (1, j, c) -> (1, j) candidates and lengths, on
+        the device with fixed shapes (no sync), or on the host, None when no chain has a candidate."""
+        ctx = self.copy_ctx
+        if self.fixed is not None:
+            return lookup_fixed_rows(ctx.buf[None], ctx.length.reshape(1), chains, self.copy_ngram)
+        assert ctx.index is not None, "the dynamic expansion indexes the committed tokens first"
+        return host_lookups([ctx.index], chains)
 
     def grow(
         self, last: Tensor, attend: Attend | None = None, root: Tensor | None = None
@@ -385,7 +367,12 @@ class EagleTreeProposer:
         return pool[0], pool[1], pool[2], pool[3]
 
     def grow_rows(
-        self, last: Tensor, attend: AttendRows, drafting: list[int], roots: Tensor | None = None
+        self,
+        last: Tensor,
+        attend: AttendRows,
+        drafting: list[int],
+        roots: Tensor | None = None,
+        lookup: Lookup | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The candidate pools of G rows at once (one head pass per level for all of them).
 
@@ -400,7 +387,8 @@ class EagleTreeProposer:
             attend: one frontier level of every row, (level, rows (G, k, s), feats (G, k, H), toks (G, k))
                 -> (G, k, H).
             drafting: the rows whose trees are wanted (the others ride along).
-            roots: (G,) each row's committed root, for a copy gate's lookups (one row; None: no gate).
+            roots: (G,) each row's committed root, for a copy gate's lookups (None: no gate).
+            lookup: a copy gate's lookups in each row's committed tokens (None: this proposer's own, G = 1).
 
         Returns:
             tokens, parents (pool index, -1 = root), scores (cumulative log-prob), depths: each (G, P) with
@@ -410,7 +398,7 @@ class EagleTreeProposer:
         dev, g = last.device, last.shape[0]
         stop = self.early_stop and (self.fixed is None or not self.fixed.graphs)  # a host sync per level
         start = roots.reshape(g, 1) if self.copy_ngram and roots is not None else None  # (G, 1)
-        sc, ids = self._topk(last, start)  # (G, k)
+        sc, ids = self._topk(last, None if start is None else start[:, None], lookup)  # (G, k)
         k = sc.shape[1]
         paths = (  # (G, k, 2) root + path of every frontier node (copy gate only)
             None if start is None else torch.stack([start.expand(g, k), ids], dim=-1)
@@ -436,9 +424,7 @@ class EagleTreeProposer:
             rows[:, :, base : base + k] |= eye  # each node sees itself
             anc[:, base : base + k] = rows
             out = attend(level, rows[:, :, : base + k], front_in, front_tok)  # (G, k, H)
-            csc, cids = self._topk(
-                out.reshape(g * k, -1), None if paths is None else paths.reshape(g * k, -1)
-            )
+            csc, cids = self._topk(out.reshape(g * k, -1), paths, lookup)
             csc, cids = csc.reshape(g, k * k), cids.reshape(g, k * k)  # (G, k*k) children, parent-major
             cum = front_score.repeat_interleave(k, dim=1) + csc  # (G, k*k)
             toks.append(cids)
@@ -505,3 +491,18 @@ def _draft_block(drafter: torch.nn.Module, kind: str) -> DraftBlock | None:
     kind = resolve_kind(kind, spec_of(drafter))
     layer, extra = cast("EagleDrafter | Eagle3Drafter", drafter).draft_layer()
     return draft_block(drafter, layer, extra, int8=kind == "int8")
+
+
+def host_lookups(indexes: Sequence[NgramIndex | None], chains: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Host lookups of G rows (one sync): chains (G, j, c) -> candidates and match lengths (G, j) each on the
+    chains' device, row g's in `indexes[g]` (None: a slot that does not draft, no candidates); None when no
+    chain has a candidate (the gate would be 0 everywhere)."""
+    looked = [
+        [ix.lookup(c) if ix is not None else (NO_CANDIDATE, 0) for c in row]
+        for ix, row in zip(indexes, chains.tolist(), strict=True)
+    ]
+    if not any(n for row in looked for _, n in row):
+        return None
+    cand = torch.tensor([[c for c, _ in row] for row in looked], dtype=torch.long, device=chains.device)
+    length = torch.tensor([[n for _, n in row] for row in looked], dtype=torch.long, device=chains.device)
+    return cand, length

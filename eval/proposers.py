@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
+from specdraft.eval.copy_context import CopyContext
 from specdraft.eval.graphs import CudaGraph, capture_or_none
 from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams
 from specdraft.hardware import cpu_int8_full_range
-from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.layers import CopyCache, weights_key
 from specdraft.models.redrafter_beam import beam_search_fixed_rows, beam_search_rows
 from specdraft.models.registry import spec_of
@@ -262,10 +262,8 @@ class ReDrafterProposer:
         # keys, values (capacity, A): rows [: self._used] are the sink, then positions 2 .. m - 1
         self._memory: tuple[Tensor, Tensor] | None = None
         self._used = 0
-        # copy gate (`copy_ngram` > 0): m-gram index of the committed tokens before the root, grown each step
+        # copy gate (`copy_ngram` > 0): m-grams up to this, looked up in `copy_ctx` (below)
         self.copy_ngram = spec.copy_ngram_of(cfg)
-        self._copy: NgramIndex | None = None
-        self._root: int | None = None  # the previous call's root: committed, indexed on the next call
         plain = not (self.uses_context or min_prob > 0)
         self.static = static and plain and self.draft_len > 0
         self.graphs = graphs and self.static and drafter.head.weight.device.type == "cuda"  # else eager
@@ -281,22 +279,17 @@ class ReDrafterProposer:
             self._ancestors, self._depth = fixed.ancestors, fixed.depth
             self._hidden_in = torch.zeros(0, device=dev)  # (F,) graph input, sized at the first call
             self._root_in = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
-            # copy gate: the committed tokens before the root (graph input; doubled when full: recapture)
-            # room for 2,048 tokens under graphs (each doubling is a recapture; the lookup is cheap there)
-            room = (2048 if self.graphs else 256) if self.copy_ngram else 1
-            self._ctx = torch.zeros(room, dtype=torch.long, device=dev)  # (C,)
-            self._ctx_n, self._ctx_len = 0, torch.zeros((), dtype=torch.long, device=dev)  # host, device
-            self._ctx_root: Tensor | None = None  # (1,) the previous call's root, committed on the next
+        # copy gate: the committed tokens before the root, a host index (searches) and, on the fixed-shape
+        # step, a device buffer (a graph input; room for 2,048 tokens under graphs: each doubling recaptures)
+        room = (2048 if self.graphs else 256) if self.copy_ngram and self.static else 1
+        self.copy_ctx = CopyContext(self.copy_ngram, drafter.head.weight.device, room)
         self._rows_state: RowsState | None = None  # drafted with other rows (`eval/redrafter_rows.py`)
 
     def reset(self) -> None:
         """Forget the previous prompt."""
         self.last_compression = None
         self._history, self._memory, self._used = None, None, 0
-        self._copy, self._root = None, None
-        if self.static:  # the buffer and graph stay; the graph reads the count
-            self._ctx_n, self._ctx_root = 0, None
-            self._ctx_len.fill_(0)
+        self.copy_ctx.reset()  # the buffer and graph stay; the graph reads the count
 
     def fit_budget(self, nodes: int) -> None:
         """Search only the beams a `nodes`-node tree can use: trees are laid out beam by beam, so the first
@@ -349,15 +342,6 @@ class ReDrafterProposer:
         self._used = used
         return self._memory[0][:used], self._memory[1][:used]
 
-    def _update_copy_index(self, tokens: Tensor) -> NgramIndex:
-        """Index the committed tokens before the new root (tokens[-1]): the previous root, then tokens[:-1]."""
-        if self._copy is None:
-            self._copy = NgramIndex(self.copy_ngram)
-        new = ([] if self._root is None else [self._root]) + tokens[:-1].tolist()
-        self._copy.extend(new)
-        self._root = int(tokens[-1])
-        return self._copy
-
     def _chain_now(self) -> NativeChain | None:
         """The native chain `propose` drafts through now, else None: a one-beam search with drafts, of a drafter
         the chain supports (`_native`, set only off the fixed-shape step), without prefix attention."""
@@ -377,8 +361,8 @@ class ReDrafterProposer:
             The packed tree (N <= W * (1 + D) nodes).
         """
         if self.static:
-            if self.copy_ngram:
-                self._commit_fixed(tokens)
+            if self.copy_ngram and self.copy_ctx.commit(tokens):  # the buffer moved: capture again
+                self._draft_graph = None
             return self._propose_fixed(hidden[-1], tokens[-1:])
         root = int(tokens[-1])
         if self.draft_len == 0:
@@ -387,7 +371,7 @@ class ReDrafterProposer:
                 tokens[-1:].clone(), torch.full((1,), -1, dtype=torch.long, device=tokens.device)
             )
         context = self._update_memory(hidden, tokens) if self.uses_context else None
-        copy = self._update_copy_index(tokens) if self.copy_ngram else None
+        copy = self.copy_ctx.update_index(tokens) if self.copy_ngram else None
         native = self._chain_now()
         if native is not None:  # one C call a token
             chain, logps = native.chain(hidden[-1], root, self.draft_len, copy)
@@ -443,7 +427,7 @@ class ReDrafterProposer:
 
             return propose_fixed_rows(ps, hidden, tokens)
         copies = (
-            [p._update_copy_index(t) for p, t in zip(ps, tokens, strict=True)] if self.copy_ngram else None
+            [p.copy_ctx.update_index(t) for p, t in zip(ps, tokens, strict=True)] if self.copy_ngram else None
         )
         roots = torch.stack([t[-1] for t in tokens])  # (R,)
         feats = torch.stack([h[-1] for h in hidden])  # (R, F)
@@ -459,28 +443,6 @@ class ReDrafterProposer:
         )  # (R, W, 1 + D) each (stopped early once every row's beams are below `min_prob`)
         return [p._pack(b, c, t.device) for p, b, c, t in zip(ps, beams, cum, tokens, strict=True)]
 
-    def _commit_fixed(self, tokens: Tensor) -> None:
-        """Copy gate, fixed-shape step: append the committed tokens before the new root (the previous root,
-        then tokens[:-1]) to the device buffer (eager; tokens (n,) on any device, no host sync)."""
-        new = tokens[:-1].to(self._ctx.device)
-        if self._ctx_root is not None:
-            new = torch.cat([self._ctx_root, new])  # (n',)
-        end = self._ctx_n + new.shape[0]
-        self._reserve_ctx(end)
-        self._ctx[self._ctx_n : end] = new
-        self._ctx_n = end
-        self._ctx_len.fill_(end)
-        self._ctx_root = tokens[-1:].to(self._ctx.device).clone()
-
-    def _reserve_ctx(self, needed: int, exact: bool = False) -> None:
-        """Copy gate, fixed-shape step: room for `needed` committed tokens in the device buffer, doubled when
-        full (`exact`: grown to `needed` itself); the captured step read the old buffer, so capture again."""
-        if needed <= self._ctx.shape[0]:
-            return
-        grown = self._ctx.new_zeros(needed if exact else max(needed, 2 * self._ctx.shape[0]))
-        grown[: self._ctx_n] = self._ctx[: self._ctx_n]
-        self._ctx, self._draft_graph = grown, None
-
     def _propose_fixed(self, hidden: Tensor, root: Tensor) -> DraftTree:
         """The fixed-shape draft step (optionally a CUDA graph): W beams -> a (1 + W*D)-node tree whose
         topology never changes. hidden (F,), root (1,) long."""
@@ -490,7 +452,8 @@ class ReDrafterProposer:
         self._root_in.copy_(root)
 
         def step() -> tuple[Tensor, Tensor]:
-            copy = (self._ctx[None], self._ctx_len.reshape(1), self.copy_ngram) if self.copy_ngram else None
+            ctx = self.copy_ctx
+            copy = (ctx.buf[None], ctx.length.reshape(1), self.copy_ngram) if self.copy_ngram else None
             beams, cum = beam_search_fixed_rows(
                 self._search,
                 self._hidden_in[None],

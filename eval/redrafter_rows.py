@@ -75,28 +75,31 @@ def propose_fixed_rows(
         p._rows_state = state
     if lead.copy_ngram:  # each row's committed tokens into its own buffer, then one capacity for all
         for p, t in zip(rows, tokens, strict=True):
-            p._commit_fixed(t)
-        cap = max(p._ctx.shape[0] for p in rows)
+            if p.copy_ctx.commit(t):  # the row's buffer moved: its own captured step read the old one
+                p._draft_graph = None
+        cap = max(p.copy_ctx.buf.shape[0] for p in rows)
         for p in rows:
-            p._reserve_ctx(cap, exact=True)
+            if p.copy_ctx.reserve(cap, exact=True):
+                p._draft_graph = None
     size = padded_rows(r, lead.graphs)
     pick = list(range(r)) + [r - 1] * (size - r)  # padding repeats the last row
-    dev = lead._ctx.device
+    dev = lead.copy_ctx.buf.device
     feat = hidden[0][-1]
-    key = (size, lead._ctx.shape[0], feat.shape[-1], feat.dtype)
+    room = lead.copy_ctx.buf.shape[0]  # the rows' shared buffer capacity: a new one, new inputs and graph
+    key = (size, room, feat.shape[-1], feat.dtype)
     if key not in state.inputs:
         state.inputs[key] = RowInputs(
             feat.new_zeros(size, feat.shape[-1], device=dev),
             torch.zeros(size, dtype=torch.long, device=dev),
-            torch.zeros(size, lead._ctx.shape[0], dtype=torch.long, device=dev),
+            torch.zeros(size, room, dtype=torch.long, device=dev),
             torch.zeros(size, dtype=torch.long, device=dev),
         )
     buf = state.inputs[key]
     torch.stack([hidden[i][-1].to(dev) for i in pick], out=buf.hidden)  # (P, F)
     torch.stack([tokens[i][-1].to(dev) for i in pick], out=buf.roots)  # (P,)
     if lead.copy_ngram:
-        torch.stack([rows[i]._ctx for i in pick], out=buf.ctx)  # (P, C)
-        torch.stack([rows[i]._ctx_len for i in pick], out=buf.ctx_len)  # (P,)
+        torch.stack([rows[i].copy_ctx.buf for i in pick], out=buf.ctx)  # (P, C)
+        torch.stack([rows[i].copy_ctx.length for i in pick], out=buf.ctx_len)  # (P,)
 
     def step() -> tuple[Tensor, Tensor]:
         copy = (buf.ctx, buf.ctx_len, lead.copy_ngram) if lead.copy_ngram else None

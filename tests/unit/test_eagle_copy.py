@@ -135,18 +135,23 @@ def test_the_tree_drafts_the_candidate_the_gate_trusts_and_stays_lossless():
 
 
 def test_the_fixed_shape_buffer_of_committed_tokens_grows_and_restarts():
+    """300 committed tokens outgrow the 256-token device buffer: it doubles and the expansions captured against
+    the old one are dropped; `reset` empties it (the buffer itself: tests/unit/test_copy_context.py)."""
     target = tiny_llama(num_layers=8, dtype=torch.float64)
-    proposer = EagleTreeProposer(_head(target), total_tokens=8, depth=4, top_k=2, static=True)
-    assert proposer.fixed is not None and proposer._ctx.shape[0] == 256
+    head = _head(target)
+    proposer = EagleTreeProposer(head, total_tokens=8, depth=4, top_k=2, static=True)
+    assert proposer.fixed is not None and proposer.copy_ctx.buf.shape[0] == 256
     proposer.fixed.captured = {"stale": None}
-    first = torch.arange(5, 305)  # 300 committed tokens: the buffer doubles, the captured steps are dropped
-    proposer._commit_ctx(first)
-    assert proposer._ctx.shape[0] == 512 and proposer.fixed.captured == {}
-    assert proposer._ctx[:299].tolist() == first[:-1].tolist() and int(proposer._ctx_len) == 299
-    proposer._commit_ctx(torch.tensor([7, 8]))  # the previous root joins, then the new tokens before the root
-    assert proposer._ctx[:301].tolist()[-2:] == [304, 7] and int(proposer._ctx_len) == 301
+    first = torch.randint(5, 128, (301,), generator=torch.Generator().manual_seed(0))
+    feats = (
+        forward_with_hidden(target, first[None, :-1], layers=head.config.target_layers).layers[0].flatten(1)
+    )
+    proposer.propose(feats, first[1:])  # 300 positions: 299 committed before the root
+    ctx = proposer.copy_ctx
+    assert ctx.buf.shape[0] == 512 and "stale" not in proposer.fixed.captured
+    assert ctx.buf[:299].tolist() == first[1:-1].tolist() and int(ctx.length) == 299
     proposer.reset()
-    assert proposer._ctx_n == 0 and int(proposer._ctx_len) == 0 and proposer._ctx_root is None
+    assert ctx.n == 0 and int(ctx.length) == 0
 
 
 def test_eagle1_takes_the_same_gate_on_its_first_slot_loss_and_its_tree():

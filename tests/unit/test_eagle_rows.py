@@ -25,7 +25,7 @@ def _same(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["eagle", "eagle3", "eagle_copy", "eagle3_copy"])
 def test_any_subset_of_rows_refills_and_solo_steps(family):
     """Four rows over eight steps; each step a different subset drafts together (the others ride along),
     row 2 starts a new request (reset + a prompt longer than `SOLO`) at step 3, and row 0 drafts alone at

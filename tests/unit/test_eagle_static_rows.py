@@ -47,7 +47,9 @@ def _same(a, b) -> None:
     assert torch.equal(a.ancestors, b.ancestors) and torch.equal(a.depth, b.depth)
 
 
-@pytest.mark.parametrize("family", ["eagle", "eagle3", "eagle_vocab", "eagle3_fused"])
+@pytest.mark.parametrize(
+    "family", ["eagle", "eagle3", "eagle_vocab", "eagle3_fused", "eagle_copy", "eagle3_copy"]
+)
 def test_rows_drafted_together_equal_each_row_alone(family):
     """Three rows, 24 steps, rows sitting out now and then, commits longer than the step's M rows (committed
     eagerly first), a row drafting alone in between, a row reset for a new request, and head buffers that grow
@@ -113,7 +115,7 @@ def test_rows_of_other_heads_or_modes_are_not_drafted_together():
     assert a.static_rows is None
 
 
-@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["eagle", "eagle3", "eagle3_copy"])
 def test_batched_fixed_step_reads_nothing_on_the_host(family):
     """What the batch's CUDA graph captures, and the staging around it, reads nothing on the host and copies
     no Python number to the device (early stop off, as under graphs)."""
@@ -179,12 +181,12 @@ def test_kernel_launches_of_batched_rows():
 
 
 @CUDA
-@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["eagle", "eagle3", "eagle3_copy"])
 def test_batched_draft_graph_equals_the_eager_rows(family):
     """On CUDA the batched step is one graph per tree size: the trees equal the eager batched step's."""
     dev = torch.device("cuda")
     model = tiny_target("llama", dev)
-    width = 32 * (3 if family == "eagle3" else 1)
+    width = 32 * (3 if family.startswith("eagle3") else 1)
     steps = _spans(8, 3, width, seed=2, device=dev)
     graph_rows = graph_rows_match_eager(family, model, steps, _same, eager_early_stop=False)
     state = graph_rows[0].static_rows

@@ -232,7 +232,7 @@ def test_copy_gate_decoding_is_lossless(target_and_drafter, prompt_len):
         assert out == ref
         # indexed: x_1 .. the token before the last step's root (each step commits its accepted drafts + 1)
         grown = prompt_len + sum(stats.accepted[:-1]) + stats.steps - 2
-        assert inner._copy is not None and len(inner._copy.ids) == grown
+        assert inner.copy_ctx.index is not None and len(inner.copy_ctx.index.ids) == grown
 
 
 def test_warm_start_adds_the_copy_gate_at_its_init(target_and_drafter, tmp_path):
@@ -328,6 +328,6 @@ def test_fixed_shape_copy_gate_decoding_is_lossless(target_and_drafter, prompt_l
         _, dyn = speculative_generate(target, None, prompt, dynamic, 300, stop_ids=set())
         assert out == ref and stats.accepted == dyn.accepted
         assert (
-            fixed._ctx.shape[0] > 256
-            and fixed._ctx_n == prompt_len + sum(stats.accepted[:-1]) + stats.steps - 2
+            fixed.copy_ctx.buf.shape[0] > 256
+            and fixed.copy_ctx.n == prompt_len + sum(stats.accepted[:-1]) + stats.steps - 2
         )

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CPU = torch.device("cpu")
 BATCHED = [
     "redrafter", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "eagle3_fused",
-    "redrafter_copy+lookup", "medusa+lookup", "medusa_root+lookup", "eagle3+lookup",
+    "eagle_copy", "eagle3_copy", "redrafter_copy+lookup", "medusa+lookup", "medusa_root+lookup", "eagle3+lookup",
 ]  # fmt: skip
 
 
@@ -190,7 +190,7 @@ def test_propose_rows_declines_rows_it_cannot_draft_together():
     other = ReDrafterProposer(p.drafter, beam_width=2, beam_length=4)
     h, t = [torch.randn(3, 32, dtype=torch.float64)] * 2, [torch.tensor([4, 5, 6])] * 2
     assert p.propose_rows([p, other], h, t) is None
-    assert p._copy is None and other._copy is None  # no row's state was advanced
+    assert p.copy_ctx.index is None and other.copy_ctx.index is None  # no row's state was advanced
     assert p.propose_rows([p, tiny_proposer("redrafter_copy", model)], h, t) is None  # another drafter module
     assert LookupBranch(p, 4).propose_rows([LookupBranch(p, 4), p], h, t) is None
 
@@ -262,4 +262,6 @@ def test_one_row_at_a_time_gives_the_same_output():
     res = BatchDecoder(model, 2).generate(prompts, 12, set(), factory)
     assert [out for out, _ in res] == refs
     assert not isinstance(factory(), RowBatchedProposer)
-    assert all(p._copy is not None for p in made[:2])  # each row's own proposer drafted (its index grew)
+    assert all(
+        p.copy_ctx.index is not None for p in made[:2]
+    )  # each row's own proposer drafted (its index grew)

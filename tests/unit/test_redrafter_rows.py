@@ -57,9 +57,9 @@ def test_rows_drafted_together_equal_each_row_alone(family):
             _same(tree, alone[r].propose(*step[r]))
             assert together[r].last_compression == 1.0 and int(tree.tokens[0]) == int(step[r][1][-1])
     if family == "redrafter_copy":
-        caps = {p._ctx.shape[0] for p in together}
+        caps = {p.copy_ctx.buf.shape[0] for p in together}
         assert len(caps) == 1 and caps.pop() > 256
-        assert [p._ctx_n for p in together] == [p._ctx_n for p in alone]
+        assert [p.copy_ctx.n for p in together] == [p.copy_ctx.n for p in alone]
     state = together[0]._rows_state
     assert state is not None and all(p._rows_state is state for p in together)  # one shared state
 

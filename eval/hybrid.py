@@ -275,13 +275,13 @@ class LookupBranch:
             self.calibration.observe(self._chain, committed)
         if self._inner_tree is not None:  # and the drafter's previous tree
             self.inner_mean = _ema(self.inner_mean, accepted_length(self._inner_tree, committed), self.ema)
-        chain = self.lookup.propose(hidden, tokens)  # (1 + k,) chain, k = 0 without a match
+        chain = self.lookup.chain(committed, tokens.device)  # (1 + k,) chain, k = 0 without a match
         # the drafter's time is a step's only when it reads one step's positions (no prompt, no idle steps)
         self._timed = self._pending is None and tokens.shape[0] <= self.spec.max_depth + 1
         if self._pending is not None:  # the drafter idled: it gets every position committed since it drafted
             hidden, tokens = torch.cat([self._pending[0], hidden]), torch.cat([self._pending[1], tokens])
             self._pending = None
-        self._chain = chain.tokens[1:].tolist()
+        self._chain = list(self.lookup.last_chain)
         rates = self.calibration.scores(len(self._chain))
         chain.scores = torch.tensor(
             [1.0, *rates], dtype=torch.float32, device=chain.tokens.device

@@ -120,6 +120,52 @@ def prompt_lookup_scored(context: Tensor, max_ngram: int, num_tokens: int) -> tu
     return context[:0], torch.zeros(0, device=context.device)
 
 
+class LookupIndex:
+    """`prompt_lookup_scored` on the host, incrementally: the committed tokens and, per m-gram (m <= max_ngram),
+    the start of every occurrence, so a step costs its new tokens and the matched n-gram's occurrences instead
+    of a pass over the whole context per n with a host sync each (on a GPU, prompt lookup at batch 16 took
+    7.5 ms a step that way, one row after another: docs/gpu.md, session 44). Same continuation, same
+    probabilities (float32), bit for bit (tests/unit/test_decode_proposers.py).
+
+    Args:
+        max_ngram: longest suffix n-gram matched.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = int(max_ngram)
+        self.ids: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # m-gram -> start of each occurrence, ascending
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append committed `tokens` to the context."""
+        for tok in tokens:
+            self.ids.append(int(tok))
+            p = len(self.ids) - 1
+            for m in range(1, min(self.max_ngram, p + 1) + 1):
+                self.starts.setdefault(tuple(self.ids[p - m + 1 : p + 1]), []).append(p - m + 1)
+
+    def scored(self, num_tokens: int) -> tuple[list[int], Tensor]:
+        """`prompt_lookup_scored(context, max_ngram, num_tokens)` of the context so far: the continuation (k,)
+        as a list, and its probabilities (k,) float32 (host tensor)."""
+        ids, t = self.ids, len(self.ids)
+        for n in range(min(self.max_ngram, t - 1), 0, -1):
+            hits = self.starts[tuple(ids[t - n :])][:-1]  # the last occurrence is the suffix itself
+            if not hits:
+                continue
+            full = [i for i in hits if i + n + num_tokens <= t]  # followed by a full-length continuation
+            start = (full[-1] if full else hits[0]) + n  # the most recent full one, else the longest
+            cont = ids[start : start + num_tokens]
+            agree = [0] * len(cont)  # occurrences agreeing with the continuation up to each depth
+            for i in hits:
+                for d, tok in enumerate(cont):
+                    j = i + n + d
+                    if j >= t or ids[j] != tok:
+                        break
+                    agree[d] += 1
+            return cont, torch.tensor(agree, dtype=torch.float32, device="cpu") / (len(hits) + 1)
+        return [], torch.zeros(0, device="cpu")
+
+
 def beam_scores(tree: DraftTree, cum: Tensor) -> Tensor:
     """Per-node cumulative probability of a tree packed from beams (`pack_beams`).
 
@@ -155,31 +201,56 @@ class PromptLookupProposer:
         self.draft_len, self.max_ngram = int(num_tokens), int(max_ngram)
         self.full_len = self.draft_len  # the length `fit_budget` caps (and restores)
         self.spec = ProposerSpec(max_depth=self.draft_len, node_budget=1 + self.draft_len)
-        self.context: Tensor | None = None
+        self.index: LookupIndex | None = None  # the committed tokens, on the host
+        self.last_chain: list[int] = []  # the latest continuation (root excluded), on the host
 
     def reset(self) -> None:
         """Forget the previous prompt."""
-        self.context = None
+        self.index = None
 
     def fit_budget(self, nodes: int) -> None:
         """Look up at most `nodes - 1` tokens (a chain of `nodes` nodes); a larger cap restores the full
         length."""
         self.draft_len = min(self.full_len, max(nodes - 1, 0))
 
-    def continuation(self, tokens: Tensor) -> Tensor:
-        """Append the newly committed `tokens` (n,) to the context; (k,) lookup continuation after its end."""
-        return self.scored_continuation(tokens)[0]
-
-    def scored_continuation(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """`continuation` and its count-based cumulative probabilities (k,) (`prompt_lookup_scored`)."""
-        self.context = tokens.clone() if self.context is None else torch.cat([self.context, tokens])
-        return prompt_lookup_scored(self.context, self.max_ngram, self.draft_len)
-
     def propose(self, hidden: Tensor, tokens: Tensor) -> DraftTree:
-        """A chain tree: root, then the lookup continuation, with per-node scores (hidden is unused)."""
-        cont, probs = self.scored_continuation(tokens)  # (k,), (k,)
-        tree = pack_beams(torch.cat([tokens[-1:], cont])[None])[0]  # (1+k,) chain
-        tree.scores = torch.cat([probs.new_ones(1), probs])  # (1+k,)
+        """A chain tree on `tokens`' device: root, then the lookup continuation after the context extended by
+        the newly committed `tokens` (n,) (one host read of them), with per-node scores (`LookupIndex.scored`);
+        hidden is unused."""
+        return self.chain(tokens.tolist(), tokens.device)
+
+    def propose_rows(
+        self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
+    ) -> list[DraftTree] | None:
+        """Every row's `propose` with one host read of all rows' new tokens (None unless every row is a
+        `PromptLookupProposer`).
+
+        Args:
+            rows: R proposers (this one among them); hidden: unused; tokens: R of (n_i,), tokens[i][-1] the root.
+        """
+        if not all(isinstance(p, PromptLookupProposer) for p in rows) or not tokens:
+            return None
+        flat = torch.cat([t.to(tokens[0].device) for t in tokens]).tolist()  # the call's one host read
+        out, at = [], 0
+        for p, t in zip(cast("list[PromptLookupProposer]", list(rows)), tokens, strict=True):
+            out.append(p.chain(flat[at : at + t.shape[0]], t.device))
+            at += t.shape[0]
+        return out
+
+    def chain(self, ids: list[int], device: torch.device) -> DraftTree:
+        """`propose` from the newly committed tokens read on the host, `ids` (n,): the chain tree on `device`;
+        its continuation also in `last_chain` (host)."""
+        if self.index is None:
+            self.index = LookupIndex(self.max_ngram)
+        self.index.extend(ids)
+        cont, probs = self.index.scored(self.draft_len)  # k tokens, (k,) float32
+        self.last_chain = cont
+        dev, n = device, 1 + len(cont)
+        ar = torch.arange(n, device=dev)
+        chain = torch.tensor([ids[-1], *cont], dtype=torch.long, device=dev)  # (1+k,)
+        ancestors = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        tree = DraftTree(chain, ar - 1, ar, ancestors, ar[None])  # as `pack_beams` packs one beam
+        tree.scores = torch.cat([torch.ones(1, device="cpu"), probs]).to(dev)  # (1+k,)
         return tree
 
 

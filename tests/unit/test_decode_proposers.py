@@ -7,13 +7,16 @@ from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import (
     Int8Linear,
+    LookupIndex,
     PromptLookupProposer,
     ReDrafterProposer,
     drafter_label,
     int8_supported,
     make_proposer,
     prompt_lookup,
+    prompt_lookup_scored,
 )
+from specdraft.eval.tree import pack_beams
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.testing import tiny_llama, tiny_tokenizer
@@ -121,6 +124,30 @@ def test_prompt_lookup_most_recent_longest_match():
     assert prompt_lookup(torch.tensor([3, 4, 5]), 3, 4).tolist() == []
     assert prompt_lookup(torch.tensor([3, 4, 3]), 3, 4).tolist() == [4, 3]  # continuation may run to the end
     assert prompt_lookup(torch.tensor([8]), 3, 4).tolist() == []
+
+
+def test_the_host_lookup_index_equals_prompt_lookup_scored_bit_for_bit():
+    """`LookupIndex` (what `PromptLookupProposer` drafts with) against the device reference at every length of
+    random texts with many repeats, committed a few tokens at a time: the same continuation and the same float32
+    probabilities; and the proposer's chain tree equals `pack_beams` of root + continuation."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        vocab, n, k = 3 + trial % 5, 1 + trial % 4, 1 + trial % 7
+        text = torch.randint(0, vocab, (60,), generator=g)
+        index, proposer, t = LookupIndex(n), PromptLookupProposer(k, n), 0
+        while t < text.shape[0]:
+            step = 1 + int(torch.randint(0, 4, (1,), generator=g))
+            new = text[t : t + step]
+            t += new.shape[0]
+            index.extend(new.tolist())
+            cont, probs = index.scored(k)
+            want, want_p = prompt_lookup_scored(text[:t], n, k)
+            assert cont == want.tolist() and torch.equal(probs, want_p), (trial, t)
+            tree = proposer.propose(torch.zeros(new.shape[0], 4), new)
+            ref = pack_beams(torch.cat([new[-1:], want])[None])[0]
+            for field in ("tokens", "parents", "depth", "ancestors", "beam_nodes"):
+                assert torch.equal(getattr(tree, field), getattr(ref, field)), (trial, t, field)
+            assert torch.equal(tree.scores, torch.cat([torch.ones(1), want_p]))
 
 
 @pytest.mark.parametrize("prompt_len", [4, 24])

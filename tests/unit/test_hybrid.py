@@ -96,7 +96,7 @@ def test_lookup_branch_declares_the_inner_contract_and_forwards_budget_and_reset
     tree = branch.propose(torch.zeros(1, 4), torch.tensor([40]))  # "... 12 40": the chain 41, 42 joins
     assert tree.tokens.tolist()[:3] == [40, 41, 42] and tree.scores[1] > 0.95
     branch.reset()
-    assert inner.calls == 0 and branch.lookup.context is None and branch.calibration.tested == [0.0] * 6
+    assert inner.calls == 0 and branch.lookup.index is None and branch.calibration.tested == [0.0] * 6
     with pytest.raises(ValueError, match="num_tokens"):
         LookupBranch(inner, 0)
 
@@ -128,7 +128,15 @@ def test_lookup_alone_where_it_beats_the_drafter_and_the_drafter_gets_the_skippe
     # no match: the drafter drafts again, handed every position since its last tree
     tree = branch.propose(torch.ones(1, 4), torch.tensor([9]))
     assert tree.tokens.tolist() == [9, 1, 2, 3] and inner.seen[-1] == (4, [8, 5, 6, 9])
-    assert branch.lookup.context.tolist() == [5, 6, 7, 8, 5, 6, 9]  # lookup saw each position once
+    assert branch.lookup.index is not None and branch.lookup.index.ids == [
+        5,
+        6,
+        7,
+        8,
+        5,
+        6,
+        9,
+    ]  # lookup saw each position once
     assert branch.inner_mean == 0.0
 
 

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CPU = torch.device("cpu")
 BATCHED = [
     "redrafter", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3", "eagle3_fused",
-    "eagle_copy", "eagle3_copy", "redrafter_copy+lookup", "medusa+lookup", "medusa_root+lookup", "eagle3+lookup",
+    "eagle_copy", "eagle3_copy", "lookup", "redrafter_copy+lookup", "medusa+lookup", "medusa_root+lookup",
+    "eagle3+lookup",
 ]  # fmt: skip
 
 

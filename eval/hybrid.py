@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import cast
 
 import torch
@@ -248,7 +249,14 @@ class LookupBranch:
         if not all(isinstance(p, LookupBranch) for p in rows):
             return None
         ps = cast("list[LookupBranch]", list(rows))
-        steps = [p._begin(h, t) for p, h, t in zip(ps, hidden, tokens, strict=True)]
+        flat = torch.cat(
+            [t.to(tokens[0].device) for t in tokens]
+        ).tolist()  # every row's tokens, one host read
+        ends = list(accumulate(t.shape[0] for t in tokens))
+        steps = [
+            p._begin(h, t, flat[e - t.shape[0] : e])
+            for p, h, t, e in zip(ps, hidden, tokens, ends, strict=True)
+        ]
         drafting = [i for i, st in enumerate(steps) if not isinstance(st, DraftTree)]
         together: dict[int, DraftTree] = {}  # row -> its drafter's tree, when drafted in one call
         lead = ps[drafting[0]].inner if drafting else None
@@ -267,10 +275,13 @@ class LookupBranch:
             out.append(p._end(together[i] if i in together else p.inner.propose(h, t), chain))
         return out
 
-    def _begin(self, hidden: Tensor, tokens: Tensor) -> DraftTree | tuple[DraftTree, Tensor, Tensor]:
+    def _begin(
+        self, hidden: Tensor, tokens: Tensor, committed: list[int] | None = None
+    ) -> DraftTree | tuple[DraftTree, Tensor, Tensor]:
         """A step up to the drafter: score the previous step, look the chain up; returns the chain alone (the
-        step's tree: the drafter idles and keeps the positions) or (chain, hidden, tokens) for the drafter."""
-        committed = tokens.tolist()
+        step's tree: the drafter idles and keeps the positions) or (chain, hidden, tokens) for the drafter.
+        `committed`: `tokens` already read on the host (None: read here)."""
+        committed = tokens.tolist() if committed is None else committed
         if self._chain:  # how far the previous chain was right: the committed tokens begin with its answer
             self.calibration.observe(self._chain, committed)
         if self._inner_tree is not None:  # and the drafter's previous tree

@@ -20,6 +20,8 @@ tokens[:-1]. Two stores of the same sequence:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -96,3 +98,27 @@ class CopyContext:
         grown[: self.n] = self.buf[: self.n]
         self.buf = grown
         return True
+
+
+def commit_rows(
+    members: Sequence[CopyContext], drafting: Sequence[CopyContext], tokens: Sequence[Tensor]
+) -> list[bool]:
+    """Rows drafted in one fixed-shape step: each drafting row's `commit` of its `tokens`, then every member's
+    buffer grown (exactly) to the largest capacity among them, so the buffers stack into one (R, C) input.
+
+    Args:
+        members: every row the step reads (the drafting ones among them); drafting: the rows that commit;
+        tokens: per drafting row, its newly committed positions' next tokens (n_i,).
+
+    Returns:
+        per member, whether its buffer moved (steps captured against the old one must be captured again).
+    """
+    moved: set[int] = set()
+    for ctx, t in zip(drafting, tokens, strict=True):
+        if ctx.commit(t):
+            moved.add(id(ctx))
+    cap = max(ctx.buf.shape[0] for ctx in members)
+    for ctx in members:
+        if ctx.reserve(cap, exact=True):
+            moved.add(id(ctx))
+    return [id(ctx) in moved for ctx in members]

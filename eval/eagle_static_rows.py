@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from specdraft.eval.copy_context import commit_rows
 from specdraft.eval.eagle_rows import RowsKVCache, level_inputs
 from specdraft.eval.eagle_static import commit_mask, fixed_ancestors
 from specdraft.eval.eagle_tree import select_nodes
@@ -244,14 +245,11 @@ def _stage_copy(
     one capacity, and stack them into the step's (G, C) inputs (a new capacity: new inputs, graphs dropped; a
     member's own moved buffer: its single-row graphs dropped). Returns the step's lookup: chains (G, j, c) ->
     candidates and lengths (G, j), each slot in its own row, on the device."""
-    for p, t in zip(rows, tokens, strict=True):
-        if p.copy_ctx.commit(t):
+    ctxs = [p.copy_ctx for p in state.members]
+    for p, moved in zip(state.members, commit_rows(ctxs, [p.copy_ctx for p in rows], tokens), strict=True):
+        if moved:  # its own single-row steps read the old buffer
             _fixed(p).captured, _fixed(p).graph = {}, None
-    cap = max(p.copy_ctx.buf.shape[0] for p in state.members)
-    for p in state.members:
-        if p.copy_ctx.reserve(cap, exact=True):
-            _fixed(p).captured, _fixed(p).graph = {}, None
-    g, dev = len(state.members), state.lengths.device
+    g, dev, cap = len(state.members), state.lengths.device, ctxs[0].buf.shape[0]
     if state.ctx.shape != (g, cap):
         state.ctx = torch.zeros(g, cap, dtype=torch.long, device=dev)
         state.ctx_len = torch.zeros(g, dtype=torch.long, device=dev)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 from typing import cast
 
 import torch
@@ -49,7 +48,7 @@ from torch import Tensor
 from specdraft.eval.adaptive import accepted_length, effective_scores
 from specdraft.eval.budget import FULL
 from specdraft.eval.decode import Proposer, RowBatchedProposer
-from specdraft.eval.proposers import PromptLookupProposer
+from specdraft.eval.proposers import PromptLookupProposer, host_rows
 from specdraft.eval.tree import DraftTree, ProposerSpec, reorder_tree
 
 
@@ -249,13 +248,8 @@ class LookupBranch:
         if not all(isinstance(p, LookupBranch) for p in rows):
             return None
         ps = cast("list[LookupBranch]", list(rows))
-        flat = torch.cat(
-            [t.to(tokens[0].device) for t in tokens]
-        ).tolist()  # every row's tokens, one host read
-        ends = list(accumulate(t.shape[0] for t in tokens))
         steps = [
-            p._begin(h, t, flat[e - t.shape[0] : e])
-            for p, h, t, e in zip(ps, hidden, tokens, ends, strict=True)
+            p._begin(h, t, ids) for p, h, t, ids in zip(ps, hidden, tokens, host_rows(tokens), strict=True)
         ]
         drafting = [i for i, st in enumerate(steps) if not isinstance(st, DraftTree)]
         together: dict[int, DraftTree] = {}  # row -> its drafter's tree, when drafted in one call

@@ -11,6 +11,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -105,27 +106,25 @@ def prompt_lookup_scored(context: Tensor, max_ngram: int, num_tokens: int) -> tu
     Returns:
         cont (k,) long; probs (k,) float32, non-increasing (empty when nothing matches).
     """
-    t = context.shape[0]
-    for n in range(min(max_ngram, t - 1), 0, -1):
-        windows = context[: t - 1].unfold(0, n, 1)  # (T-n, n): every earlier n-gram with a successor
-        hits = (windows == context[t - n :]).all(1).nonzero()  # (h, 1)
-        if hits.numel():
-            full = hits[hits + n + num_tokens <= t]  # matches followed by a full-length continuation
-            start = int(full[-1] if full.numel() else hits[0]) + n  # most recent full one, else the longest
-            cont = context[start : start + num_tokens]  # (k,)
-            idx = hits + n + torch.arange(cont.shape[0], device=context.device)  # (h, k)
-            same = (context[idx.clamp(max=t - 1)] == cont) & (idx < t)  # (h, k)
-            agree = same.long().cumprod(1).sum(0)  # (k,) occurrences agreeing up to each depth
-            return cont, agree.float() / (hits.shape[0] + 1)
-    return context[:0], torch.zeros(0, device=context.device)
+    index = LookupIndex(max_ngram)
+    index.extend(context.tolist())
+    cont, probs = index.scored(num_tokens)
+    return torch.tensor(cont, dtype=torch.long, device=context.device), probs.to(context.device)
+
+
+def host_rows(tokens: Sequence[Tensor]) -> list[list[int]]:
+    """R rows' tokens (n_i,) read on the host in one call (one device sync for a batch, not one per row)."""
+    flat = torch.cat([t.to(tokens[0].device) for t in tokens]).tolist()
+    ends = list(accumulate(t.shape[0] for t in tokens))
+    return [flat[e - t.shape[0] : e] for t, e in zip(tokens, ends, strict=True)]
 
 
 class LookupIndex:
     """`prompt_lookup_scored` on the host, incrementally: the committed tokens and, per m-gram (m <= max_ngram),
     the start of every occurrence, so a step costs its new tokens and the matched n-gram's occurrences instead
     of a pass over the whole context per n with a host sync each (on a GPU, prompt lookup at batch 16 took
-    7.5 ms a step that way, one row after another: docs/gpu.md, session 44). Same continuation, same
-    probabilities (float32), bit for bit (tests/unit/test_decode_proposers.py).
+    7.5 ms a step that way, one row after another: docs/gpu.md, session 44). The vectorised search it replaced
+    is the reference it equals bit for bit (tests/unit/test_decode_proposers.py).
 
     Args:
         max_ngram: longest suffix n-gram matched.
@@ -230,12 +229,8 @@ class PromptLookupProposer:
         """
         if not all(isinstance(p, PromptLookupProposer) for p in rows) or not tokens:
             return None
-        flat = torch.cat([t.to(tokens[0].device) for t in tokens]).tolist()  # the call's one host read
-        out, at = [], 0
-        for p, t in zip(cast("list[PromptLookupProposer]", list(rows)), tokens, strict=True):
-            out.append(p.chain(flat[at : at + t.shape[0]], t.device))
-            at += t.shape[0]
-        return out
+        ps = cast("list[PromptLookupProposer]", list(rows))
+        return [p.chain(ids, t.device) for p, ids, t in zip(ps, host_rows(tokens), tokens, strict=True)]
 
     def chain(self, ids: list[int], device: torch.device) -> DraftTree:
         """`propose` from the newly committed tokens read on the host, `ids` (n,): the chain tree on `device`;

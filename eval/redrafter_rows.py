@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from specdraft.eval.copy_context import commit_rows
 from specdraft.eval.graphs import CudaGraph, replay_or_run
 from specdraft.eval.tree import DraftTree
 from specdraft.models.redrafter_beam import beam_search_fixed_rows
@@ -74,12 +75,9 @@ def propose_fixed_rows(
     for p in rows:
         p._rows_state = state
     if lead.copy_ngram:  # each row's committed tokens into its own buffer, then one capacity for all
-        for p, t in zip(rows, tokens, strict=True):
-            if p.copy_ctx.commit(t):  # the row's buffer moved: its own captured step read the old one
-                p._draft_graph = None
-        cap = max(p.copy_ctx.buf.shape[0] for p in rows)
-        for p in rows:
-            if p.copy_ctx.reserve(cap, exact=True):
+        ctxs = [p.copy_ctx for p in rows]
+        for p, moved in zip(rows, commit_rows(ctxs, ctxs, tokens), strict=True):
+            if moved:  # its own captured step read the old buffer
                 p._draft_graph = None
     size = padded_rows(r, lead.graphs)
     pick = list(range(r)) + [r - 1] * (size - r)  # padding repeats the last row

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.eval.copy_context import CopyContext
+from specdraft.eval.copy_context import CopyContext, commit_rows
 from specdraft.models.copy_lookup import lookup_fixed_rows, ngram_candidates
 
 CPU = torch.device("cpu")
@@ -43,3 +43,14 @@ def test_reserve_exact_and_reset():
     assert ctx.index is None and ctx.n == 0 and int(ctx.length) == 0 and ctx.buf.shape[0] == 6
     ctx.commit(torch.tensor([4, 5]))  # no previous root after a reset
     assert ctx.buf[: ctx.n].tolist() == [4]
+
+
+def test_rows_share_one_capacity_and_say_which_buffers_moved():
+    """`commit_rows`: the drafting rows commit, then every member is grown to the largest capacity (exactly);
+    a member whose buffer was reallocated (by its commit or the growth) is reported, the others are not."""
+    a, b, idle = CopyContext(2, CPU, room=4), CopyContext(2, CPU, room=4), CopyContext(2, CPU, room=8)
+    moved = commit_rows([a, b, idle], [a, b], [torch.arange(6), torch.tensor([3, 4])])
+    # a: 5 tokens outgrow room 4 (doubled to 8); b: its 1 token fits, then it grows to a's 8; idle has 8
+    assert moved == [True, True, False]
+    assert [c.buf.shape[0] for c in (a, b, idle)] == [8, 8, 8]
+    assert a.buf[:5].tolist() == [0, 1, 2, 3, 4] and b.buf[:1].tolist() == [3] and idle.n == 0

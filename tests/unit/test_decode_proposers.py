@@ -126,10 +126,28 @@ def test_prompt_lookup_most_recent_longest_match():
     assert prompt_lookup(torch.tensor([8]), 3, 4).tolist() == []
 
 
-def test_the_host_lookup_index_equals_prompt_lookup_scored_bit_for_bit():
-    """`LookupIndex` (what `PromptLookupProposer` drafts with) against the device reference at every length of
-    random texts with many repeats, committed a few tokens at a time: the same continuation and the same float32
-    probabilities; and the proposer's chain tree equals `pack_beams` of root + continuation."""
+def _vectorised_lookup_scored(context: torch.Tensor, max_ngram: int, num_tokens: int):
+    """The vectorised search `LookupIndex` replaced (a pass over the whole context per n): the reference."""
+    t = context.shape[0]
+    for n in range(min(max_ngram, t - 1), 0, -1):
+        windows = context[: t - 1].unfold(0, n, 1)  # (T-n, n): every earlier n-gram with a successor
+        hits = (windows == context[t - n :]).all(1).nonzero()  # (h, 1)
+        if hits.numel():
+            full = hits[hits + n + num_tokens <= t]  # matches followed by a full-length continuation
+            start = int(full[-1] if full.numel() else hits[0]) + n  # most recent full one, else the longest
+            cont = context[start : start + num_tokens]  # (k,)
+            idx = hits + n + torch.arange(cont.shape[0])  # (h, k)
+            same = (context[idx.clamp(max=t - 1)] == cont) & (idx < t)  # (h, k)
+            agree = same.long().cumprod(1).sum(0)  # (k,) occurrences agreeing up to each depth
+            return cont, agree.float() / (hits.shape[0] + 1)
+    return context[:0], torch.zeros(0)
+
+
+def test_the_host_lookup_index_equals_the_vectorised_search_bit_for_bit():
+    """`LookupIndex` (what `PromptLookupProposer` and `prompt_lookup_scored` draft with) against the vectorised
+    search at every length of random texts with many repeats, committed a few tokens at a time: the same
+    continuation and the same float32 probabilities; and the proposer's chain tree equals `pack_beams` of root +
+    continuation."""
     g = torch.Generator().manual_seed(0)
     for trial in range(20):
         vocab, n, k = 3 + trial % 5, 1 + trial % 4, 1 + trial % 7
@@ -141,8 +159,10 @@ def test_the_host_lookup_index_equals_prompt_lookup_scored_bit_for_bit():
             t += new.shape[0]
             index.extend(new.tolist())
             cont, probs = index.scored(k)
-            want, want_p = prompt_lookup_scored(text[:t], n, k)
+            want, want_p = _vectorised_lookup_scored(text[:t], n, k)
             assert cont == want.tolist() and torch.equal(probs, want_p), (trial, t)
+            got, got_p = prompt_lookup_scored(text[:t], n, k)
+            assert torch.equal(got, want) and torch.equal(got_p, want_p), (trial, t)
             tree = proposer.propose(torch.zeros(new.shape[0], 4), new)
             ref = pack_beams(torch.cat([new[-1:], want])[None])[0]
             for field in ("tokens", "parents", "depth", "ancestors", "beam_nodes"):

@@ -64,7 +64,7 @@ from specdraft.eval.tree import DraftTree
 from specdraft.eval.verify import greedy_verify_rows, sample_token, sample_verify
 from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
-from specdraft.models.fast_target import Packing
+from specdraft.models.fast_target import Packing, stack_linears
 
 Sampling = tuple[float, int, float, torch.Generator | None]  # (temperature, top_k, top_p, generator)
 PREFILL_TOKENS = 16384  # most padded prompt tokens one batched prefill forward takes (rows x longest prompt)
@@ -175,6 +175,7 @@ class BatchDecoder:
             raise ValueError(f"refill_rows={refill_rows}: must be in [1, batch size {batch_size}]")
         self.batch_size, self.static, self.graphs = batch_size, static, graphs
         self.prefill_rows, self.pack_padding, self.refill_rows = prefill_rows, pack_padding, refill_rows
+        stack_linears(model)  # the target's weights move into their stacks before any graph reads them
         self.cache = BatchKVCache(model, batch_size, max_len)
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose K/V row r holds
         self._inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # static: b -> (tokens, ancestors, depth)

@@ -42,7 +42,7 @@ from specdraft.eval.graphs import CudaGraph, graphs_wanted, replay_or_run
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
-from specdraft.models.fast_target import one_call_layers
+from specdraft.models.fast_target import one_call_layers, stack_linears
 
 VerifyFn = Callable[[DraftTree, Tensor], tuple[Tensor, int]]
 AR_QUEUE = 8  # greedy AR on the fixed-shape path: tokens per host sync (`StaticDecoder._ar_queued`)
@@ -106,6 +106,7 @@ class StaticDecoder:
         if graphs and (not static or self.device.type != "cuda"):
             raise ValueError("graphs=True needs static=True and a model on a CUDA device")
         self.static, self.graphs = static, graphs
+        stack_linears(model)  # the target's weights move into their stacks before any graph reads them
         self.cache = StaticKVCache(model, max_len, static)
         self._inputs: dict[int, _TreeInputs] = {}
         self._graphs: dict[tuple, CudaGraph[tuple[Tensor, Tensor]] | None] = {}

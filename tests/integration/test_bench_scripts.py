@@ -347,6 +347,10 @@ def test_bench_target_forward(eval_assets: Path, tmp_path: Path, capsys) -> None
     assert [r["nodes"] for r in res["verify"]] == [1, 4] and all(r["ratio"] > 0 for r in res["verify"])
     assert res["ar_same"] == 2 and set(res["ar_tok_s"]) == {"hf", "fast"}
     assert "AR outputs equal: 2/2" in capsys.readouterr().out
+    _main("bench_target_forward")([*argv, "--layout", "native", "--compare", "stacked"])  # plain Linears
+    res = _load(out)
+    assert res["compare"] == "stacked" and set(res["ar_tok_s"]) == {"separate", "stacked"}
+    assert "stacked ms" in capsys.readouterr().out
     if panel_available():  # the row kernels against torch's ops, on a panel target
         _main("bench_target_forward")([*argv, "--layout", "panel", "--compare", "rows"])
         res = _load(out)

@@ -157,7 +157,11 @@ def check_engine_layout(config: dict[str, Any], tensors: dict[str, Tensor]) -> l
 
 
 def export_engine_layout(
-    model: PreTrainedModel, out_dir: str | Path, dtype: str = "float16", target: PreTrainedModel | None = None
+    model: PreTrainedModel,
+    out_dir: str | Path,
+    dtype: str = "float16",
+    target: PreTrainedModel | None = None,
+    drop_copy_gate: bool = False,
 ) -> Path:
     """Write `config.json` + `model.safetensors` in the engine layout (atomic, replacing an older export).
 
@@ -166,16 +170,28 @@ def export_engine_layout(
         out_dir: destination folder.
         dtype: float16 | bfloat16 | float32 for the weights and `torch_dtype`.
         target: when given, its input embeddings are saved as `embed_tokens.weight` (engines that do not share).
+        drop_copy_gate: a head trained with a copy gate (`drafter.copy_ngram`, models/eagle_copy.py) is exported
+            without it (engines draft with the head's own logits); False: such a head is refused.
 
     Returns:
         the folder path.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    state = model.state_dict()
+    gate = [k for k in state if k.startswith("copy_gate.")]
+    if gate and not drop_copy_gate:
+        raise ValueError(
+            f"this {type(model).__name__} drafts with a copy gate (drafter.copy_ngram="
+            f"{getattr(model.config, 'copy_ngram', '?')}), which serving engines do not run: export it without "
+            "the gate (drop_copy_gate=True; scripts/export_engine.py --drop-copy-gate), drafting with the head's "
+            "own logits"
+        )
     cfg = engine_config(model, dtype)
     tensors = {
         k: (v if v.dtype in (torch.long, torch.bool) else v.to(DTYPES[dtype])).detach().cpu().contiguous()
-        for k, v in model.state_dict().items()
+        for k, v in state.items()
+        if k not in gate
     }
     if cfg["architectures"] == [EAGLE1_ARCH]:  # engines draft EAGLE-1 over the full vocabulary
         tensors.pop("d2t", None)
@@ -193,11 +209,13 @@ def export_engine_layout(
     return out
 
 
-def export_from_folder(src: str | Path, dst: str | Path, dtype: str = "float16") -> Path:
+def export_from_folder(
+    src: str | Path, dst: str | Path, dtype: str = "float16", drop_copy_gate: bool = False
+) -> Path:
     """Convert our HF export folder (`models/hub.py`) of an EAGLE(-3) head to the engine layout (no target needed)."""
     from specdraft.models.hub import load_drafter
 
-    return export_engine_layout(load_drafter(str(src)), dst, dtype)
+    return export_engine_layout(load_drafter(str(src)), dst, dtype, drop_copy_gate=drop_copy_gate)
 
 
 def read_engine_layout(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:

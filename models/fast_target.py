@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdraft.models import layer_rows, row_ops, stacked_linear
+from specdraft.models import fused_ops, layer_rows, row_ops, stacked_linear
 from specdraft.models.attention import NAME
 from specdraft.models.panel_linear import StackedPanels
 from specdraft.models.stacked_linear import StackedLinear
@@ -287,18 +287,25 @@ def _layer_stacked(
     attn, mlp = layer.self_attn, layer.mlp
     b, n = pack.shape if pack is not None else x.shape[:2]
     d = int(attn.head_dim)
-    qkv = stacks[0].whole(_norm(layer.input_layernorm, x))  # (B, n | T, Wq + Wk + Wv)
+    f = fused_ops.ops(x.device)  # each elementwise stretch one compiled kernel on a GPU, else op by op
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    qkv = stacks[0].whole(f["norm"](x, n1.weight, float(n1.variance_epsilon)))  # (B, n | T, Wq + Wk + Wv)
     if pack is not None:
         qkv = pack.spread(qkv)  # (B, n, W): the padding positions attend as zeros
     heads = qkv.view(b, n, -1, d)  # (B, n, heads + 2 kv_heads, d)
     nq, nk = stacks[0].sizes[0] // d, stacks[0].sizes[1] // d
     cos, ssin = (t.transpose(1, 2) for t in rope)  # (B or 1, n, 1, d) each
-    qk = rotate(heads.narrow(2, 0, nq + nk), cos, ssin)  # (B, n, heads + kv_heads, d)
+    qk = f["rotate_heads"](heads, nq + nk, cos, ssin)  # (B, n, heads + kv_heads, d)
     q, k, v = (t.transpose(1, 2) for t in (qk.narrow(2, 0, nq), qk.narrow(2, nq, nk), heads[:, :, nq + nk :]))
     out = _attend(attn, q, k, v, mask, cache)  # (B, n, heads x d); q, k, v (B, heads | kv_heads, n, d)
-    x = x + attn.o_proj(pack.gather(out) if pack is not None else out)
-    gate, up = stacks[1](_norm(layer.post_attention_layernorm, x))
-    return x + mlp.down_proj(mlp.act_fn(gate) * up)
+    o = attn.o_proj(pack.gather(out) if pack is not None else out)
+    x, h = f["add_norm"](x, o, n2.weight, float(n2.variance_epsilon))  # the residual, the MLP's input
+    if type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+        act = f["silu_mul"](stacks[1].whole(h), stacks[1].sizes[0])
+    else:
+        gate, up = stacks[1](h)
+        act = mlp.act_fn(gate) * up
+    return x + mlp.down_proj(act)
 
 
 def _layer_rows(

@@ -10,6 +10,8 @@
     python scripts/bench_target_forward.py --compare layers --prompts 4 --max-new-tokens 64
     # on a GPU: q/k/v and gate/up as one product each (models/stacked_linear.py) against one by one
     python scripts/bench_target_forward.py --device cuda --dtype bf16 --compare stacked --json $OUT/stacked.json
+    # on a GPU: each elementwise stretch of a layer as one compiled kernel (models/fused_ops.py) against op by op
+    python scripts/bench_target_forward.py --device cuda --dtype bf16 --compare fused --json $OUT/fused.json
     # a kernel change: the committed panel_linear.c as the baseline against the working tree's
     git show HEAD:models/panel_linear.c > /tmp/base.c
     python scripts/bench_target_forward.py --compare kernel --baseline-source /tmp/base.c --prompts 4
@@ -19,7 +21,7 @@
 
 Each forward has its own decoder; they are timed back to back at every size and repetition
 (`SPECDRAFT_TARGET_FORWARD`, `SPECDRAFT_ROW_OPS` with `--compare rows`, `SPECDRAFT_LAYER_ROWS` with `--compare
-layers`, `SPECDRAFT_STACKED_LINEARS` with `--compare stacked`, or the kernel library with `--compare kernel`, switched in the process), so the machine's drift hits both alike. Prints per node
+layers`, `SPECDRAFT_STACKED_LINEARS` with `--compare stacked`, `SPECDRAFT_FUSED_OPS` with `--compare fused`, or the kernel library with `--compare kernel`, switched in the process), so the machine's drift hits both alike. Prints per node
 count the median verify ms of each, their ratio and the median of the paired ratios, then AR tok/s of each on
 the same prompts (alternated prompt by prompt), with every AR output checked equal.
 """
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdraft.eval.bench_common import add_target_args, first_turns, load_bench, write_json
     from specdraft.eval.graphs import graphs_wanted, report_captures
     from specdraft.eval.static_decode import StaticDecoder
-    from specdraft.models import layer_rows, panel_linear, row_ops, stacked_linear
+    from specdraft.models import fused_ops, layer_rows, panel_linear, row_ops, stacked_linear
     from specdraft.models.fast_target import ENV, unsupported
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,12 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--graphs", default="auto", help="auto | on | off: CUDA graphs for the fixed-shape verify")
     p.add_argument(
         "--compare",
-        choices=["forward", "rows", "layers", "stacked", "kernel"],
+        choices=["forward", "rows", "layers", "stacked", "fused", "kernel"],
         default="forward",
         help="forward: transformers' against the lean forward; rows: the lean forward's torch ops against its "
         "row kernels (a CPU panel target); layers: the per-layer Python loop against the one-call loop "
         "(models/layer_rows.py); stacked: the lean forward's q/k/v and gate/up products one by one against stacked "
-        "(models/stacked_linear.py: plain Linears, e.g. a GPU); kernel: --baseline-source's panel kernel against the "
+        "(models/stacked_linear.py: plain Linears, e.g. a GPU); fused: the layers' elementwise ops one by one against "
+        "compiled into one kernel per stretch (models/fused_ops.py); kernel: --baseline-source's panel kernel against the "
         "built one",
     )
     p.add_argument(
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": (("torch_ops", "row_kernels"), row_ops.ENV, {"torch_ops": "0", "row_kernels": "1"}, ("torch ops", "row kernels")),
         "layers": (("layer_loop", "one_call"), layer_rows.ENV, {"layer_loop": "0", "one_call": "1"}, ("layer loop", "one call")),
         "stacked": (("separate", "stacked"), stacked_linear.ENV, {"separate": "0", "stacked": "1"}, ("separate products", "stacked")),
+        "fused": (("eager_ops", "fused"), fused_ops.ENV, {"eager_ops": "off", "fused": "on"}, ("eager ops", "fused ops")),
         "kernel": (("baseline", "built"), None, {}, ("baseline kernel", "built kernel")),
     }[a.compare]  # fmt: skip
 

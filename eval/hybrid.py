@@ -47,7 +47,7 @@ from torch import Tensor
 
 from specdraft.eval.adaptive import accepted_length, effective_scores
 from specdraft.eval.budget import FULL
-from specdraft.eval.decode import Proposer, RowBatchedProposer
+from specdraft.eval.decode import Proposer, RowBatchedProposer, sync_device
 from specdraft.eval.proposers import PromptLookupProposer, host_rows
 from specdraft.eval.tree import DraftTree, ProposerSpec, reorder_tree
 
@@ -232,8 +232,12 @@ class LookupBranch:
         if isinstance(step, DraftTree):
             return step
         chain, hidden, tokens = step
+        if self._timed:  # the drafter's time as the cost curve's: what the device ran, not what was queued
+            sync_device(tokens.device)
         t0 = time.perf_counter()
         tree = self.inner.propose(hidden, tokens)
+        if self._timed:
+            sync_device(tokens.device)
         return self._end(tree, chain, (time.perf_counter() - t0) * 1e3 if self._timed else None)
 
     def propose_rows(

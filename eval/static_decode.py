@@ -519,7 +519,7 @@ class StaticDecoder:
                 new_hidden = hidden[path_t[:a]]
                 new_tokens = torch.cat([tree.tokens[path_t[1:a]], bonus_t])
             elif budget is None or not budget.off_for_good:  # keep them for the proposer's next call
-                held.append((hidden[:1], bonus))
+                held.append((hidden[:1].clone(), bonus))  # a copy: a graph's next replay overwrites `hidden`
             root = bonus
             t4 = clock()
             ratio = proposer.last_compression if drafted else None

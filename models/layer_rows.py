@@ -195,7 +195,7 @@ def plan(decoder: Any, layer_rows: Callable[[nn.Module], tuple[Any, bool]]) -> P
 
 def _build(decoder: Any, info: list[tuple[Any, bool]]) -> Plan | None:
     """The plan of `decoder` from each layer's (stacks, takes the row kernels), or None (`plan`)."""
-    if _lib() is None or not all(ok for _, ok in info):
+    if not all(ok for _, ok in info) or _lib() is None:  # (a GPU's layers never build the CPU kernels)
         return None
     layers = list(decoder.layers)
     first = layers[0].self_attn

@@ -226,14 +226,33 @@ class _Recording:
         return self.inner.propose(hidden, tokens)
 
 
-@pytest.mark.parametrize("shape", ["eager", "fixed"])
+def _aliased_outputs(dec: StaticDecoder) -> None:
+    """Make `dec`'s verify forwards return one persistent (logits, hidden) pair per tree size, overwritten by
+    the next forward of that size, as a replayed CUDA graph's outputs are (the graph path on a CPU)."""
+    forward, buffers = dec._forward_tree, {}
+
+    def aliased(tree, layers, keep_last):
+        logits, hidden, valid, inp = forward(tree, layers, keep_last)
+        key = (logits.shape, hidden.shape)
+        if key not in buffers:
+            buffers[key] = (torch.empty_like(logits), torch.empty_like(hidden))
+        buffers[key][0].copy_(logits), buffers[key][1].copy_(hidden)
+        return buffers[key][0], buffers[key][1], valid, inp
+
+    dec._forward_tree = aliased
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "aliased"])
 def test_plain_steps_hand_every_position_to_the_next_draft(shape):
     """Plain target steps between drafts (the fallback's, or a node budget that is off) take AR's one-node
     step on the eager path and hold their positions: the next draft gets each committed position once, in
     order, with the features and next token a decoder drafting at every step hands over (fp64), and the
-    output equals AR's."""
-    model = _target("llama")
-    dec = _decoder(model, shape)
+    output equals AR's. `aliased`: the fixed shape with every forward's outputs in one buffer per size, as
+    graph replays give them (held plain-step states must be copies, not views)."""
+    model = _target("llama", torch.device("cuda") if shape == "graph" else CPU)
+    dec = _decoder(model, "fixed" if shape == "aliased" else shape)
+    if shape == "aliased":
+        _aliased_outputs(dec)
     prompt = torch.randint(5, V, (9,), generator=torch.Generator().manual_seed(3))
     ref, _ = ar_generate(model, None, prompt, 30, stop_ids=set())
     seen = {}

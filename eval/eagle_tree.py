@@ -42,6 +42,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdraft.eval.copy_context import CopyContext
+from specdraft.eval.eagle_chain import ChainLog, EagleChain
 from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
@@ -167,6 +168,13 @@ class EagleTreeProposer:
             pre, head = drafter.draft_head()
             self.int8 = (pre, int8_copy(head)) if int8_supported() else None
         self.block = _draft_block(drafter, draft_block)  # the head's layer as fused products (CPU) or None
+        # the int8 search on a CPU drafts capped budgets as one chain through C (`eval/eagle_chain.py`)
+        self.chain: EagleChain | None = None
+        if not static and self.int8 is not None and _int8_layers(drafter, draft_block):
+            from specdraft.eval.eagle_chain import make_chain
+
+            self.chain = make_chain(drafter)
+        self.chain_log = ChainLog()
         # copy gate (declared by the family): the committed tokens before the root, indexed on the host
         # (dynamic expansion) or in a device buffer (fixed shape: a graph input, doubled when full: recapture)
         self.copy_ngram = spec_of(drafter).copy_ngram_of(drafter.config)
@@ -195,6 +203,9 @@ class EagleTreeProposer:
         self.cache = DynamicCache()
         self.committed = 0
         self.copy_ctx.reset()
+        self.chain_log.reset()
+        if self.chain is not None:
+            self.chain.reset()
         if self.fixed is not None:
             self.fixed.reset()
         if self.group is not None:  # stays a member, with an empty slot
@@ -259,11 +270,36 @@ class EagleTreeProposer:
             self.graphs = self.fixed.graph is not None
             tree_tok, parents, depth, anc = (t.clone() for t in res)  # graph outputs are overwritten
             return DraftTree(tree_tok, parents, depth, anc).to(tokens.device)
-        out = self.commit(hidden, tokens)  # (n, H)
         if self.copy_ngram:  # index the committed tokens before the new root: the previous root, tokens[:-1]
             self.copy_ctx.update_index(tokens)
+        if self.chain is not None:  # both caches take the positions they have not seen from one log
+            self.chain_log.add(hidden, tokens)
+            lag = self.chain_log.take("native" if self.chain_now() else "torch")
+            assert lag is not None  # (at least this call's positions)
+            if self.chain_now():
+                index = self.copy_ctx.index if self.copy_ngram else None
+                chain, cum = self.chain.propose(lag[0], lag[1].tolist(), self.depth, index)
+                self.last_pool, self.last_levels = None, self.depth - 1
+                return self.chain.tree(chain, cum).to(tokens.device)
+            hidden, tokens = lag
+        out = self.commit(hidden, tokens)  # (n, H)
         tok, par, score, depth = self.grow(out[-1], root=tokens[-1:])
         return self.rerank(tokens[-1:], tok, par, score, depth, tokens.device)
+
+    def chain_now(self) -> bool:
+        """Whether `propose` drafts through the native chain: one is built and the budget capped the tree to a
+        chain's size (`fit_budget`: as many nodes as levels)."""
+        return self.chain is not None and self.total_tokens == self.depth and self.group is None
+
+    def drop_chain(self) -> None:
+        """Draft in torch from now on (batch rows drafted together): the torch cache takes the positions only the
+        native chain has seen, then the chain is gone."""
+        if self.chain is None:
+            return
+        lag = self.chain_log.take("torch")
+        if lag is not None:  # positions only the native chain has seen
+            self.commit(*lag)
+        self.chain, self.chain_log = None, ChainLog()
 
     def propose_rows(
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
@@ -292,6 +328,8 @@ class EagleTreeProposer:
         if not same:
             return None
         ps = cast("list[EagleTreeProposer]", list(rows))
+        for p in ps:  # rows drafted together draft in torch (their caches brought up to date first)
+            p.drop_chain()
         if self.fixed is not None:
             from specdraft.eval.eagle_static_rows import propose_static_rows
 
@@ -477,6 +515,14 @@ class EagleTreeProposer:
             anc.to(device),
             scores=scores.to(device),
         )
+
+
+def _int8_layers(drafter: torch.nn.Module, kind: str) -> bool:
+    """Whether `eval.draft_block` `kind` drafts `drafter`'s layer through int8 products ("int8", or "auto" where
+    the family declares `int8_draft_layer`)."""
+    from specdraft.eval.draft_block import resolve_kind
+
+    return kind in DRAFT_BLOCKS and resolve_kind(kind, spec_of(drafter)) == "int8"
 
 
 def _draft_block(drafter: torch.nn.Module, kind: str) -> DraftBlock | None:

@@ -70,6 +70,26 @@ def _offset(q: Tensor) -> Tensor:
     return (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
 
 
+_CHAINS: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # chain length -> its topology (CPU)
+
+
+def chain_tree(tokens: list[int], cum: list[float], min_logp: float | None = None) -> DraftTree:
+    """A chain `tokens` (root first) drafted as a tree with per-node scores (exp of the cumulative log-probs
+    `cum`), cut before the first node below `min_logp`: what `pack_beams` and `beam_scores` make of one beam,
+    without their tensor work (one topology per length, cached)."""
+    n = len(tokens)
+    if min_logp is not None:
+        n = next((i for i in range(1, n) if cum[i] < min_logp), n)
+    topo = _CHAINS.get(n)
+    if topo is None:
+        ar = torch.arange(n)
+        topo = _CHAINS[n] = (ar - 1, ar, torch.ones(n, n, dtype=torch.bool).tril(), ar[None])
+    parents, depth, ancestors, nodes = (t.clone() for t in topo)
+    tree = DraftTree(torch.tensor(tokens[:n], dtype=torch.long), parents, depth, ancestors, nodes)
+    tree.scores = torch.tensor(cum[:n], dtype=torch.float32).exp()  # (n,), root 1
+    return tree
+
+
 class NativeChain:
     """Int8 copies of a ReDrafter's products and one `sd_redrafter_slot` call per drafted token.
 
@@ -147,7 +167,6 @@ class NativeChain:
         self.table: Tensor | None = w_emb if fits else None  # (V, E): rows addressed directly
         self.row_bytes = e * 4
         self._rows: list[Tensor] = []  # embedding copies of the current call (a table that does not fit)
-        self._chains: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         # draft id -> target id, target id -> draft id (-1: outside the draft vocabulary), as lists (host reads)
         draft_ids = drafter.to_target_ids(torch.arange(vd, device=drafter.d2t.device)).cpu()
         self.to_target: list[int] = draft_ids.tolist()
@@ -165,20 +184,8 @@ class NativeChain:
         return row.data_ptr()
 
     def tree(self, tokens: list[int], cum: list[float], min_logp: float | None = None) -> DraftTree:
-        """The chain `tokens` (root first) drafted as a tree with per-node scores (exp of the cumulative
-        log-probs), cut before the first node below `min_logp`: what `pack_beams` and `beam_scores` make of one
-        beam, without their tensor work (one topology per length, cached)."""
-        n = len(tokens)
-        if min_logp is not None:
-            n = next((i for i in range(1, n) if cum[i] < min_logp), n)
-        topo = self._chains.get(n)
-        if topo is None:
-            ar = torch.arange(n)
-            topo = self._chains[n] = (ar - 1, ar, torch.ones(n, n, dtype=torch.bool).tril(), ar[None])
-        parents, depth, ancestors, nodes = (t.clone() for t in topo)
-        tree = DraftTree(torch.tensor(tokens[:n], dtype=torch.long), parents, depth, ancestors, nodes)
-        tree.scores = torch.tensor(cum[:n], dtype=torch.float32).exp()  # (n,), root 1
-        return tree
+        """The chain `tokens` (root first) as a tree with per-node scores (`chain_tree`)."""
+        return chain_tree(tokens, cum, min_logp)
 
     @torch.inference_mode()
     def chain(

@@ -221,3 +221,216 @@ void sd_redrafter_slot(const int64_t *p, const int64_t *dims, float *state, cons
         }
     }
 }
+
+// ---- EAGLE heads: one draft slot (or one committed position) of an EAGLE-1 / EAGLE-3 head in one call ----------
+// (eval/eagle_chain.py). The head's decoder layer over one new position appended to its own KV cache (fp32,
+// (NKV, CAP, D) per keys / values), its vocabulary head's argmax and logsumexp, and the copy gate's mixture:
+//   EAGLE-3: g = fc(feats) at a committed position (feats NULL at a drafted one: g is the previous output);
+//            x = [rms(e(token)); rms(g)] (2H), residual g
+//   EAGLE-1: x = fc([e(token); g]) + b (H), residual x (the layer has no input norm)
+//   o = residual + Wo attn(rope(Wq x), rope(Wk x), Wv x);  o2 = o + Wd (SiLU(Wg h) * Wu h), h = rms(o)
+//   g <- o2;  head on rms(o2) (EAGLE-3) or o2 (EAGLE-1), as `draft_logits`
+// Products are int8 rows with fp32 scales as in `sd_redrafter_slot` (VNNI where the sizes allow).
+
+static void ec_rms(const float *x, const float *w, float eps, int64_t n, float *out) {
+    double s = 0.0;
+    for (int64_t j = 0; j < n; j++) s += (double)x[j] * x[j];
+    float r = 1.0f / sqrtf((float)(s / (double)n) + eps);
+    for (int64_t j = 0; j < n; j++) out[j] = w[j] * (x[j] * r);
+}
+
+// HF's rotary embedding of one head vector v (D,) at the tables' row: v*cos + rotate_half(v)*sin
+static void ec_rope(float *v, const float *cs, const float *sn, int64_t D) {
+    int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = v[i], b = v[i + h];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + h] = b * cs[i + h] + a * sn[i + h];
+    }
+}
+
+// Pointers in `p` (int64 addresses), in this order (int8 weights stored + 128 as uint8, fp32 row scales):
+//   0 fc (H, F) 1 its scales 2 its bias (H)   3 qkv (NQ D + 2 NKV D, KIN) 4 its scales 5 its bias
+//   6 o (H, NQ D) 7 its scales 8 its bias   9 gate|up (2I, H) 10 its scales   11 down (H, I) 12 its scales
+//   13 input norm w (H) 14 hidden norm w (H) 15 post-attention norm w (H) 16 final norm w (H)
+//   17 head (VD, H) 18 its scales   19 gate fc fp32 (HC, 2H) 20 its bias 21 gate out (HC) 22 its bias
+//   23 length bias (NGRAM + 1)   24 cos table (ROWS, D) 25 sin table (ROWS, D)   26 eps (4: in, hid, post, final)
+// dims: H, KIN, F, NQ, NKV, D, I, VD, HC, has_gate, eagle3, CAP.
+// feats (F,): the committed position's target features (EAGLE-3: the fused layers; NULL at a drafted slot).
+// g (H,): in: the position's input feature (EAGLE-1 always; EAGLE-3 at a drafted slot), out: the head's output.
+// emb (H,): the embedding of the position's token. pos: its rotary position; len: the cache entries before it
+// (its keys and values are written at index len). want_head: run the vocabulary head (else out_* untouched).
+// scratch: KIN + 2 (NQ + 2 NKV) D + NQ CAP + 6 H + 3 I + VD + 128 floats.
+void sd_eagle_slot(const int64_t *p, const int64_t *dims, const float *feats, float *g, const float *emb,
+                   int64_t pos, float *kc, float *vc, int64_t len, int want_head, int64_t cand, int64_t clen,
+                   const float *cand_emb, float gate_scale, float attn_scale, float *scratch, int64_t *out_id,
+                   float *out_logp, int nthreads) {
+    const int64_t H = dims[0], KIN = dims[1], F = dims[2], NQ = dims[3], NKV = dims[4], D = dims[5];
+    const int64_t I = dims[6], VD = dims[7], HC = dims[8], CAP = dims[11];
+    const int has_gate = (int)dims[9], eagle3 = (int)dims[10];
+    const uint8_t *Wfc = (const uint8_t *)p[0], *Wqkv = (const uint8_t *)p[3], *Wo = (const uint8_t *)p[6];
+    const uint8_t *Wgu = (const uint8_t *)p[9], *Wd = (const uint8_t *)p[11], *Wh = (const uint8_t *)p[17];
+    const float *Sfc = (const float *)p[1], *Bfc = (const float *)p[2], *Sqkv = (const float *)p[4];
+    const float *Bqkv = (const float *)p[5], *So = (const float *)p[7], *Bo = (const float *)p[8];
+    const float *Sgu = (const float *)p[10], *Sd = (const float *)p[12], *Sh = (const float *)p[18];
+    const float *Nin = (const float *)p[13], *Nhid = (const float *)p[14], *Npost = (const float *)p[15];
+    const float *Nfin = (const float *)p[16], *cs = (const float *)p[24] + pos * D;
+    const float *sn = (const float *)p[25] + pos * D, *eps = (const float *)p[26];
+    const int64_t QKV = (NQ + 2 * NKV) * D;
+    float *x = scratch, *qkv = x + KIN, *att = qkv + QKV, *sc = att + NQ * D, *o = sc + NQ * CAP;
+    float *hp = o + H, *gu = hp + H, *a = gu + 2 * I, *s = a + I, *fin = s + H, *ecat = fin + H;
+    float *logits = ecat + 2 * H, *tmax = logits + VD, *tsum = tmax + 64;
+    int64_t targ[64];
+    static dc_act a0;
+    const int vnni = sd_qdot_vnni() && H % 64 == 0 && KIN % 64 == 0 && F % 64 == 0 && I % 64 == 0 &&
+                     (NQ * D) % 64 == 0 && KIN <= 4096 && F <= 4096 && I <= 4096 && NQ * D <= 4096;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+    const float *resid = eagle3 ? g : x;
+#pragma omp parallel num_threads(nthreads)
+    {
+        // the layer's input x
+        if (eagle3) {
+            if (feats) {  // g = fc(feats) at a committed position
+#pragma omp single
+                if (vnni) dc_quant(feats, F, a0.q, &a0.s, &a0.sum);
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < H; r++) g[r] = Sfc[r] * dc_row(vnni, Wfc + r * F, feats, &a0, F) + Bfc[r];
+            }
+#pragma omp single
+            {
+                ec_rms(emb, Nin, eps[0], H, x);
+                ec_rms(g, Nhid, eps[1], H, x + H);
+                if (vnni) dc_quant(x, KIN, a0.q, &a0.s, &a0.sum);
+            }
+        } else {
+#pragma omp single
+            {
+                memcpy(ecat, emb, (size_t)H * sizeof(float));
+                memcpy(ecat + H, g, (size_t)H * sizeof(float));
+                if (vnni) dc_quant(ecat, 2 * H, a0.q, &a0.s, &a0.sum);
+            }
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < H; r++) x[r] = Sfc[r] * dc_row(vnni, Wfc + r * 2 * H, ecat, &a0, 2 * H) + Bfc[r];
+#pragma omp single
+            if (vnni) dc_quant(x, KIN, a0.q, &a0.s, &a0.sum);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < QKV; r++) qkv[r] = Sqkv[r] * dc_row(vnni, Wqkv + r * KIN, x, &a0, KIN) + Bqkv[r];
+#pragma omp single
+        {
+            for (int64_t h = 0; h < NQ + NKV; h++) ec_rope(qkv + h * D, cs, sn, D);  // q heads, then k heads
+            for (int64_t h = 0; h < NKV; h++) {
+                memcpy(kc + (h * CAP + len) * D, qkv + (NQ + h) * D, (size_t)D * sizeof(float));
+                memcpy(vc + (h * CAP + len) * D, qkv + (NQ + NKV + h) * D, (size_t)D * sizeof(float));
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < NQ; h++) {  // attention of head h over the len + 1 cached positions
+            const float *q = qkv + h * D;
+            int64_t kvh = h / (NQ / NKV);
+            const float *K = kc + kvh * CAP * D, *V = vc + kvh * CAP * D;
+            float *w = sc + h * CAP, m = -INFINITY;
+            for (int64_t t = 0; t <= len; t++) {
+                float d = 0.0f;
+                for (int64_t i = 0; i < D; i++) d += q[i] * K[t * D + i];
+                w[t] = d * attn_scale;
+                m = w[t] > m ? w[t] : m;
+            }
+            float tot = 0.0f;
+            for (int64_t t = 0; t <= len; t++) tot += (w[t] = expf(w[t] - m));
+            float *out = att + h * D;
+            for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+            for (int64_t t = 0; t <= len; t++) {
+                float pw = w[t] / tot;
+                for (int64_t i = 0; i < D; i++) out[i] += pw * V[t * D + i];
+            }
+        }
+#pragma omp single
+        if (vnni) dc_quant(att, NQ * D, a0.q, &a0.s, &a0.sum);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < H; r++) o[r] = resid[r] + So[r] * dc_row(vnni, Wo + r * NQ * D, att, &a0, NQ * D) + Bo[r];
+#pragma omp single
+        {
+            ec_rms(o, Npost, eps[2], H, hp);
+            if (vnni) dc_quant(hp, H, a0.q, &a0.s, &a0.sum);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < 2 * I; r++) gu[r] = Sgu[r] * dc_row(vnni, Wgu + r * H, hp, &a0, H);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < I; r++) a[r] = dc_silu(gu[r]) * gu[I + r];
+#pragma omp single
+        if (vnni) dc_quant(a, I, a0.q, &a0.s, &a0.sum);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < H; r++) s[r] = o[r] + Sd[r] * dc_row(vnni, Wd + r * I, a, &a0, I);
+#pragma omp single
+        {
+            memcpy(g, s, (size_t)H * sizeof(float));  // the head's output: the next slot's input feature
+            if (eagle3) ec_rms(s, Nfin, eps[3], H, fin);
+            else memcpy(fin, s, (size_t)H * sizeof(float));
+            if (want_head && vnni) dc_quant(fin, H, a0.q, &a0.s, &a0.sum);
+        }
+        if (want_head) {
+            int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            float m = -INFINITY;
+            int64_t am = 0;
+#pragma omp for schedule(static)
+            for (int64_t v = 0; v < VD; v++) {
+                float l = Sh[v] * dc_row(vnni, Wh + v * H, fin, &a0, H);
+                logits[v] = l;
+                if (l > m) m = l, am = v;
+            }
+            tmax[tid] = m;
+            targ[tid] = am;
+#pragma omp barrier
+            float gm = -INFINITY;
+            for (int i = 0; i < nt; i++) gm = tmax[i] > gm ? tmax[i] : gm;
+            float ssum = 0.0f;
+#pragma omp for schedule(static)
+            for (int64_t v = 0; v < VD; v++) ssum += expf(logits[v] - gm);
+            tsum[tid] = ssum;
+#pragma omp barrier
+#pragma omp single
+            {
+                float best = -INFINITY, tot = 0.0f;
+                int64_t arg = 0;
+                for (int i = 0; i < nt; i++) {
+                    if (tmax[i] > best) best = tmax[i], arg = targ[i];
+                    tot += tsum[i];
+                }
+                float lse = gm + logf(tot), lam = 0.0f;
+                if (has_gate && cand >= 0 && clen > 0) {  // lam = sigmoid((out(SiLU(fc([s; e(c)]))) + bias[m]) scale)
+                    const float *Gw = (const float *)p[19], *Gb = (const float *)p[20];
+                    const float *Ow = (const float *)p[21], *Ob = (const float *)p[22], *Lb = (const float *)p[23];
+                    float z = Ob[0];
+                    for (int64_t k = 0; k < HC; k++) {
+                        const float *row = Gw + k * 2 * H;
+                        float acc = Gb[k];
+                        for (int64_t j = 0; j < H; j++) acc += row[j] * fin[j];
+                        for (int64_t j = 0; j < H; j++) acc += row[H + j] * cand_emb[j];
+                        z += Ow[k] * dc_silu(acc);
+                    }
+                    lam = 1.0f / (1.0f + expf(-(z + Lb[clen]) * gate_scale));
+                    if (lam > 1.0f - 1.1920929e-07f) lam = 1.0f - 1.1920929e-07f;
+                }
+                float la = best - lse;
+                if (lam > 0.0f) {
+                    float lc = logits[cand] - lse;
+                    float pi = (1.0f - lam) * expf(lc) + lam;
+                    float lcm = logf(pi > 1.17549435e-38f ? pi : 1.17549435e-38f);
+                    float lam_other = la + log1pf(-lam);
+                    if (arg == cand || lcm >= lam_other) {
+                        *out_id = cand;
+                        *out_logp = lcm;
+                    } else {
+                        *out_id = arg;
+                        *out_logp = lam_other;
+                    }
+                } else {
+                    *out_id = arg;
+                    *out_logp = la;
+                }
+            }
+        }
+    }
+}

@@ -271,6 +271,10 @@ class NodeBudget:
             refitted at once, `refit_scale` times further.
         trim_slowest: draft times are averaged without their slowest eighth (`typical_ms`): on for a decoder
             that captures CUDA graphs (a capture is one slow step), off elsewhere.
+        confidence: the best size (by mean gain) drafts only if its rate with the gain lowered by this many
+            standard errors of the mean over the fit's steps still beats plain steps (`_settle`), so a gain within
+            the noise of a few dozen steps of one text (a refit: 16) does not turn drafting on; 0: the mean
+            decides. The choice among drafted sizes is the means'.
     """
 
     cost: CostCurve
@@ -287,6 +291,7 @@ class NodeBudget:
     refit_scale: int = 4
     probe_floor: int = 4
     trim_slowest: bool = True
+    confidence: float = 1.0
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -474,6 +479,9 @@ class NodeBudget:
         rates = {b: r for b, r in self.rates(draft_ms or self.draft_ms).items() if b <= top}
         rates.update(measured)
         cap = max(sorted(rates), key=lambda b: (rates[b], -b))
+        noise = cap > 1 and self.rates(draft_ms or self.draft_ms, self.confidence)[cap] <= rates[1]
+        if noise:  # the gain over plain steps is within the fit's noise: plain steps
+            cap = 1
         probe = self.refit_cap()  # the size this fit's phase 1 drafted at
         same = bool(self.history) and self.history[-1] == cap
         self._gap = min(2 * (self._gap or self.refit_gap), self.refit_max) if same else self.refit_gap
@@ -488,6 +496,7 @@ class NodeBudget:
         self.history.append(cap)
         if self.label and not same:
             what = "no drafting (plain target steps)" if self.cap == 1 else f"trees cut to {self.cap} nodes"
+            what += " (the best size's gain is within the fit's noise)" if noise else ""
             when = f" (refit {self.refits})" if self.refits else ""
             print(
                 f"[node budget] {self.label}{when}: {what}; expected tokens/s "
@@ -495,13 +504,19 @@ class NodeBudget:
                 flush=True,
             )
 
-    def rates(self, draft_ms: list[float]) -> dict[int, float]:
+    def rates(self, draft_ms: list[float], confidence: float = 0.0) -> dict[int, float]:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
-        phase-1 gain curve and the typical draft time of `draft_ms` (`typical_ms`)."""
+        phase-1 gain curve and the typical draft time of `draft_ms` (`typical_ms`); a drafted size's gain is the
+        steps' mean less `confidence` standard errors of it (0: the mean)."""
+        z = confidence
         draft = typical_ms(draft_ms, self.trim_slowest)
+        n = len(self.gains)
         out = {1: 1.0 / self.cost(1)}
         for b in self.sizes[1:]:
-            gain = sum(g[min(b, len(g)) - 1] for g in self.gains) / len(self.gains)
-            ms = sum(self.cost(min(b, len(g))) for g in self.gains) / len(self.gains) + draft
+            tokens = [g[min(b, len(g)) - 1] for g in self.gains]  # (n,) tokens the first b nodes gave
+            gain = sum(tokens) / n
+            if z > 0 and n > 1:  # the mean's standard error over these steps
+                gain -= z * (sum((t - gain) ** 2 for t in tokens) / (n - 1) / n) ** 0.5
+            ms = sum(self.cost(min(b, len(g))) for g in self.gains) / n + draft
             out[b] = gain / ms
         return out

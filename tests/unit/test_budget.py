@@ -95,6 +95,24 @@ def test_cap_follows_the_machine():
     assert mid.gains == before
 
 
+def test_a_gain_within_the_noise_of_the_fit_does_not_draft():
+    """A 2-node tree that gives 1 or 2 tokens (6 of 16 steps: mean 1.375) against a verify of 1.3 one-token steps
+    beats plain steps on the mean but not by one standard error of it (0.125): no drafting; 12 of 16 (mean 1.75)
+    wins either way. `confidence=0` rates the mean alone, and its rates equal the formula."""
+    cost = {1: 10.0, 2: 13.0, 4: 40.0, 8: 80.0}
+    for twos, z, cap in ((6, 1.0, 1), (6, 0.0, 2), (12, 1.0, 2), (12, 0.0, 2)):
+        b = _budget(cost, check_steps=0, confidence=z, fit_steps=16)
+        for i in range(16):
+            b.observe(0.0, 1, [1, 2 if i < twos else 1])
+        assert b.settled and b.cap == cap, (twos, z)
+    b = _budget(cost, check_steps=0)
+    b.gains, b.draft_ms = [[1, 2]] * 6 + [[1, 1]] * 10, [0.0] * 16
+    mean = 22 / 16
+    se = ((6 * (2 - mean) ** 2 + 10 * (1 - mean) ** 2) / 15 / 16) ** 0.5
+    assert b.rates([0.0], confidence=1.0)[2] == pytest.approx((mean - se) / 13.0)
+    assert b.rates([0.0])[2] == pytest.approx(mean / 13.0)
+
+
 def test_typical_draft_time_drops_the_slowest_eighth():
     assert typical_ms([5.0]) == 5.0
     assert typical_ms([3.0, 300.0]) == 3.0  # one sample of two dropped
@@ -424,8 +442,14 @@ def test_drafting_comes_back_after_a_refit(static):
     model = tiny_llama(num_layers=2, dtype=torch.float64)
     dec = StaticDecoder(model, 96, static=static)
     flat = {1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3}  # verify costs of seconds: the draft time does not matter
-    budget = NodeBudget(
-        CostCurve(flat), fit_steps=4, check_steps=2, sizes=(1, 2, 4, 8), refit_gap=6, refit_steps=4
+    budget = NodeBudget(  # 4-step fits: the mean decides (the noise rule would want more than one hit in 4)
+        CostCurve(flat),
+        fit_steps=4,
+        check_steps=2,
+        sizes=(1, 2, 4, 8),
+        refit_gap=6,
+        refit_steps=4,
+        confidence=0.0,
     )
     caps: list[int] = []
     for i, prompt_len in enumerate((3, 11, 7, 5, 9)):

@@ -277,6 +277,8 @@ class EagleTreeProposer:
             lag = self.chain_log.take("native" if self.chain_now() else "torch")
             assert lag is not None  # (at least this call's positions)
             if self.chain_now():
+                if self.group is not None:  # after rows drafted together: its positions back from the group
+                    self.group.leave(self)
                 index = self.copy_ctx.index if self.copy_ngram else None
                 chain, cum = self.chain.propose(lag[0], lag[1].tolist(), self.depth, index)
                 self.last_pool, self.last_levels = None, self.depth - 1
@@ -289,17 +291,19 @@ class EagleTreeProposer:
     def chain_now(self) -> bool:
         """Whether `propose` drafts through the native chain: one is built and the budget capped the tree to a
         chain's size (`fit_budget`: as many nodes as levels)."""
-        return self.chain is not None and self.total_tokens == self.depth and self.group is None
+        return self.chain is not None and self.total_tokens == self.depth
 
-    def drop_chain(self) -> None:
-        """Draft in torch from now on (batch rows drafted together): the torch cache takes the positions only the
-        native chain has seen, then the chain is gone."""
+    def sync_rows(self, hidden: Tensor, tokens: Tensor) -> None:
+        """Before this row drafts with others in torch (`propose_rows`): its torch cache takes the positions only
+        the native chain has seen, and this call's positions (hidden (n, F), tokens (n,)), which the rows' step
+        commits, are logged as the torch cache's, for the chain's next call when the row drafts alone."""
         if self.chain is None:
             return
         lag = self.chain_log.take("torch")
         if lag is not None:  # positions only the native chain has seen
             self.commit(*lag)
-        self.chain, self.chain_log = None, ChainLog()
+        self.chain_log.add(hidden, tokens)
+        self.chain_log.at["torch"] = len(self.chain_log.chunks)
 
     def propose_rows(
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]
@@ -328,8 +332,10 @@ class EagleTreeProposer:
         if not same:
             return None
         ps = cast("list[EagleTreeProposer]", list(rows))
-        for p in ps:  # rows drafted together draft in torch (their caches brought up to date first)
-            p.drop_chain()
+        if len(ps) == 1 and ps[0].chain_now():  # a row drafting alone (batch 1, a queue's tail): its chain
+            return [ps[0].propose(hidden[0], tokens[0])]
+        for p, h, t in zip(ps, hidden, tokens, strict=True):  # rows together draft in torch
+            p.sync_rows(h, t)
         if self.fixed is not None:
             from specdraft.eval.eagle_static_rows import propose_static_rows
 

@@ -117,13 +117,15 @@ def test_decoding_through_the_chain_is_lossless_and_switches_with_the_budget(fam
     assert tree.tokens.tolist() == want.tokens.tolist()
 
 
-def test_batch_rows_drafted_together_leave_the_chain():
-    """Rows drafted together (`propose_rows`) draft in torch: each row's cache first takes the positions only its
-    chain had seen, and its trees equal those of rows that never used the chain."""
+def test_batch_rows_draft_together_in_torch_and_a_lone_row_takes_its_chain():
+    """Rows drafted together (`propose_rows`, 2 rows) draft in torch: each row's cache first takes the positions
+    only its chain had seen, so their trees equal those of rows that never used the chain; a row that then
+    drafts alone takes its chain again, whose cache also holds the positions the rows' step committed (the same
+    chain as a proposer that only ever drafted chains)."""
     head, target = _head("eagle3")
-    ids = torch.randint(5, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(5, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     feats = [_features(head, target, ids[r : r + 1]) for r in range(2)]
-    rows = {}
+    together, alone = {}, {}
     for kind in ("chain", "torch"):
         ps = [make_proposer(head, tree_nodes=8, int8_head=True, draft_block="int8") for _ in range(2)]
         for r, p in enumerate(ps):
@@ -131,11 +133,16 @@ def test_batch_rows_drafted_together_leave_the_chain():
                 p.chain = None
             p.fit_budget(3)
             p.propose(feats[r][:6], ids[r, 1:7])  # alone: the chain (or torch)
-        rows[kind] = ps[0].propose_rows(ps, [f[6:8] for f in feats], [ids[r, 7:9] for r in range(2)])
-        assert all(p.chain is None for p in ps)
-    assert rows["chain"] is not None and rows["torch"] is not None
-    for a, b in zip(rows["chain"], rows["torch"], strict=True):
+        together[kind] = ps[0].propose_rows(ps, [f[6:8] for f in feats], [ids[r, 7:9] for r in range(2)])
+        alone[kind] = ps[0].propose_rows([ps[0]], [feats[0][8:10]], [ids[0, 9:11]])
+        assert (ps[0].group is None) == (kind == "chain")  # the lone chain call took its positions back
+    assert together["chain"] is not None and together["torch"] is not None
+    for a, b in zip(together["chain"], together["torch"], strict=True):
         assert a.tokens.tolist() == b.tokens.tolist()
+    fresh = make_proposer(head, tree_nodes=8, int8_head=True, draft_block="int8")
+    fresh.fit_budget(3)
+    want = fresh.propose(feats[0][:10], ids[0, 1:11])  # a chain over the same 10 positions
+    assert alone["chain"] is not None and alone["chain"][0].tokens.tolist() == want.tokens.tolist()
 
 
 def test_what_drafts_in_torch(monkeypatch):

@@ -86,6 +86,76 @@ static inline float dc_silu(float v) { return v / (1.0f + expf(-v)); }
 
 int sd_qdot_vnni(void); /* qdot.c: AVX-512 VNNI on this CPU and the AVX-512 switch on */
 
+// The vocabulary head and the copy gate of one draft slot, called by every thread of the caller's parallel region
+// (its `omp for` and barriers bind to it): logits[v] = S[v] * (W[v] . x) over the VD int8 rows (x quantised in
+// `a` where `vnni`), their argmax and logsumexp, then the pick under the mixture (1 - lam) p + lam onehot(cand)
+// with lam = sigmoid((out(SiLU(fc([x; e(cand)]))) + bias[clen]) * scale) where gate != NULL and there is a
+// candidate (a draft id; -1: none). tmax, tsum, targ: 64 entries each, shared by the threads.
+static void dc_head_pick(int vnni, const uint8_t *W, const float *S, const float *x, const dc_act *a, int64_t X,
+                         int64_t VD, float *logits, float *tmax, float *tsum, int64_t *targ,
+                         const float *const *gate, int64_t HC, int64_t E, int64_t cand, int64_t clen,
+                         const float *cand_emb, float gate_scale, int64_t *out_id, float *out_logp) {
+    int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    float m = -INFINITY;
+    int64_t am = 0;
+#pragma omp for schedule(static)
+    for (int64_t v = 0; v < VD; v++) {
+        float l = S[v] * dc_row(vnni, W + v * X, x, a, X);
+        logits[v] = l;
+        if (l > m) m = l, am = v;
+    }
+    tmax[tid] = m;
+    targ[tid] = am;
+#pragma omp barrier
+    float gm = -INFINITY;
+    for (int i = 0; i < nt; i++) gm = tmax[i] > gm ? tmax[i] : gm;
+    float ssum = 0.0f;
+#pragma omp for schedule(static)
+    for (int64_t v = 0; v < VD; v++) ssum += expf(logits[v] - gm);
+    tsum[tid] = ssum;
+#pragma omp barrier
+#pragma omp single
+    {
+        float best = -INFINITY, tot = 0.0f;
+        int64_t arg = 0;
+        for (int i = 0; i < nt; i++) {  // the first thread holding the max: the lowest index wins ties
+            if (tmax[i] > best) best = tmax[i], arg = targ[i];
+            tot += tsum[i];
+        }
+        float lse = gm + logf(tot), lam = 0.0f;
+        if (gate && cand >= 0 && clen > 0) {
+            const float *Gw = gate[0], *Gb = gate[1], *Ow = gate[2], *Ob = gate[3], *Lb = gate[4];
+            float z = Ob[0];
+            for (int64_t k = 0; k < HC; k++) {
+                const float *row = Gw + k * (X + E);
+                float acc = Gb[k];
+                for (int64_t j = 0; j < X; j++) acc += row[j] * x[j];
+                for (int64_t j = 0; j < E; j++) acc += row[X + j] * cand_emb[j];
+                z += Ow[k] * dc_silu(acc);
+            }
+            lam = 1.0f / (1.0f + expf(-(z + Lb[clen]) * gate_scale));
+            if (lam > 1.0f - 1.1920929e-07f) lam = 1.0f - 1.1920929e-07f;
+        }
+        float la = best - lse;  // the head's best token
+        if (lam > 0.0f) {
+            float lc = logits[cand] - lse;
+            float pi = (1.0f - lam) * expf(lc) + lam;
+            float lcm = logf(pi > 1.17549435e-38f ? pi : 1.17549435e-38f);
+            float lam_other = la + log1pf(-lam);
+            if (arg == cand || lcm >= lam_other) {
+                *out_id = cand;
+                *out_logp = lcm;
+            } else {
+                *out_id = arg;
+                *out_logp = lam_other;
+            }
+        } else {
+            *out_id = arg;
+            *out_logp = la;
+        }
+    }
+}
+
 // Pointers in `p` (int64 addresses), in this order:
 //   0 rnn_u (E, E)   1 its row scales (E,)   2 its bias (E,)   3 rnn_w (E, E)   4 its row scales (E,)
 //   5 input_proj (X, E + F) (state columns first)   6 its row scales (X,)   7 its bias (X,)
@@ -158,67 +228,10 @@ void sd_redrafter_slot(const int64_t *p, const int64_t *dims, float *state, cons
         const float *gx = (NB % 2 == 0) ? g : h;
 #pragma omp single
         if (vnni) dc_quant(gx, X, a1.q, &a1.s, &a1.sum);
-        int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        float m = -INFINITY;
-        int64_t am = 0;
-#pragma omp for schedule(static)
-        for (int64_t v = 0; v < VD; v++) {
-            float l = Hs[v] * dc_row(vnni, H + v * X, gx, &a1, X);
-            logits[v] = l;
-            if (l > m) m = l, am = v;
-        }
-        tmax[tid] = m;
-        targ[tid] = am;
-#pragma omp barrier
-        float gm = -INFINITY;
-        for (int i = 0; i < nt; i++) gm = tmax[i] > gm ? tmax[i] : gm;
-        float s = 0.0f;
-#pragma omp for schedule(static)
-        for (int64_t v = 0; v < VD; v++) s += expf(logits[v] - gm);
-        tsum[tid] = s;
-#pragma omp barrier
-#pragma omp single
-        {
-            float best = -INFINITY, tot = 0.0f;
-            int64_t arg = 0;
-            for (int i = 0; i < nt; i++) {  // the first thread holding the max: the lowest index wins ties
-                if (tmax[i] > best) best = tmax[i], arg = targ[i];
-                tot += tsum[i];
-            }
-            float lse = gm + logf(tot);
-            float lam = 0.0f;
-            if (has_gate && cand >= 0 && clen > 0) {  // lam = sigmoid((out(SiLU(fc([g; e(c)]))) + bias[m]) * scale)
-                const float *Gw = (const float *)p[13], *Gb = (const float *)p[14];
-                const float *Ow = (const float *)p[15], *Ob = (const float *)p[16], *Lb = (const float *)p[17];
-                float z = Ob[0];
-                for (int64_t k = 0; k < HC; k++) {
-                    const float *row = Gw + k * (X + E);
-                    float a = Gb[k];
-                    for (int64_t j = 0; j < X; j++) a += row[j] * gx[j];
-                    for (int64_t j = 0; j < E; j++) a += row[X + j] * cand_emb[j];
-                    z += Ow[k] * dc_silu(a);
-                }
-                lam = 1.0f / (1.0f + expf(-(z + Lb[clen]) * gate_scale));
-                if (lam > 1.0f - 1.1920929e-07f) lam = 1.0f - 1.1920929e-07f;
-            }
-            float la = best - lse;  // the head's best token
-            if (lam > 0.0f) {
-                float lc = logits[cand] - lse;
-                float pi = (1.0f - lam) * expf(lc) + lam;
-                float lcm = logf(pi > 1.17549435e-38f ? pi : 1.17549435e-38f);
-                float lam_other = la + log1pf(-lam);
-                if (arg == cand || lcm >= lam_other) {
-                    *out_id = cand;
-                    *out_logp = lcm;
-                } else {
-                    *out_id = arg;
-                    *out_logp = lam_other;
-                }
-            } else {
-                *out_id = arg;
-                *out_logp = la;
-            }
-        }
+        const float *gp[5] = {(const float *)p[13], (const float *)p[14], (const float *)p[15],
+                              (const float *)p[16], (const float *)p[17]};
+        dc_head_pick(vnni, H, Hs, gx, &a1, X, VD, logits, tmax, tsum, targ, has_gate ? gp : NULL, HC, E, cand,
+                     clen, cand_emb, gate_scale, out_id, out_logp);
     }
 }
 
@@ -371,66 +384,10 @@ void sd_eagle_slot(const int64_t *p, const int64_t *dims, const float *feats, fl
             if (want_head && vnni) dc_quant(fin, H, a0.q, &a0.s, &a0.sum);
         }
         if (want_head) {
-            int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            float m = -INFINITY;
-            int64_t am = 0;
-#pragma omp for schedule(static)
-            for (int64_t v = 0; v < VD; v++) {
-                float l = Sh[v] * dc_row(vnni, Wh + v * H, fin, &a0, H);
-                logits[v] = l;
-                if (l > m) m = l, am = v;
-            }
-            tmax[tid] = m;
-            targ[tid] = am;
-#pragma omp barrier
-            float gm = -INFINITY;
-            for (int i = 0; i < nt; i++) gm = tmax[i] > gm ? tmax[i] : gm;
-            float ssum = 0.0f;
-#pragma omp for schedule(static)
-            for (int64_t v = 0; v < VD; v++) ssum += expf(logits[v] - gm);
-            tsum[tid] = ssum;
-#pragma omp barrier
-#pragma omp single
-            {
-                float best = -INFINITY, tot = 0.0f;
-                int64_t arg = 0;
-                for (int i = 0; i < nt; i++) {
-                    if (tmax[i] > best) best = tmax[i], arg = targ[i];
-                    tot += tsum[i];
-                }
-                float lse = gm + logf(tot), lam = 0.0f;
-                if (has_gate && cand >= 0 && clen > 0) {  // lam = sigmoid((out(SiLU(fc([s; e(c)]))) + bias[m]) scale)
-                    const float *Gw = (const float *)p[19], *Gb = (const float *)p[20];
-                    const float *Ow = (const float *)p[21], *Ob = (const float *)p[22], *Lb = (const float *)p[23];
-                    float z = Ob[0];
-                    for (int64_t k = 0; k < HC; k++) {
-                        const float *row = Gw + k * 2 * H;
-                        float acc = Gb[k];
-                        for (int64_t j = 0; j < H; j++) acc += row[j] * fin[j];
-                        for (int64_t j = 0; j < H; j++) acc += row[H + j] * cand_emb[j];
-                        z += Ow[k] * dc_silu(acc);
-                    }
-                    lam = 1.0f / (1.0f + expf(-(z + Lb[clen]) * gate_scale));
-                    if (lam > 1.0f - 1.1920929e-07f) lam = 1.0f - 1.1920929e-07f;
-                }
-                float la = best - lse;
-                if (lam > 0.0f) {
-                    float lc = logits[cand] - lse;
-                    float pi = (1.0f - lam) * expf(lc) + lam;
-                    float lcm = logf(pi > 1.17549435e-38f ? pi : 1.17549435e-38f);
-                    float lam_other = la + log1pf(-lam);
-                    if (arg == cand || lcm >= lam_other) {
-                        *out_id = cand;
-                        *out_logp = lcm;
-                    } else {
-                        *out_id = arg;
-                        *out_logp = lam_other;
-                    }
-                } else {
-                    *out_id = arg;
-                    *out_logp = la;
-                }
-            }
+            const float *gp[5] = {(const float *)p[19], (const float *)p[20], (const float *)p[21],
+                                  (const float *)p[22], (const float *)p[23]};
+            dc_head_pick(vnni, Wh, Sh, fin, &a0, H, VD, logits, tmax, tsum, targ, has_gate ? gp : NULL, HC, H,
+                         cand, clen, cand_emb, gate_scale, out_id, out_logp);
         }
     }
 }

@@ -145,15 +145,9 @@ def required_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def check_engine_layout(config: dict[str, Any], tensors: dict[str, Tensor]) -> list[str]:
     """Problems of a (config, tensors) pair against `required_tensors`: missing, misshapen, unexpected keys."""
-    need = required_tensors(config)
-    errs = [f"missing {k} {s}" for k, s in need.items() if k not in tensors]
-    errs += [
-        f"{k}: shape {tuple(tensors[k].shape)} != {s}"
-        for k, s in need.items()
-        if k in tensors and tuple(tensors[k].shape) != s
-    ]
-    errs += [f"unexpected {k}" for k in tensors if k not in need and k != "embed_tokens.weight"]
-    return errs
+    from specdraft.models.hub import tensor_problems
+
+    return tensor_problems(required_tensors(config), tensors, optional=("embed_tokens.weight",))
 
 
 def export_engine_layout(

@@ -321,6 +321,20 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     return copied
 
 
+def tensor_problems(
+    need: dict[str, tuple[int, ...]], tensors: dict[str, Any], optional: tuple[str, ...] = ()
+) -> list[str]:
+    """What is wrong with an exported tensor set against the names and shapes it needs: missing, misshapen and
+    unexpected tensors (`optional` names may be there or not), one line each (the serving-engine layouts)."""
+    errs = [f"missing {k} {s}" for k, s in need.items() if k not in tensors]
+    errs += [
+        f"{k}: shape {tuple(tensors[k].shape)} != {s}"
+        for k, s in need.items()
+        if k in tensors and tuple(tensors[k].shape) != s
+    ]
+    return errs + [f"unexpected {k}" for k in tensors if k not in need and k not in optional]
+
+
 def push_to_hub(folder: str | os.PathLike[str], repo_id: str, private: bool = True) -> str:
     """Upload an export folder to the Hub; the token comes from HF_TOKEN (never printed or logged).
 

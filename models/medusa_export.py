@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from specdraft.models.hub import tensor_problems
 from specdraft.models.medusa import Medusa, MedusaConfig
 from specdraft.utils import atomic_dir
 
@@ -78,14 +79,7 @@ def check_engine_layout(config: dict[str, Any], tensors: dict[str, Tensor]) -> l
     token map outside the vocabulary."""
     if config.get("model_type") != "medusa":
         return [f"model_type {config.get('model_type')!r} is not 'medusa'"]
-    need = required_tensors(config)
-    errs = [f"missing {k} {s}" for k, s in need.items() if k not in tensors]
-    errs += [
-        f"{k}: shape {tuple(tensors[k].shape)} != {s}"
-        for k, s in need.items()
-        if k in tensors and tuple(tensors[k].shape) != s
-    ]
-    errs += [f"unexpected {k}" for k in tensors if k not in need]
+    errs = tensor_problems(required_tensors(config), tensors)
     tm = tensors.get("token_map")
     if tm is not None and tm.numel() and not 0 <= int(tm.min()) <= int(tm.max()) < int(config["vocab_size"]):
         errs.append(f"token_map ids outside [0, vocab_size={config['vocab_size']})")

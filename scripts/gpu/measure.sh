@@ -10,6 +10,11 @@ echo "drafters: $D"; nvidia-smi --query-gpu=name,memory.total,driver_version --f
 T0=$(date +%s); t() { echo "== $1 done at $(( $(date +%s) - T0 )) s (rc $2)"; }
 timeout ${T1:-80} python3 scripts/bench_target_forward.py --device cuda --dtype bf16 --prompts 3 --rounds 4 \
   --json $OUT/target_forward.json > $OUT/target_forward.log 2>&1; t target_forward $?
+# session 57: stacked q/k/v and gate/up products (on by default) and compiled elementwise stretches (opt-in), A/B'd
+timeout ${T1B:-60} python3 scripts/bench_target_forward.py --device cuda --dtype bf16 --compare stacked --prompts 3 \
+  --rounds 3 --json $OUT/target_forward_stacked.json > $OUT/target_forward_stacked.log 2>&1; t stacked $?
+timeout ${T1C:-150} python3 scripts/bench_target_forward.py --device cuda --dtype bf16 --compare fused --prompts 3 \
+  --rounds 3 --json $OUT/target_forward_fused.json > $OUT/target_forward_fused.log 2>&1; t fused $?
 timeout ${T2:-150} python3 scripts/bench_decode.py --device cuda --dtype bf16 --drafter $D --lookup 10 \
   --dynamic ar --prompts ${P:-5} --max-new-tokens 128 --json $OUT/bench_decode.json > $OUT/bench_decode.log 2>&1; t bench_decode $?
 timeout ${T3:-100} python3 scripts/bench_batch.py --device cuda --dtype bf16 --drafter $R --lookup 10 \

@@ -343,6 +343,7 @@ EVAL: Table = {
     "node_budget": one_of("off", "auto"),
     "node_budget_refit": COUNT,
     "node_budget_refit_scale": COUNT,
+    "node_budget_confidence": at_least(0),
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),
     "prefill_rows": COUNT,

@@ -95,6 +95,7 @@ def throughput_rows(
     sample: dict[str, Any] | None = None,
     budget_refit: int = 128,
     budget_refit_scale: int = 4,
+    budget_confidence: float = 1.0,
     cuda_graphs: str = "auto",
     node_cap: int | None = None,
     prefill_rows: int = 0,
@@ -127,6 +128,8 @@ def throughput_rows(
             refits at all; `eval.node_budget_refit`).
         budget_refit_scale: a refit drafts trees of at most this many times the settled cap, >= 8 nodes (0:
             full-size trees; `eval.node_budget_refit_scale`).
+        budget_confidence: drafting turns on only if the best size beats plain steps with its gain this many
+            standard errors lower (`NodeBudget.confidence`, `eval.node_budget_confidence`).
         node_cap: every drafter's trees cut to this many nodes at every batch size, no fitting
             (`NodeBudget.fixed`; instead of `node_budget`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
@@ -196,6 +199,7 @@ def throughput_rows(
                     label=f"{name} at batch {b}",
                     refit_gap=budget_refit,
                     refit_scale=budget_refit_scale,
+                    confidence=budget_confidence,
                     trim_slowest=dec.graphs,  # captures happen only under graphs
                 )
                 if name in fitted:  # its gain curve from the previous batch size

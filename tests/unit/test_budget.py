@@ -678,3 +678,22 @@ def test_phase_one_drafts_no_tree_larger_than_could_pay(static):
         out, stats = dec.speculative_generate(None, prompt, proposer, 24, stop_ids=set(), budget=budget)
         assert out == ref and caps[0] == most and max(stats.tree_sizes) <= most
         assert len(budget.gains) in (0, 4) and all(len(g) <= most for g in budget.gains)
+
+
+def test_eval_node_budget_confidence_reaches_every_fitted_budget():
+    """`eval.node_budget_confidence` (default 1) is the confidence of the budget evaluate.py builds per method."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from specdraft.eval.cli import _spec
+    from specdraft.eval.config import EvalConfig
+
+    assert EvalConfig().node_budget_confidence == 1.0
+    runner = SimpleNamespace(spec_method=lambda *args: args[-1])  # the method's budget
+    for z in (0.0, 2.5):
+        e = dict(acceptance="greedy", fallback=False, profile=False, node_budget_refit=128)
+        e.update(node_budget_refit_scale=4, node_budget_confidence=z)
+        cfg = OmegaConf.create({"eval": e})
+        budget = _spec(cfg, runner, "m", None, None, None, set(), {}, None, cost=CostCurve({1: 1.0}))
+        assert isinstance(budget, NodeBudget) and budget.confidence == z

@@ -289,9 +289,10 @@ class EagleTreeProposer:
         return self.rerank(tokens[-1:], tok, par, score, depth, tokens.device)
 
     def chain_now(self) -> bool:
-        """Whether `propose` drafts through the native chain: one is built and the budget capped the tree to a
-        chain's size (`fit_budget`: as many nodes as levels)."""
-        return self.chain is not None and self.total_tokens == self.depth
+        """Whether `propose` drafts through the native chain: one is built and a node budget capped the tree
+        (`fit_budget` below the full sizes: a chain of `depth` tokens, its probes and refits included); full-size
+        trees are EAGLE-2's, in torch."""
+        return self.chain is not None and (self.total_tokens, self.depth) != self._full
 
     def sync_rows(self, hidden: Tensor, tokens: Tensor) -> None:
         """Before this row drafts with others in torch (`propose_rows`): its torch cache takes the positions only

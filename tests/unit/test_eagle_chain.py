@@ -86,14 +86,14 @@ def test_the_chain_is_what_torch_drafts(family):
 
 @pytest.mark.parametrize("family", ["eagle3", "eagle_copy"])
 def test_decoding_through_the_chain_is_lossless_and_switches_with_the_budget(family):
-    """Greedy output equals AR under caps of 2-4 nodes (chains through C) with mixed prompt lengths and a stop
-    token; after chain steps a full tree (a refit) drafts in torch from a complete cache: the same tree as a
+    """Greedy output equals AR under caps of 2-7 nodes (chains through C, at 7 as deep as the head drafts) with
+    mixed prompt lengths and a stop token; after chain steps a full tree (a refit) drafts in torch from a complete cache: the same tree as a
     proposer that never used the chain, fed the same positions."""
     head, target = _head(family)
     dec = StaticDecoder(target, 64)
     proposer = make_proposer(head, tree_nodes=8, int8_head=True, draft_block="int8")
     assert isinstance(proposer, EagleTreeProposer) and proposer.chain is not None
-    for cap, prompt_len, stop in [(2, 3, set()), (4, 11, {7}), (3, 5, set())]:
+    for cap, prompt_len, stop in [(2, 3, set()), (4, 11, {7}), (3, 5, set()), (7, 9, set())]:  # 7: a 4-chain
         prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
         ref, _ = ar_generate(target, None, prompt, 24, stop_ids=stop)
         out, stats = dec.speculative_generate(
@@ -156,7 +156,14 @@ def test_what_drafts_in_torch(monkeypatch):
     head.config.norm_fused = True
     assert "EAGLE-3.1" in str(eagle_chain.unsupported(head))
     head.config.norm_fused = False
-    assert make_proposer(head, tree_nodes=8, int8_head=True, draft_block="int8").chain is not None
+    p = make_proposer(head, tree_nodes=8, int8_head=True, draft_block="int8")
+    assert p.chain is not None and not p.chain_now()  # full-size trees: EAGLE-2's, in torch
+    p.fit_budget(
+        7
+    )  # any cap below the full tree (8 nodes, depth 4), a probe's too: a chain of the depth allowed
+    assert p.chain_now() and (p.total_tokens, p.depth) == (6, 4)
+    p.fit_budget(FULL)
+    assert not p.chain_now()
     assert make_proposer(head, tree_nodes=8, int8_head=True, draft_block="fused").chain is None
     assert make_proposer(head, tree_nodes=8, int8_head=False, draft_block="int8").chain is None
     assert make_proposer(head, tree_nodes=8, int8_head=True, draft_block="int8", static=True).chain is None

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from specdraft.eval.native_chain import _offset, _rows_int8, chain_tree, enabled
 from specdraft.eval.tree import DraftTree
+from specdraft.models.layers import CopyCache, weights_key
 
 if TYPE_CHECKING:
     from specdraft.models.copy_lookup import NgramIndex
@@ -65,22 +66,15 @@ def make_chain(drafter: nn.Module) -> EagleChain | None:
     return EagleChain(drafter) if enabled() and unsupported(drafter) is None else None
 
 
-class EagleChain:
-    """Int8 copies of an EAGLE head's products, its KV cache, and one `sd_eagle_slot` call per position.
+class _HeadCopy:
+    """What every `EagleChain` of one head shares: the int8 copies of its products (one fp32 scale per output
+    row), its norms, gate and embedding table, the slot kernel, and the draft-id maps (built once per head and
+    weights: a batch's proposers share them; each chain has its own cache, tables and scratch)."""
 
-    Args:
-        drafter: an EagleDrafter or Eagle3Drafter that `unsupported` accepts, attached to its target (the copies
-            are taken once, here).
-        capacity: positions the KV cache and rotary tables hold at first (doubled when a prompt needs more).
-    """
-
-    def __init__(self, drafter: nn.Module, capacity: int = 256) -> None:
+    def __init__(self, drafter: nn.Module) -> None:
         from specdraft.models.eagle3 import Eagle3Drafter
         from specdraft.models.panel_linear import panel_lib
 
-        why = unsupported(drafter)
-        if why is not None:
-            raise ValueError(f"EagleChain: {why}")
         lib = panel_lib()
         assert lib is not None
         self.fn = lib.sd_eagle_slot
@@ -146,9 +140,7 @@ class EagleChain:
         self.gate_scale = float(gate.scale) if gate is not None else 0.0
         self.attn_scale = float(attn.scaling)
         self.has_gate = gate is not None
-        self.g = torch.zeros(h)  # (H,) the input feature in, the head's output out (in place)
         self.zero = torch.zeros(max(f, h))
-        self.out_id, self.out_logp = ctypes.c_int64(), ctypes.c_float()
         emb = d.borrowed.weight("embed", d.fc.weight)  # (V, H) the target's embeddings, fp32
         self.table = emb.detach().contiguous()
         self.row_bytes = h * 4
@@ -157,6 +149,35 @@ class EagleChain:
         lut = torch.full((int(d.config.vocab_size),), -1, dtype=torch.long)
         lut[draft_ids] = torch.arange(vd)
         self.to_draft: list[int] = lut.tolist()
+
+
+_HEADS: CopyCache[_HeadCopy] = CopyCache()
+
+
+class EagleChain:
+    """One proposer's chain drafts: the head's shared int8 copies (`_HeadCopy`), its own KV cache, rotary tables
+    and scratch, and one `sd_eagle_slot` call per position.
+
+    Args:
+        drafter: an EagleDrafter or Eagle3Drafter that `unsupported` accepts, attached to its target (its copies
+            are taken once per head and weights, shared by every chain of it).
+        capacity: positions the KV cache and rotary tables hold at first (doubled when a prompt needs more).
+    """
+
+    def __init__(self, drafter: nn.Module, capacity: int = 256) -> None:
+        why = unsupported(drafter)
+        if why is not None:
+            raise ValueError(f"EagleChain: {why}")
+        w = _HEADS.get(drafter, weights_key(*drafter.parameters()), lambda: _HeadCopy(drafter))
+        self.head, self.fn, self.drafter, self.eagle3 = w, w.fn, w.drafter, w.eagle3
+        self.addrs, self.dims = w.addrs.clone(), w.dims.clone()  # this chain's tables and capacity go in
+        self.h, self.nq, self.nkv, self.dim = w.h, w.nq, w.nkv, w.dim
+        self.inter, self.vd, self.kin = w.inter, w.vd, w.kin
+        self.gate_scale, self.attn_scale, self.has_gate = w.gate_scale, w.attn_scale, w.has_gate
+        self.zero, self.table, self.row_bytes = w.zero, w.table, w.row_bytes
+        self.to_target, self.to_draft = w.to_target, w.to_draft
+        self.g = torch.zeros(self.h)  # (H,) the input feature in, the head's output out (in place)
+        self.out_id, self.out_logp = ctypes.c_int64(), ctypes.c_float()
         self.length = 0  # committed positions in the KV cache
         self.cap = 0
         self.kc = self.vc = torch.zeros(0)

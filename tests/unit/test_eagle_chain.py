@@ -133,6 +133,8 @@ def test_batch_rows_draft_together_in_torch_and_a_lone_row_takes_its_chain():
                 p.chain = None
             p.fit_budget(3)
             p.propose(feats[r][:6], ids[r, 1:7])  # alone: the chain (or torch)
+        if kind == "chain":  # one set of int8 copies for the head, a cache per row
+            assert ps[0].chain.head is ps[1].chain.head and ps[0].chain.kc is not ps[1].chain.kc
         together[kind] = ps[0].propose_rows(ps, [f[6:8] for f in feats], [ids[r, 7:9] for r in range(2)])
         alone[kind] = ps[0].propose_rows([ps[0]], [feats[0][8:10]], [ids[0, 9:11]])
         assert (ps[0].group is None) == (kind == "chain")  # the lone chain call took its positions back

@@ -62,6 +62,23 @@ def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
+def broken_bonus_rule(
+    tree: Any,
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, int]:
+    """`verify.sample_verify` with its bonus token drawn from the target's p instead of the residual: a wrong rule
+    the chi-square sampling tests must reject (their harness's sensitivity)."""
+    from specdraft.eval.verify import sample_verify
+
+    path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
+    probs = (logits[path[-1]] / temperature).softmax(-1)
+    return path, int(torch.multinomial(probs, 1, generator=generator))
+
+
 @torch.no_grad()
 def exact_first_two(
     model: torch.nn.Module, prompt: torch.Tensor, temperature: float

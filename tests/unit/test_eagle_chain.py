@@ -237,19 +237,13 @@ def test_sampling_through_the_chain_keeps_the_target_distribution(monkeypatch):
     (chi-square over 1,000 draws against two exact target forwards), with drafted tokens both kept and
     rejected; the same harness rejects a rule that draws the bonus token from p instead of the residual."""
     import specdraft.eval.static_decode as static_decode
-    from specdraft.eval.verify import sample_verify
-    from specdraft.testing import chi_square_pvalue
+    from specdraft.testing import broken_bonus_rule, chi_square_pvalue
 
     n = 1000
     counts, expected, kept = _sampling_counts(n)
     assert 0.05 * n < kept < 0.9 * n
     assert chi_square_pvalue(counts, expected, n) > 1e-3
 
-    def broken(tree, logits, temperature, top_k=0, top_p=1.0, generator=None):
-        path, _ = sample_verify(tree, logits, temperature, top_k, top_p, generator)
-        probs = (logits[path[-1]] / temperature).softmax(-1)
-        return path, int(torch.multinomial(probs, 1, generator=generator))
-
-    monkeypatch.setattr(static_decode, "sample_verify", broken)
+    monkeypatch.setattr(static_decode, "sample_verify", broken_bonus_rule)
     counts, expected, _ = _sampling_counts(n)
     assert chi_square_pvalue(counts, expected, n) < 1e-4

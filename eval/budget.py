@@ -508,15 +508,14 @@ class NodeBudget:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
         phase-1 gain curve and the typical draft time of `draft_ms` (`typical_ms`); a drafted size's gain is the
         steps' mean less `confidence` standard errors of it (0: the mean)."""
-        z = confidence
         draft = typical_ms(draft_ms, self.trim_slowest)
         n = len(self.gains)
         out = {1: 1.0 / self.cost(1)}
         for b in self.sizes[1:]:
             tokens = [g[min(b, len(g)) - 1] for g in self.gains]  # (n,) tokens the first b nodes gave
             gain = sum(tokens) / n
-            if z > 0 and n > 1:  # the mean's standard error over these steps
-                gain -= z * (sum((t - gain) ** 2 for t in tokens) / (n - 1) / n) ** 0.5
+            if confidence > 0 and n > 1:  # the mean's standard error over these steps
+                gain -= confidence * (sum((t - gain) ** 2 for t in tokens) / (n - 1) / n) ** 0.5
             ms = sum(self.cost(min(b, len(g))) for g in self.gains) / n + draft
             out[b] = gain / ms
         return out

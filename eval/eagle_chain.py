@@ -18,12 +18,13 @@ token, so the output never does. `SPECDRAFT_NATIVE_CHAIN=0` turns it off (with t
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from specdraft.eval.native_chain import _offset, _rows_int8, chain_tree, enabled
+from specdraft.eval.native_chain import _rows_int8, chain_tree, draft_id_maps, enabled, pin
 from specdraft.eval.tree import DraftTree
 from specdraft.models.layers import CopyCache, weights_key
 
@@ -94,11 +95,7 @@ class _HeadCopy:
         kin = int(attn.q_proj.in_features)  # 2H (EAGLE-3: [e; g]) or H (EAGLE-1: fc's output)
         f = int(d.fc.weight.shape[1])
         self.keep: list[Tensor] = []  # every tensor the pointers address
-
-        def hold(t: Tensor) -> int:
-            t = _offset(t) if t.dtype == torch.int8 else t.detach().float().contiguous()
-            self.keep.append(t)
-            return t.data_ptr()
+        hold = partial(pin, self.keep)
 
         def product(*linears: nn.Linear) -> list[int]:
             """(weights, row scales, bias) addresses of the Linears stacked along their outputs."""
@@ -124,14 +121,13 @@ class _HeadCopy:
         qkv = product(attn.q_proj, attn.k_proj, attn.v_proj)
         o = product(attn.o_proj)
         gu, down, hd = product(mlp.gate_proj, mlp.up_proj), product(mlp.down_proj), product(head)
-        self._tables = [0, 0]  # cos / sin addresses (`_rope`)
         addrs = [
             *fc, *qkv, *o, gu[0], gu[1], down[0], down[1], n_in, n_hid, n_post, n_fin, hd[0], hd[1],
             hold(gate.fc.weight if gate is not None else one), hold(gate.fc.bias if gate is not None else one),
             hold(gate.out.weight.reshape(-1) if gate is not None else one),
             hold(gate.out.bias if gate is not None and gate.out.bias is not None else one),
             hold(gate.length_bias if gate is not None else one),
-            0, 0, hold(torch.tensor([e_in, e_hid, e_post, e_fin])),
+            0, 0, hold(torch.tensor([e_in, e_hid, e_post, e_fin])),  # 24, 25: each chain's rotary tables
         ]  # fmt: skip
         self.addrs = torch.tensor(addrs, dtype=torch.int64)  # the pointer table `sd_eagle_slot` reads
         self.dims = torch.tensor([h, kin, f, nq, nkv, dim, inter, vd, hc, int(gate is not None),
@@ -140,15 +136,13 @@ class _HeadCopy:
         self.gate_scale = float(gate.scale) if gate is not None else 0.0
         self.attn_scale = float(attn.scaling)
         self.has_gate = gate is not None
-        self.zero = torch.zeros(max(f, h))
+        self.zero = torch.zeros(
+            h
+        )  # the candidate embedding read where there is no candidate (never, in fact)
         emb = d.borrowed.weight("embed", d.fc.weight)  # (V, H) the target's embeddings, fp32
         self.table = emb.detach().contiguous()
         self.row_bytes = h * 4
-        draft_ids = d.to_target_ids(torch.arange(vd)).cpu()  # draft id -> target id
-        self.to_target: list[int] = draft_ids.tolist()
-        lut = torch.full((int(d.config.vocab_size),), -1, dtype=torch.long)
-        lut[draft_ids] = torch.arange(vd)
-        self.to_draft: list[int] = lut.tolist()
+        self.to_target, self.to_draft = draft_id_maps(d, vd, int(d.config.vocab_size))
 
 
 _HEADS: CopyCache[_HeadCopy] = CopyCache()
@@ -168,15 +162,12 @@ class EagleChain:
         why = unsupported(drafter)
         if why is not None:
             raise ValueError(f"EagleChain: {why}")
-        w = _HEADS.get(drafter, weights_key(*drafter.parameters()), lambda: _HeadCopy(drafter))
-        self.head, self.fn, self.drafter, self.eagle3 = w, w.fn, w.drafter, w.eagle3
-        self.addrs, self.dims = w.addrs.clone(), w.dims.clone()  # this chain's tables and capacity go in
-        self.h, self.nq, self.nkv, self.dim = w.h, w.nq, w.nkv, w.dim
-        self.inter, self.vd, self.kin = w.inter, w.vd, w.kin
-        self.gate_scale, self.attn_scale, self.has_gate = w.gate_scale, w.attn_scale, w.has_gate
-        self.zero, self.table, self.row_bytes = w.zero, w.table, w.row_bytes
-        self.to_target, self.to_draft = w.to_target, w.to_draft
-        self.g = torch.zeros(self.h)  # (H,) the input feature in, the head's output out (in place)
+        self.head = _HEADS.get(drafter, weights_key(*drafter.parameters()), lambda: _HeadCopy(drafter))
+        self.addrs, self.dims = (
+            self.head.addrs.clone(),
+            self.head.dims.clone(),
+        )  # + this chain's tables, capacity
+        self.g = torch.zeros(self.head.h)  # (H,) the input feature in, the head's output out (in place)
         self.out_id, self.out_logp = ctypes.c_int64(), ctypes.c_float()
         self.length = 0  # committed positions in the KV cache
         self.cap = 0
@@ -185,20 +176,17 @@ class EagleChain:
 
     def _alloc(self, cap: int) -> None:
         """KV cache, rotary tables and scratch for `cap` positions (the cached entries copied over)."""
-        kc, vc = torch.zeros(self.nkv, cap, self.dim), torch.zeros(self.nkv, cap, self.dim)  # (NKV, cap, D)
+        w = self.head
+        kc, vc = torch.zeros(w.nkv, cap, w.dim), torch.zeros(w.nkv, cap, w.dim)  # (NKV, cap, D)
         if self.cap:  # the entries cached so far
             kc[:, : self.cap] = self.kc
             vc[:, : self.cap] = self.vc
         self.kc, self.vc, self.cap = kc, vc, cap
-        x = torch.zeros(1, cap, self.h)
-        cos, sin = self.drafter.rotary(x, torch.arange(cap)[None])  # (1, cap, D) each
+        cos, sin = w.drafter.rotary(torch.zeros(1, cap, w.h), torch.arange(cap)[None])  # (1, cap, D) each
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         self.addrs[24], self.addrs[25] = self.cos.data_ptr(), self.sin.data_ptr()
         self.dims[11] = cap
-        h, i = self.h, self.inter
-        size = (
-            self.kin + 2 * (self.nq + 2 * self.nkv) * self.dim + self.nq * cap + 6 * h + 3 * i + self.vd + 128
-        )
+        size = w.kin + 2 * (w.nq + 2 * w.nkv) * w.dim + w.nq * cap + 6 * w.h + 3 * w.inter + w.vd + 128
         self.scratch = torch.zeros(size)
 
     def reset(self) -> None:
@@ -207,20 +195,21 @@ class EagleChain:
 
     def _emb(self, token: int) -> int:
         """The address of the target embedding row of `token`."""
-        return self.table.data_ptr() + token * self.row_bytes
+        return self.head.table.data_ptr() + token * self.head.row_bytes
 
     def _slot(self, feats: Tensor | None, token: int, pos: int, want: bool, cand: int, clen: int) -> None:
         """One position through the head (its entry written at cache index `pos`); `want`: the head too."""
         if pos + 1 > self.cap:
             self._alloc(2 * (pos + 1))
-        cand_emb = self._emb(cand) if clen > 0 else self.zero.data_ptr()
-        draft_cand = self.to_draft[cand] if clen > 0 else -1
+        w = self.head
+        cand_emb = self._emb(cand) if clen > 0 else w.zero.data_ptr()
+        draft_cand = w.to_draft[cand] if clen > 0 else -1
         if draft_cand < 0:
             clen = 0
-        self.fn(
+        w.fn(
             self.addrs.data_ptr(), self.dims.data_ptr(), None if feats is None else feats.data_ptr(),
             self.g.data_ptr(), self._emb(token), pos, self.kc.data_ptr(), self.vc.data_ptr(), pos, int(want),
-            draft_cand, clen, cand_emb, self.gate_scale, self.attn_scale, self.scratch.data_ptr(),
+            draft_cand, clen, cand_emb, w.gate_scale, w.attn_scale, self.scratch.data_ptr(),
             ctypes.byref(self.out_id), ctypes.byref(self.out_logp), torch.get_num_threads(),
         )  # fmt: skip
 
@@ -242,18 +231,17 @@ class EagleChain:
         """
         feats = hidden.detach().float().contiguous()  # (n, F)
         root, n = tokens[-1], len(tokens)
-        gate = self.has_gate and copy is not None
+        gate = copy if self.head.has_gate else None
         chain = [root]
 
         def lookup() -> tuple[int, int]:
-            return copy.lookup(chain) if gate and copy is not None else (-1, 0)
+            return gate.lookup(chain) if gate is not None else (-1, 0)
 
-        for i in range(
-            n
-        ):  # committed positions: EAGLE-3 fuses their features; EAGLE-1 reads them as they are
+        # committed positions: EAGLE-3 fuses their features; EAGLE-1 reads them as they are
+        for i in range(n):
             last = i == n - 1
             cand, clen = lookup() if last else (-1, 0)
-            if self.eagle3:
+            if self.head.eagle3:
                 self._slot(feats[i], tokens[i], self.length, last, cand, clen)
             else:
                 self.g.copy_(feats[i])
@@ -264,7 +252,7 @@ class EagleChain:
             if k > 0:  # the previous drafted token at depth k, its entry after the committed ones
                 cand, clen = lookup()
                 self._slot(None, chain[-1], self.length - 1 + k, True, cand, clen)
-            chain.append(self.to_target[self.out_id.value])
+            chain.append(self.head.to_target[self.out_id.value])
             total += self.out_logp.value
             cum.append(total)
         return chain, cum
@@ -289,9 +277,12 @@ class ChainLog:
         self.chunks.clear()
         self.at = {"torch": 0, "native": 0}
 
-    def add(self, hidden: Tensor, tokens: Tensor) -> None:
-        """The newly committed positions: hidden (n, F), tokens (n,)."""
+    def add(self, hidden: Tensor, tokens: Tensor, seen_by: str | None = None) -> None:
+        """The newly committed positions: hidden (n, F), tokens (n,); `seen_by`: the cache ("torch" | "native")
+        that has them already (it has taken every earlier position: call right after its `take`)."""
         self.chunks.append((hidden, tokens))
+        if seen_by is not None:
+            self.at[seen_by] = len(self.chunks)
 
     def take(self, who: str) -> tuple[Tensor, Tensor] | None:
         """Every position `who` ("torch" | "native") has not seen, in order: (m, F) features, (m,) tokens; None

@@ -42,7 +42,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdraft.eval.copy_context import CopyContext
-from specdraft.eval.eagle_chain import ChainLog, EagleChain
+from specdraft.eval.eagle_chain import ChainLog, EagleChain, make_chain
 from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
@@ -171,8 +171,6 @@ class EagleTreeProposer:
         # the int8 search on a CPU drafts capped budgets as one chain through C (`eval/eagle_chain.py`)
         self.chain: EagleChain | None = None
         if not static and self.int8 is not None and _int8_layers(drafter, draft_block):
-            from specdraft.eval.eagle_chain import make_chain
-
             self.chain = make_chain(drafter)
         self.chain_log = ChainLog()
         # copy gate (declared by the family): the committed tokens before the root, indexed on the host
@@ -274,9 +272,10 @@ class EagleTreeProposer:
             self.copy_ctx.update_index(tokens)
         if self.chain is not None:  # both caches take the positions they have not seen from one log
             self.chain_log.add(hidden, tokens)
-            lag = self.chain_log.take("native" if self.chain_now() else "torch")
+            native = self.chain_now()
+            lag = self.chain_log.take("native" if native else "torch")
             assert lag is not None  # (at least this call's positions)
-            if self.chain_now():
+            if native:
                 if self.group is not None:  # after rows drafted together: its positions back from the group
                     self.group.leave(self)
                 index = self.copy_ctx.index if self.copy_ngram else None
@@ -303,8 +302,7 @@ class EagleTreeProposer:
         lag = self.chain_log.take("torch")
         if lag is not None:  # positions only the native chain has seen
             self.commit(*lag)
-        self.chain_log.add(hidden, tokens)
-        self.chain_log.at["torch"] = len(self.chain_log.chunks)
+        self.chain_log.add(hidden, tokens, seen_by="torch")
 
     def propose_rows(
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]

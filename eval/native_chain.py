@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING, cast
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
-from specdraft.eval.tree import DraftTree
+from specdraft.eval.tree import DraftTree, chain_topology
 from specdraft.models.copy_lookup import NO_CANDIDATE
 from specdraft.models.layers import ResBlock
 
@@ -70,7 +71,21 @@ def _offset(q: Tensor) -> Tensor:
     return (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
 
 
-_CHAINS: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # chain length -> its topology (CPU)
+def pin(keep: list[Tensor], t: Tensor) -> int:
+    """The address of `t` in the form the slot kernels read (int8 weights as uint8 + 128, anything else fp32,
+    contiguous), the tensor kept alive in `keep` (a chain's pointer table addresses it)."""
+    t = _offset(t) if t.dtype == torch.int8 else t.detach().float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
+def draft_id_maps(drafter: torch.nn.Module, vd: int, vocab: int) -> tuple[list[int], list[int]]:
+    """(draft id -> target id, target id -> draft id with -1 outside the draft vocabulary) of a drafter with
+    `to_target_ids` over its `vd` draft ids and `vocab` target ids, as lists (the chains read them on the host)."""
+    draft_ids = cast(Any, drafter).to_target_ids(torch.arange(vd)).cpu()  # (Vd,)
+    lut = torch.full((vocab,), -1, dtype=torch.long)  # (V,)
+    lut[draft_ids] = torch.arange(vd)
+    return draft_ids.tolist(), lut.tolist()
 
 
 def chain_tree(tokens: list[int], cum: list[float], min_logp: float | None = None) -> DraftTree:
@@ -80,11 +95,7 @@ def chain_tree(tokens: list[int], cum: list[float], min_logp: float | None = Non
     n = len(tokens)
     if min_logp is not None:
         n = next((i for i in range(1, n) if cum[i] < min_logp), n)
-    topo = _CHAINS.get(n)
-    if topo is None:
-        ar = torch.arange(n)
-        topo = _CHAINS[n] = (ar - 1, ar, torch.ones(n, n, dtype=torch.bool).tril(), ar[None])
-    parents, depth, ancestors, nodes = (t.clone() for t in topo)
+    parents, depth, ancestors, nodes = chain_topology(n)
     tree = DraftTree(torch.tensor(tokens[:n], dtype=torch.long), parents, depth, ancestors, nodes)
     tree.scores = torch.tensor(cum[:n], dtype=torch.float32).exp()  # (n,), root 1
     return tree
@@ -118,12 +129,7 @@ class NativeChain:
         vd = int(drafter.head.weight.shape[0])
         blocks = [cast(ResBlock, b).linear for b in drafter.blocks]
         self.keep: list[Tensor] = []  # every tensor the pointers address
-
-        def hold(t: Tensor) -> int:
-            t = _offset(t) if t.dtype == torch.int8 else t.detach().float().contiguous()
-            self.keep.append(t)
-            return t.data_ptr()
-
+        hold = partial(pin, self.keep)
         u, us = _rows_int8(drafter.rnn_u.weight)
         w, ws = _rows_int8(drafter.rnn_w.weight)
         p, ps = _rows_int8(drafter.input_proj.weight)
@@ -167,12 +173,7 @@ class NativeChain:
         self.table: Tensor | None = w_emb if fits else None  # (V, E): rows addressed directly
         self.row_bytes = e * 4
         self._rows: list[Tensor] = []  # embedding copies of the current call (a table that does not fit)
-        # draft id -> target id, target id -> draft id (-1: outside the draft vocabulary), as lists (host reads)
-        draft_ids = drafter.to_target_ids(torch.arange(vd, device=drafter.d2t.device)).cpu()
-        self.to_target: list[int] = draft_ids.tolist()
-        lut = torch.full((int(cfg.vocab_size),), -1, dtype=torch.long)
-        lut[draft_ids] = torch.arange(vd)
-        self.to_draft: list[int] = lut.tolist()
+        self.to_target, self.to_draft = draft_id_maps(drafter, vd, int(cfg.vocab_size))
 
     def _embedding(self, token: int) -> int:
         """The address of the (E,) fp32 embedding of a target id (`ReDrafter.embed_tokens`): a row of the

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from specdraft.eval.copy_context import CopyContext
 from specdraft.eval.graphs import CudaGraph, capture_or_none
-from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, pack_beams
+from specdraft.eval.tree import PAD, DraftTree, ProposerSpec, chain_topology, pack_beams
 from specdraft.hardware import cpu_int8_full_range
 from specdraft.models.layers import CopyCache, weights_key
 from specdraft.models.redrafter_beam import beam_search_fixed_rows, beam_search_rows
@@ -240,12 +240,10 @@ class PromptLookupProposer:
         self.index.extend(ids)
         cont, probs = self.index.scored(self.draft_len)  # k tokens, (k,) float32
         self.last_chain = cont
-        dev, n = device, 1 + len(cont)
-        ar = torch.arange(n, device=dev)
-        chain = torch.tensor([ids[-1], *cont], dtype=torch.long, device=dev)  # (1+k,)
-        ancestors = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        tree = DraftTree(chain, ar - 1, ar, ancestors, ar[None])  # as `pack_beams` packs one beam
-        tree.scores = torch.cat([torch.ones(1, device="cpu"), probs]).to(dev)  # (1+k,)
+        chain = torch.tensor([ids[-1], *cont], dtype=torch.long, device=device)  # (1+k,)
+        topo = (t.to(device) for t in chain_topology(1 + len(cont)))  # as `pack_beams` packs one beam
+        tree = DraftTree(chain, *topo)
+        tree.scores = torch.cat([torch.ones(1, device="cpu"), probs]).to(device)  # (1+k,)
         return tree
 
 

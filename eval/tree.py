@@ -201,6 +201,21 @@ def dedup_prefix(beams: Tensor) -> tuple[Tensor, Tensor]:
     return first, first == w
 
 
+_CHAINS: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # chain length -> its topology (CPU)
+
+
+def chain_topology(n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """An n-node chain's parents (n,), depth (n,), ancestors (n, n) and beam nodes (1, n) on the CPU, as
+    `pack_beams` lays out one beam: fresh copies of one cached set per length (chains drafted without a beam
+    search: the native chains, prompt lookup)."""
+    topo = _CHAINS.get(n)
+    if topo is None:
+        ar = torch.arange(n)
+        topo = _CHAINS[n] = (ar - 1, ar, torch.ones(n, n, dtype=torch.bool).tril(), ar[None])
+    parents, depth, ancestors, nodes = (t.clone() for t in topo)
+    return parents, depth, ancestors, nodes
+
+
 def pack_beams(beams: Tensor) -> tuple[DraftTree, float]:
     """Pack W beams that all start with the root into a compact tree (shared prefixes merged).
 

@@ -142,9 +142,8 @@ def _grid(cap: int, c: int, n: int, device: torch.device) -> tuple[Tensor, ...]:
     warm-up makes them, so its replays launch nothing for them): q (Q,) positions, j (N,) gram offsets,
     (q - j).clamp(0) (N, Q), q >= j (N, Q) and q.clamp(max=cap - 1) (Q,), with Q = cap + c."""
     key = (cap, c, n, device)
-    if (
-        key not in _GRIDS
-    ):  # never evicted: captured CUDA graphs keep reading these tensors (a few per capacity)
+    # never evicted: captured CUDA graphs keep reading these tensors (a few per capacity)
+    if key not in _GRIDS:
         with torch.inference_mode(False):
             q, j = torch.arange(cap + c, device=device), torch.arange(n, device=device)
             back, started = (q[None] - j[:, None]).clamp_min(0), q[None] >= j[:, None]

@@ -16,8 +16,8 @@ a CUDA graph too. `fast_forward` computes the same layers:
 so outputs equal transformers' to rounding (the same products and attention; the norm fused), and the weights
 are the model's own (no copy). A layer's q/k/v and gate/up products run as one product each over their stacked
 weights (`StackedLinear` on plain Linears: GPUs, native-layout CPUs; `StackedPanels` on the CPU's panels), of
-which the Linears keep views, and q and k are rotated together: ~7 fewer ops (kernels on a GPU) a layer. Where it does not apply (`fast_forward` returns None) the
-caller runs transformers' forward: another layer type (`unsupported`) or attention than SDPA's, no explicit
+which the Linears keep views, and q and k are rotated together: ~7 fewer ops (kernels on a GPU) a layer.
+Where it does not apply (`fast_forward` returns None) the caller runs transformers' forward: another layer type (`unsupported`) or attention than SDPA's, no explicit
 4D mask over several new tokens (a causal prefill, a padding mask: transformers builds the mask), or a
 sliding window the keys would exceed. `SPECDRAFT_TARGET_FORWARD=hf` turns it off (`wanted`).
 
@@ -121,14 +121,24 @@ _STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], Any, 
 )
 
 
+def _projections(layer: Any) -> tuple[Any, ...]:
+    """The layer's q, k, v, gate and up modules: the two groups the stacks merge."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+
+
+def _replaced(seen: tuple[nn.Module, ...], mods: tuple[nn.Module, ...]) -> bool:
+    """Whether a layout (or anything else) replaced any of the modules a stack was built from."""
+    return any(a is not b for a, b in zip(seen, mods, strict=True))
+
+
 def _stacks(layer: Any) -> tuple[StackedPanels, StackedPanels] | None:
     """The layer's q/k/v and gate/up products as one panel-kernel call each (`StackedPanels`, on the CPU's
     panel layout: the same bits, ~1.7x / ~1.3x less time for the few rows of a decode step on a 2-core EPYC);
     None for any other layout. Built on first use, again when a layout replaced the modules."""
-    attn, mlp = layer.self_attn, layer.mlp
-    mods = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    mods = _projections(layer)
     seen = _STACKS.get(layer)
-    if seen is None or any(a is not b for a, b in zip(seen[0], mods, strict=True)):
+    if seen is None or _replaced(seen[0], mods):
         qkv, gate_up = list(mods[:3]), list(mods[3:])
         ok = StackedPanels.stackable(qkv) and StackedPanels.stackable(gate_up)
         stacks = (StackedPanels(qkv), StackedPanels(gate_up)) if ok else None
@@ -146,17 +156,13 @@ def _linear_stacks(layer: Any) -> tuple[StackedLinear, StackedLinear] | None:
     """The layer's q/k/v and gate/up plain Linears as one product each (`models/stacked_linear.py`: their weights
     become views of one buffer); None where they do not stack (the CPU layouts' modules). Built on first use
     (`stack_linears` does it when a decoder is built), again when the modules or their weights were replaced."""
-    attn, mlp = layer.self_attn, layer.mlp
-    mods = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    mods = _projections(layer)
     seen = _LINEAR_STACKS.get(layer)
-    stale = seen is None or any(a is not b for a, b in zip(seen[0], mods, strict=True))
-    if not stale and seen is not None and seen[1] is not None and not all(s.current() for s in seen[1]):
-        stale = True  # a move or reload replaced the weights: stack them again
-    if stale:
+    # stale: new modules, or a move or reload replaced the weights of the stacked ones
+    if seen is None or _replaced(seen[0], mods) or not all(s.current() for s in seen[1] or ()):
         qkv, gate_up = list(mods[:3]), list(mods[3:])
         ok = StackedLinear.stackable(qkv) and StackedLinear.stackable(gate_up)
         seen = _LINEAR_STACKS[layer] = (mods, (StackedLinear(qkv), StackedLinear(gate_up)) if ok else None)
-    assert seen is not None
     return seen[1]
 
 
@@ -287,7 +293,9 @@ def _layer_stacked(
     attn, mlp = layer.self_attn, layer.mlp
     b, n = pack.shape if pack is not None else x.shape[:2]
     d = int(attn.head_dim)
-    f = fused_ops.ops(x.device)  # each elementwise stretch one compiled kernel on a GPU, else op by op
+    f = (
+        fused_ops.ops()
+    )  # each elementwise stretch one compiled kernel (`SPECDRAFT_FUSED_OPS=on`), else op by op
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
     qkv = stacks[0].whole(f["norm"](x, n1.weight, float(n1.variance_epsilon)))  # (B, n | T, Wq + Wk + Wv)
     if pack is not None:

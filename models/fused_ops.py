@@ -39,9 +39,9 @@ from torch import Tensor
 ENV = "SPECDRAFT_FUSED_OPS"
 
 
-def wanted(device: torch.device) -> bool:
-    """Whether the compiled stretches run for tensors on `device`: `SPECDRAFT_FUSED_OPS=on` (any device; default
-    off, see the module docstring)."""
+def wanted() -> bool:
+    """Whether the compiled stretches run: `SPECDRAFT_FUSED_OPS=on` (on any device; default off, see the module
+    docstring)."""
     return os.environ.get(ENV, "off").lower() == "on"
 
 
@@ -93,12 +93,13 @@ class _Compiled:
             return self.fn(*args)
 
 
-COMPILED = {fn.__name__: _Compiled(fn) for fn in (norm, add_norm, rotate_heads, silu_mul)}
+COMPILED: dict[str, Callable[..., Any]] = {
+    fn.__name__: _Compiled(fn) for fn in (norm, add_norm, rotate_heads, silu_mul)
+}
+EAGER: dict[str, Callable[..., Any]] = {fn.__name__: fn for fn in (norm, add_norm, rotate_heads, silu_mul)}
 
 
-def ops(device: torch.device) -> dict[str, Callable[..., Any]]:
-    """name -> the stretch to run for tensors on `device`: the compiled one where `wanted`, else the eager
-    function (the same computation op by op)."""
-    if wanted(device):
-        return dict(COMPILED)
-    return {name: c.fn for name, c in COMPILED.items()}
+def ops() -> dict[str, Callable[..., Any]]:
+    """name -> the stretch to run (read only): the compiled one where `wanted`, else the eager function (the
+    same computation op by op)."""
+    return COMPILED if wanted() else EAGER

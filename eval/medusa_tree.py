@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from specdraft.eval.decode import Proposer
+    from specdraft.eval.medusa_native import MedusaNative
     from specdraft.models.medusa import Medusa
 
 
@@ -210,6 +211,13 @@ class MedusaProposer:
 
             if int8_supported():
                 self.int8 = [int8_copy(lin) for _, lin in drafter.vocab_heads()]
+        # with int8 heads on the CPU one row's heads draft as one C call (eval/medusa_native.py, int8 blocks and
+        # root input too); rows drafted together (`propose_rows`) stay in torch
+        self._native: MedusaNative | None = None
+        if self.int8 is not None:
+            from specdraft.eval.medusa_native import make_native
+
+            self._native = make_native(drafter)
         weight = next(iter(drafter.parameters()), None)
         dev = weight.device if weight is not None else torch.device("cpu")
         self.graphs = graphs and dev.type == "cuda"
@@ -234,7 +242,10 @@ class MedusaProposer:
 
     def _topk(self, hidden: Tensor, root: Tensor) -> Tensor:
         """hidden (..., H), root (...) -> (..., depth, k) target ids of the heads and ranks the proposed nodes
-        need, through the int8 copies when there are some (root-conditioned heads read `root`)."""
+        need, through the int8 copies when there are some (root-conditioned heads read `root`); one row's through
+        the native heads where they run."""
+        if self._native is not None and hidden.dim() == 1:
+            return self._native.topk(hidden, root, *self._run)
         return self._search.topk_tokens(hidden, *self._run, linears=self.int8, root=root)
 
     def _layout_on(self, dev: torch.device) -> None:
@@ -295,7 +306,7 @@ class MedusaProposer:
 
         Returns:
             R trees of `num_nodes` nodes, each equal to `rows[i].propose(hidden[i], tokens[i])` (with int8 heads
-            up to their shared activation scale).
+            up to their shared activation scale); a lone row with native heads is its `propose`.
         """
         if not all(isinstance(p, MedusaProposer) for p in rows):
             return None
@@ -303,6 +314,8 @@ class MedusaProposer:
         same = (self._search, self.paths, self._cap, self.int8 is None)
         if any((p._search, p.paths, p._cap, p.int8 is None) != same for p in ps):
             return None
+        if len(ps) == 1 and self._native is not None:  # a row drafting alone: its native heads
+            return [self.propose(hidden[0], tokens[0])]
         n, dev = self._cap, tokens[0].device
         self._layout_on(dev)
         roots = torch.stack([t[-1] for t in tokens])  # (R,)

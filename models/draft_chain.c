@@ -391,3 +391,81 @@ void sd_eagle_slot(const int64_t *p, const int64_t *dims, const float *feats, fl
         }
     }
 }
+
+// ---- Medusa heads: the first n heads' top-k draft ids at one position in one call (eval/medusa_native.py) ------
+// Head j: x = h (+ R_j rms(e(root)) with the root token, models/medusa_root.py), then x = x + SiLU(B x + c) per
+// residual block, then logits = S * (W x) over the VD int8 vocabulary rows and their k largest (largest first; the
+// lower index first among equal logits, as a stable sort). Products as in `sd_redrafter_slot` (VNNI where H % 64 =
+// 0). Pointers in `p` (int64 addresses): 0 root projection (K*H, H)  1 its row scales (K*H,)  2 blocks (K, NB, H,
+// H)  3 their row scales (K, NB, H)  4 their biases (K, NB, H)  5 vocabulary rows (K, VD, H)  6 their row scales
+// (K, VD) (weights int8 + 128 as uint8; 0-1 unread without the root). dims: H, VD, NB, has_root.
+// hidden (H,): the target's last-layer state; root_emb (H,): the root's embedding (NULL without the root).
+// scratch: 3 H + VD floats. out_ids (n, k): draft ids. k <= 64.
+void sd_medusa_heads(const int64_t *p, const int64_t *dims, const float *hidden, const float *root_emb, float eps,
+                     int64_t n, int64_t k, float *scratch, int64_t *out_ids, int nthreads) {
+    const int64_t H = dims[0], VD = dims[1], NB = dims[2];
+    const int has_root = (int)dims[3] && root_emb != NULL;
+    const uint8_t *R = (const uint8_t *)p[0], *B = (const uint8_t *)p[2], *W = (const uint8_t *)p[5];
+    const float *Rs = (const float *)p[1], *Bs = (const float *)p[3], *Bb = (const float *)p[4];
+    const float *Ws = (const float *)p[6];
+    float *e = scratch, *x = scratch + H, *y = scratch + 2 * H, *logits = scratch + 3 * H;
+    static dc_act a0, ae;  // one call at a time (the decoder is one thread); ae: the root's, read by every head
+    const int vnni = sd_qdot_vnni() && H % 64 == 0 && H <= 4096;
+    if (k > 64) k = 64;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+    if (has_root) {  // the weightless RMS normalisation of the root's embedding
+        double s = 0.0;
+        for (int64_t j = 0; j < H; j++) s += (double)root_emb[j] * root_emb[j];
+        float inv = 1.0f / sqrtf((float)(s / (double)H) + eps);
+        for (int64_t j = 0; j < H; j++) e[j] = root_emb[j] * inv;
+        if (vnni) dc_quant(e, H, ae.q, &ae.s, &ae.sum);
+    }
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t hd = 0; hd < n; hd++) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < H; r++) {
+            const int64_t row = hd * H + r;
+            x[r] = hidden[r] + (has_root ? Rs[row] * dc_row(vnni, R + row * H, e, &ae, H) : 0.0f);
+        }
+        float *src = x, *dst = y;
+        for (int64_t b = 0; b < NB; b++) {  // x = x + SiLU(B x + c)
+            const int64_t blk = hd * NB + b;
+            const uint8_t *Bw = B + blk * H * H;
+            const float *bs = Bs + blk * H, *bb = Bb + blk * H;
+#pragma omp single
+            if (vnni) dc_quant(src, H, a0.q, &a0.s, &a0.sum);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < H; r++)
+                dst[r] = src[r] + dc_silu(bs[r] * dc_row(vnni, Bw + r * H, src, &a0, H) + bb[r]);
+            float *t = src;
+            src = dst;
+            dst = t;
+        }
+#pragma omp single
+        if (vnni) dc_quant(src, H, a0.q, &a0.s, &a0.sum);
+        const uint8_t *Wh = W + hd * VD * H;
+        const float *ws = Ws + hd * VD;
+#pragma omp for schedule(static)
+        for (int64_t v = 0; v < VD; v++) logits[v] = ws[v] * dc_row(vnni, Wh + v * H, src, &a0, H);
+#pragma omp single
+        {
+            float bv[64];
+            int64_t bi[64], cnt = 0;
+            for (int64_t v = 0; v < VD; v++) {
+                float l = logits[v];
+                if (cnt == k && !(l > bv[cnt - 1])) continue;  // not above the k-th (NaN never enters)
+                if (cnt < k) cnt++;
+                int64_t pos = cnt - 1;
+                while (pos > 0 && bv[pos - 1] < l) {  // strictly smaller move down: ties keep the lower index first
+                    bv[pos] = bv[pos - 1];
+                    bi[pos] = bi[pos - 1];
+                    pos--;
+                }
+                bv[pos] = l;
+                bi[pos] = v;
+            }
+            for (int64_t r = 0; r < k; r++) out_ids[hd * k + r] = r < cnt ? bi[r] : 0;
+        }
+    }
+}

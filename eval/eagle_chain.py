@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from specdraft.eval.native_chain import _rows_int8, chain_tree, draft_id_maps, enabled, pin
+from specdraft.eval.native_chain import (
+    _rows_int8,
+    chain_tree,
+    draft_id_maps,
+    enabled,
+    kernel,
+    kernel_problem,
+    pin,
+)
 from specdraft.eval.tree import DraftTree
 from specdraft.models.layers import CopyCache, weights_key
 
@@ -39,7 +47,6 @@ def unsupported(drafter: nn.Module) -> str | None:
     from specdraft.models.eagle import EagleDrafter
     from specdraft.models.eagle3 import Eagle3Drafter
     from specdraft.models.fast_target import unsupported_layer
-    from specdraft.models.panel_linear import panel_lib
 
     if not isinstance(drafter, (EagleDrafter, Eagle3Drafter)):
         return f"not an EAGLE head ({type(drafter).__name__})"
@@ -53,13 +60,7 @@ def unsupported(drafter: nn.Module) -> str | None:
         return f"activation {type(layer.mlp.act_fn).__name__} is not SiLU"
     if any(getattr(layer.mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
         return "MLP biases"
-    weight = drafter.fc.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return f"needs fp32 on the CPU, got {weight.dtype} on {weight.device.type}"
-    lib = panel_lib()
-    if lib is None or not hasattr(lib, "sd_eagle_slot"):
-        return "no kernel library"
-    return None
+    return kernel_problem(drafter.fc.weight, "sd_eagle_slot")
 
 
 def make_chain(drafter: nn.Module) -> EagleChain | None:
@@ -74,15 +75,10 @@ class _HeadCopy:
 
     def __init__(self, drafter: nn.Module) -> None:
         from specdraft.models.eagle3 import Eagle3Drafter
-        from specdraft.models.panel_linear import panel_lib
 
-        lib = panel_lib()
-        assert lib is not None
-        self.fn = lib.sd_eagle_slot
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self.fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64, i64, ptr, f32, f32,
-                            ptr, ptr, ptr, ctypes.c_int]  # fmt: skip
-        self.fn.restype = None
+        self.fn = kernel("sd_eagle_slot", [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64, i64, ptr,
+                                           f32, f32, ptr, ptr, ptr, ctypes.c_int])  # fmt: skip
         d: Any = drafter
         self.drafter, self.eagle3 = d, isinstance(drafter, Eagle3Drafter)
         layer: Any = d.draft_layer()[0]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor, nn
 
-from specdraft.eval.native_chain import _rows_int8, enabled, pin
+from specdraft.eval.native_chain import _rows_int8, enabled, kernel, kernel_problem, pin
 from specdraft.models.layers import CopyCache, ResBlock, weights_key
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ def unsupported(drafter: nn.Module) -> str | None:
     """Why `MedusaNative` cannot draft for `drafter` (None: it can): Medusa heads of residual blocks and a
     vocabulary Linear without bias, in fp32 on the CPU, and the kernel library with `sd_medusa_heads`."""
     from specdraft.models.medusa import Medusa
-    from specdraft.models.panel_linear import panel_lib
 
     if not isinstance(drafter, Medusa):
         return f"not Medusa heads ({type(drafter).__name__})"
@@ -42,13 +41,7 @@ def unsupported(drafter: nn.Module) -> str | None:
             return "a vocabulary Linear with a bias"
         if not all(isinstance(m, ResBlock) for m in cast(nn.Sequential, transform)):
             return "a head that is not residual blocks + a vocabulary Linear"
-    weight = drafter.vocab_heads()[0][1].weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return f"needs fp32 on the CPU, got {weight.dtype} on {weight.device.type}"
-    lib = panel_lib()
-    if lib is None or not hasattr(lib, "sd_medusa_heads"):
-        return "no kernel library"
-    return None
+    return kernel_problem(drafter.vocab_heads()[0][1].weight, "sd_medusa_heads")
 
 
 def make_native(drafter: nn.Module) -> MedusaNative | None:
@@ -70,17 +63,13 @@ class MedusaNative:
     """
 
     def __init__(self, drafter: Medusa) -> None:
-        from specdraft.models.panel_linear import panel_lib
-
         why = unsupported(drafter)
         if why is not None:
             raise ValueError(f"MedusaNative: {why}")
-        lib = panel_lib()
-        assert lib is not None
-        self.fn = lib.sd_medusa_heads
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ctypes.c_int]
-        self.fn.restype = None
+        self.fn = kernel(
+            "sd_medusa_heads", [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ctypes.c_int]
+        )
         cfg = drafter.config
         heads = drafter.vocab_heads()
         h, nb = int(cfg.base_hidden_size), int(cfg.num_layers)

@@ -40,7 +40,6 @@ def enabled() -> bool:
 def unsupported(drafter: torch.nn.Module) -> str | None:
     """Why `NativeChain` cannot draft for `drafter` (None: it can): it needs a ReDrafter with the recurrence and an
     input projection, without prefix attention, in fp32 on the CPU, and the kernel library."""
-    from specdraft.models.panel_linear import panel_lib
     from specdraft.models.redrafter import ReDrafter
 
     if not isinstance(drafter, ReDrafter):
@@ -49,13 +48,33 @@ def unsupported(drafter: torch.nn.Module) -> str | None:
         return "needs the recurrence and an input projection"
     if drafter.ctx is not None:
         return "prefix attention drafts in torch"
-    weight = drafter.head.weight
+    return kernel_problem(drafter.head.weight, "sd_redrafter_slot")
+
+
+def kernel_problem(weight: Tensor, symbol: str) -> str | None:
+    """Why a drafter whose products are like `weight` cannot draft through the kernel `symbol` (None: it can):
+    it needs fp32 weights on the CPU and the kernel library with that symbol (a library built before the kernel
+    lacks it)."""
+    from specdraft.models.panel_linear import panel_lib
+
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return f"needs fp32 on the CPU, got {weight.dtype} on {weight.device.type}"
     lib = panel_lib()
-    if lib is None or not hasattr(lib, "sd_redrafter_slot"):  # a library built before the chain's kernel
+    if lib is None or not hasattr(lib, symbol):
         return "no kernel library"
     return None
+
+
+def kernel(symbol: str, argtypes: list[Any]) -> Any:
+    """The kernel library's function `symbol` with its ctypes argument types declared, returning nothing
+    (`kernel_problem` said it is there)."""
+    from specdraft.models.panel_linear import panel_lib
+
+    lib = panel_lib()
+    assert lib is not None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
 
 
 def _rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -109,18 +128,12 @@ class NativeChain:
     """
 
     def __init__(self, drafter: ReDrafter) -> None:
-        from specdraft.models.panel_linear import panel_lib
-
         why = unsupported(drafter)
         if why is not None:
             raise ValueError(f"NativeChain: {why}")
-        lib = panel_lib()
-        assert lib is not None
-        self.fn = lib.sd_redrafter_slot
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr,
-                            ctypes.c_int]  # fmt: skip
-        self.fn.restype = None
+        self.fn = kernel("sd_redrafter_slot", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_float, ptr,
+                                               ptr, ptr, ctypes.c_int])  # fmt: skip
         self.drafter = drafter
         cfg = drafter.config
         assert drafter.input_proj is not None

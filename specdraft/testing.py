@@ -276,6 +276,18 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
     return module
 
 
+def on_int8_grid(module: torch.nn.Module) -> None:
+    """Round every Linear's weight in `module` to its int8 grid (one scale per row, max|w_row| / 127, as the native
+    drafts' copies store it), so their products equal torch's up to float rounding where the activations stay
+    fp32 (a CPU without VNNI, or inner sizes it does not take)."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, torch.nn.Linear):
+                w = m.weight
+                s = (w.abs().amax(1, keepdim=True) / 127.0).clamp_min(1e-12)
+                w.copy_(torch.round(w / s).clamp(-127, 127) * s)
+
+
 def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, graphs: bool = False) -> Any:
     """A randomly initialised drafter of `family` (one of `FAMILIES`; "redrafter_copy": the copy gate without
     prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over

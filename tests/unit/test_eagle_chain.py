@@ -18,21 +18,10 @@ from specdraft.eval.eagle_tree import EagleTreeProposer
 from specdraft.eval.proposers import make_proposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models.copy_lookup import NgramIndex
-from specdraft.testing import tiny_proposer, tiny_target
+from specdraft.testing import on_int8_grid, tiny_proposer, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 FAMILIES = ["eagle", "eagle3", "eagle_copy", "eagle3_copy"]
-
-
-def _on_int8_grid(module: nn.Module) -> None:
-    """Round every Linear's weight to its int8 grid (one scale per row, as the chain stores it), so the chain's
-    products equal torch's up to float rounding (on a CPU without VNNI, or sizes it does not take: fp32 inputs)."""
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.Linear):
-                w = m.weight
-                s = (w.abs().amax(1, keepdim=True) / 127.0).clamp_min(1e-12)
-                w.copy_(torch.round(w / s).clamp(-127, 127) * s)
 
 
 def _head(family: str) -> tuple[nn.Module, nn.Module]:
@@ -40,8 +29,8 @@ def _head(family: str) -> tuple[nn.Module, nn.Module]:
     which goes on the grid too) and its target, in fp32 as well (the head borrows its embeddings and LM head)."""
     target = tiny_target("llama").float()
     head: Any = tiny_proposer(family, target).drafter.float()
-    _on_int8_grid(head)
-    _on_int8_grid(target.lm_head)
+    on_int8_grid(head)
+    on_int8_grid(target.lm_head)
     return head, target
 
 
@@ -185,7 +174,7 @@ def test_the_chain_with_int8_activations_on_vnni(family):
         pytest.skip("no AVX-512 VNNI here")
     target = tiny_llama(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2)  # fp32, I = 128
     head: Any = tiny_proposer(family, target).drafter.float()
-    _on_int8_grid(head)
+    on_int8_grid(head)
     chain, torch_chain = eagle_chain.EagleChain(head), EagleTreeProposer(head, 4, 4, 1)
     ids = torch.randint(5, 128, (1, 40), generator=torch.Generator().manual_seed(4))
     ids[0, 20:30] = ids[0, 5:15]  # a repeat: copy candidates

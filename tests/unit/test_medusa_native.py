@@ -16,20 +16,9 @@ from specdraft.eval.medusa_tree import MedusaProposer
 from specdraft.eval.proposers import make_proposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import medusa
-from specdraft.testing import tiny_llama
+from specdraft.testing import on_int8_grid, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-
-
-def _on_int8_grid(module: nn.Module) -> None:
-    """Round every Linear's weight to its int8 grid (one scale per row, as the copies store it), so the C products
-    equal torch's up to float rounding (inner sizes that VNNI does not take: fp32 activations)."""
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.Linear):
-                w = m.weight
-                s = (w.abs().amax(1, keepdim=True) / 127.0).clamp_min(1e-12)
-                w.copy_(torch.round(w / s).clamp(-127, 127) * s)
 
 
 def _heads(
@@ -49,7 +38,7 @@ def _heads(
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    _on_int8_grid(model)
+    on_int8_grid(model)
     return model.eval()
 
 

@@ -22,9 +22,10 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _heads(
-    target: nn.Module, root: bool, layers: int = 1, vd: int | None = None, seed: int = 1
+    target: nn.Module, root: bool, layers: int = 1, vd: int | None = None, seed: int = 1, scale: float = 0.3
 ) -> medusa.Medusa:
-    """fp32 Medusa heads (3 heads, top-4) over `target` with random blocks and root projection, on the int8 grid."""
+    """fp32 Medusa heads (3 heads, top-4) over `target` with random blocks and root projection (noise of std
+    `scale` on every weight), on the int8 grid."""
     schema = OmegaConf.create(
         {"draft_len": 3, "num_layers": layers, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
          "tree_choices": None, "draft_vocab_size": vd, "root_token": root}
@@ -37,7 +38,7 @@ def _heads(
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+            p.add_(scale * torch.randn_like(p))
     on_int8_grid(model)
     return model.eval()
 
@@ -132,3 +133,45 @@ def test_what_drafts_in_torch(monkeypatch):
         ps[0]._native.topk(hidden[0][-1], tokens[0][-1], 0, 1)
     monkeypatch.setenv("SPECDRAFT_NATIVE_CHAIN", "0")
     assert make_proposer(heads, int8_head=True)._native is None
+
+
+def _sampling_counts(n: int) -> tuple[dict, dict, int]:
+    """First two tokens of `n` sampled decodes (T = 0.8) with root-token heads drafting through C (a 3-node
+    tree) over an 8-token vocabulary, the target's exact probabilities of each pair, and the drafted tokens kept."""
+    from collections import Counter
+
+    from specdraft.testing import exact_first_two
+
+    target = tiny_llama(vocab_size=8, hidden_size=32, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)  # rows peaked enough that some drafts are kept, many rejected
+    proposer = make_proposer(_heads(target, root=True, scale=0.05), int8_head=True)
+    assert proposer._native is not None
+    proposer.fit_budget(3)  # sampling fits no budget: the cap is set by hand
+    prompt = torch.tensor([1, 4, 2, 4, 2])
+    expected = exact_first_two(target, prompt, 0.8)
+    dec, g = StaticDecoder(target, 64), torch.Generator().manual_seed(3)
+    counts: dict = Counter()
+    kept = 0
+    for _ in range(n):
+        out, stats = dec.speculative_generate(None, prompt, proposer, 2, 0.8, set(), generator=g)
+        counts[tuple(out)] += 1
+        kept += sum(stats.accepted)
+    return counts, expected, kept
+
+
+def test_sampling_through_the_native_heads_keeps_the_target_distribution(monkeypatch):
+    """T > 0 with the heads drafting through C: the first two sampled tokens follow the target's own
+    distribution (chi-square over 1,000 draws against two exact target forwards), with drafted tokens both kept
+    and rejected; the same harness rejects a rule that draws the bonus token from p instead of the residual."""
+    import specdraft.eval.static_decode as static_decode
+    from specdraft.testing import broken_bonus_rule, chi_square_pvalue
+
+    n = 1000
+    counts, expected, kept = _sampling_counts(n)
+    assert 0.05 * n < kept < 0.9 * n
+    assert chi_square_pvalue(counts, expected, n) > 1e-3
+
+    monkeypatch.setattr(static_decode, "sample_verify", broken_bonus_rule)
+    counts, expected, _ = _sampling_counts(n)
+    assert chi_square_pvalue(counts, expected, n) < 1e-4

@@ -41,7 +41,7 @@ from specdraft.eval.fallback import FallbackController
 from specdraft.eval.graphs import CudaGraph, graphs_wanted, replay_or_run
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
-from specdraft.eval.verify import greedy_verify_packed, sample_token, sample_verify
+from specdraft.eval.verify import greedy_verify_host, greedy_verify_packed, sample_token, sample_verify
 from specdraft.models.fast_target import one_call_layers, stack_linears
 
 VerifyFn = Callable[[DraftTree, Tensor], tuple[Tensor, int]]
@@ -470,17 +470,28 @@ class StaticDecoder:
                 t3 = clock()
                 if greedy:
                     src = inp if inp is not None else tree
-                    packed = greedy_verify_packed(
-                        src.tokens.reshape(-1),
-                        cast(Tensor, src.parents),
-                        cast(Tensor, src.ancestors),
-                        cast(Tensor, src.depth),
-                        logits,
-                        valid,
-                        prefix_accept=prefix,
-                    )
+                    if logits.device.type == "cpu":  # the rule on the host: a small tree's ops cost more
+                        packed = None
+                        host = greedy_verify_host(
+                            src.tokens.reshape(-1).tolist(),
+                            cast(Tensor, src.parents).tolist(),
+                            cast(Tensor, src.depth).tolist(),
+                            logits.argmax(-1).tolist(),
+                            None if valid is None else valid.tolist(),
+                            prefix_accept=prefix,
+                        )
+                    else:
+                        packed = greedy_verify_packed(
+                            src.tokens.reshape(-1),
+                            cast(Tensor, src.parents),
+                            cast(Tensor, src.ancestors),
+                            cast(Tensor, src.depth),
+                            logits,
+                            valid,
+                            prefix_accept=prefix,
+                        )
             if greedy:
-                vals = packed.tolist()  # the step's one host sync
+                vals = packed.tolist() if packed is not None else host  # the step's one host sync
                 b = logits.shape[0]
                 a, bonus = vals[0], vals[1]
                 if budget is not None and greedy and drafted:  # fitting, or the drift test once settled
@@ -490,7 +501,9 @@ class StaticDecoder:
                     fit.observe(t2 - t1, a, gains)
                     if fit.cap != cap:  # a new cap: the proposer may draft less from now on
                         proposer.fit_budget(cast(int, fit.cap))
-                path_t = packed[2 : 2 + b]  # (b,) padded path, device
+                path_t = (
+                    packed[2 : 2 + b] if packed is not None else torch.tensor(vals[2 : 2 + b])
+                )  # (b,) padded path, device
                 in_place = vals[1 + a] == a - 1  # path[a-1] == a-1: the accepted nodes are already in place
                 path_tokens = vals[2 + b : 2 + b + a]
                 if path_tokens[0] != root:

@@ -15,7 +15,7 @@ from specdraft.eval.proposers import PromptLookupProposer, make_proposer
 from specdraft.eval.static_decode import StaticDecoder, budget_for
 from specdraft.eval.static_kv import StaticKVCache
 from specdraft.eval.tree import DraftTree, ProposerSpec, pack_beams
-from specdraft.eval.verify import greedy_verify, greedy_verify_packed
+from specdraft.eval.verify import greedy_verify, greedy_verify_host, greedy_verify_packed
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.testing import (
@@ -298,6 +298,28 @@ def test_packed_verify_matches_the_reference_rule():
         int(greedy_verify_packed(tree.tokens, tree.parents, tree.ancestors, tree.depth, logits, valid)[0])
         == 1
     )
+
+
+def test_host_verify_is_the_packed_rule():
+    """`greedy_verify_host` (the CPU decode's rule) returns `greedy_verify_packed`'s row exactly: random trees of
+    1-12 nodes over 2-5 tokens, with and without padding nodes and the prefix counts."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(1000):
+        n, v = int(torch.randint(1, 13, (1,), generator=g)), int(torch.randint(2, 6, (1,), generator=g))
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+        tree = DraftTree(torch.randint(0, v, (n,), generator=g), parents)
+        logits = torch.randn(n, v, generator=g)
+        pad = bool(torch.rand(1, generator=g) < 0.5)
+        valid = torch.cat([torch.tensor([True]), torch.rand(n - 1, generator=g) < 0.8]) if pad else None
+        prefix = bool(torch.rand(1, generator=g) < 0.5)
+        want = greedy_verify_packed(
+            tree.tokens, tree.parents, tree.ancestors, tree.depth, logits, valid, prefix
+        )
+        got = greedy_verify_host(
+            tree.tokens.tolist(), parents.tolist(), tree.depth.tolist(), logits.argmax(-1).tolist(),
+            None if valid is None else valid.tolist(), prefix,
+        )  # fmt: skip
+        assert got == want.tolist()
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -115,8 +115,10 @@ def chain_tree(tokens: list[int], cum: list[float], min_logp: float | None = Non
     if min_logp is not None:
         n = next((i for i in range(1, n) if cum[i] < min_logp), n)
     parents, depth, ancestors, nodes = chain_topology(n)
-    tree = DraftTree(torch.tensor(tokens[:n], dtype=torch.long), parents, depth, ancestors, nodes)
-    tree.scores = torch.tensor(cum[:n], dtype=torch.float32).exp()  # (n,), root 1
+    tree = DraftTree(
+        torch.tensor(tokens[:n], dtype=torch.long, device="cpu"), parents, depth, ancestors, nodes
+    )
+    tree.scores = torch.tensor(cum[:n], dtype=torch.float32, device="cpu").exp()  # (n,), root 1
     return tree
 
 

@@ -470,7 +470,9 @@ class StaticDecoder:
                 t3 = clock()
                 if greedy:
                     src = inp if inp is not None else tree
-                    if logits.device.type == "cpu":  # the rule on the host: a small tree's ops cost more
+                    # the eager CPU path: the rule on the host (a small tree's ops cost more than the rule); the
+                    # fixed-shape path keeps the packed rule, what its graphs capture on a GPU
+                    if logits.device.type == "cpu" and not self.static:
                         packed = None
                         host = greedy_verify_host(
                             src.tokens.reshape(-1).tolist(),
@@ -502,7 +504,7 @@ class StaticDecoder:
                     if fit.cap != cap:  # a new cap: the proposer may draft less from now on
                         proposer.fit_budget(cast(int, fit.cap))
                 path_t = (
-                    packed[2 : 2 + b] if packed is not None else torch.tensor(vals[2 : 2 + b])
+                    packed[2 : 2 + b] if packed is not None else torch.tensor(vals[2 : 2 + b], device=device)
                 )  # (b,) padded path, device
                 in_place = vals[1 + a] == a - 1  # path[a-1] == a-1: the accepted nodes are already in place
                 path_tokens = vals[2 + b : 2 + b + a]

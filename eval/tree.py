@@ -210,8 +210,9 @@ def chain_topology(n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     search: the native chains, prompt lookup)."""
     topo = _CHAINS.get(n)
     if topo is None:
-        ar = torch.arange(n)
-        topo = _CHAINS[n] = (ar - 1, ar, torch.ones(n, n, dtype=torch.bool).tril(), ar[None])
+        ar = torch.arange(n, device="cpu")  # on the CPU whatever the default device (the cache outlives it)
+        ones = torch.ones(n, n, dtype=torch.bool, device="cpu")
+        topo = _CHAINS[n] = (ar - 1, ar, ones.tril(), ar[None])
     parents, depth, ancestors, nodes = (t.clone() for t in topo)
     return parents, depth, ancestors, nodes
 

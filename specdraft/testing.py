@@ -93,6 +93,55 @@ def exact_first_two(
     return {(a, b): float(p1[a] * p2[a, b]) for a in range(v) for b in range(v)}
 
 
+def peaked_tiny_target() -> torch.nn.Module:
+    """An 8-token tiny Llama whose LM-head rows are scaled x3: peaked enough that a drafter's tokens are sometimes
+    kept and often rejected (the chi-square sampling tests' target)."""
+    target = tiny_llama(vocab_size=8, hidden_size=32, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    return target
+
+
+def check_sampling_keeps_distribution(
+    target: torch.nn.Module,
+    make: Callable[[], Any],
+    monkeypatch: Any,
+    n: int = 1000,
+    temperature: float = 0.8,
+) -> None:
+    """Sample the first two tokens after a fixed prompt `n` times through `StaticDecoder` with `make()`'s proposer
+    drafting, and assert: drafted tokens were both kept and rejected (5-90% of n); the pairs follow the target's
+    own distribution (chi-square against `exact_first_two`, p > 1e-3); and the same harness rejects
+    `broken_bonus_rule` (p < 1e-4), so it can tell. `monkeypatch`: pytest's, to swap the rule in.
+
+    Args:
+        target: a small-vocabulary target (`peaked_tiny_target`); make: a fresh proposer over it, capped by hand
+            (sampling fits no node budget).
+    """
+    import specdraft.eval.static_decode as static_decode
+    from specdraft.eval.static_decode import StaticDecoder
+
+    prompt = torch.tensor([1, 4, 2, 4, 2])
+    expected = exact_first_two(target, prompt, temperature)
+
+    def counts() -> tuple[Counter, int]:
+        proposer, dec, g = make(), StaticDecoder(target, 64), torch.Generator().manual_seed(3)
+        seen: Counter = Counter()
+        kept = 0
+        for _ in range(n):
+            out, stats = dec.speculative_generate(None, prompt, proposer, 2, temperature, set(), generator=g)
+            seen[tuple(out)] += 1
+            kept += sum(stats.accepted)
+        return seen, kept
+
+    seen, kept = counts()
+    assert 0.05 * n < kept < 0.9 * n, kept
+    assert chi_square_pvalue(seen, expected, n) > 1e-3
+    monkeypatch.setattr(static_decode, "sample_verify", broken_bonus_rule)
+    seen, _ = counts()
+    assert chi_square_pvalue(seen, expected, n) < 1e-4
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level fast tokenizer (printable ASCII + ChatML specials, vocab < 110) with a chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -195,44 +195,20 @@ def test_the_chain_with_int8_activations_on_vnni(family):
     assert same >= 0.85 * total, (same, total)
 
 
-def _sampling_counts(n: int) -> tuple[dict, dict, int]:
-    """First two tokens of `n` sampled decodes (T = 0.8) with a gated EAGLE-3 head's chain drafting 2 tokens
-    over an 8-token vocabulary, the target's exact probabilities of each pair, and the drafted tokens kept."""
-    from collections import Counter
-
-    from specdraft.testing import exact_first_two, tiny_llama
-
-    target = tiny_llama(vocab_size=8, hidden_size=32, seed=5)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)  # rows peaked enough that some drafts are kept, many rejected
-    head: Any = tiny_proposer("eagle3_copy", target).drafter.float()
-    proposer = make_proposer(head, tree_nodes=6, int8_head=True, draft_block="int8")
-    proposer.fit_budget(3)  # a chain of 2 (sampling fits no budget: the cap is set by hand)
-    assert proposer.chain_now()
-    prompt = torch.tensor([1, 4, 2, 4, 2])
-    expected = exact_first_two(target, prompt, 0.8)
-    dec, g = StaticDecoder(target, 64), torch.Generator().manual_seed(3)
-    counts: Counter = Counter()
-    kept = 0
-    for _ in range(n):
-        out, stats = dec.speculative_generate(None, prompt, proposer, 2, 0.8, set(), generator=g)
-        counts[tuple(out)] += 1
-        kept += sum(stats.accepted)
-    return counts, expected, kept
-
-
 def test_sampling_through_the_chain_keeps_the_target_distribution(monkeypatch):
     """T > 0 with the chain drafting: the first two sampled tokens follow the target's own distribution
     (chi-square over 1,000 draws against two exact target forwards), with drafted tokens both kept and
-    rejected; the same harness rejects a rule that draws the bonus token from p instead of the residual."""
-    import specdraft.eval.static_decode as static_decode
-    from specdraft.testing import broken_bonus_rule, chi_square_pvalue
+    rejected; the same harness rejects a rule that draws the bonus token from p instead of the residual
+    (`testing.check_sampling_keeps_distribution`)."""
+    from specdraft.testing import check_sampling_keeps_distribution, peaked_tiny_target
 
-    n = 1000
-    counts, expected, kept = _sampling_counts(n)
-    assert 0.05 * n < kept < 0.9 * n
-    assert chi_square_pvalue(counts, expected, n) > 1e-3
+    target = peaked_tiny_target()
 
-    monkeypatch.setattr(static_decode, "sample_verify", broken_bonus_rule)
-    counts, expected, _ = _sampling_counts(n)
-    assert chi_square_pvalue(counts, expected, n) < 1e-4
+    def chain() -> Any:  # a gated EAGLE-3 head's chain drafting 2 tokens
+        head: Any = tiny_proposer("eagle3_copy", target).drafter.float()
+        proposer = make_proposer(head, tree_nodes=6, int8_head=True, draft_block="int8")
+        proposer.fit_budget(3)
+        assert proposer.chain_now()
+        return proposer
+
+    check_sampling_keeps_distribution(target, chain, monkeypatch)

@@ -135,43 +135,19 @@ def test_what_drafts_in_torch(monkeypatch):
     assert make_proposer(heads, int8_head=True)._native is None
 
 
-def _sampling_counts(n: int) -> tuple[dict, dict, int]:
-    """First two tokens of `n` sampled decodes (T = 0.8) with root-token heads drafting through C (a 3-node
-    tree) over an 8-token vocabulary, the target's exact probabilities of each pair, and the drafted tokens kept."""
-    from collections import Counter
-
-    from specdraft.testing import exact_first_two
-
-    target = tiny_llama(vocab_size=8, hidden_size=32, seed=5)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)  # rows peaked enough that some drafts are kept, many rejected
-    proposer = make_proposer(_heads(target, root=True, scale=0.05), int8_head=True)
-    assert proposer._native is not None
-    proposer.fit_budget(3)  # sampling fits no budget: the cap is set by hand
-    prompt = torch.tensor([1, 4, 2, 4, 2])
-    expected = exact_first_two(target, prompt, 0.8)
-    dec, g = StaticDecoder(target, 64), torch.Generator().manual_seed(3)
-    counts: dict = Counter()
-    kept = 0
-    for _ in range(n):
-        out, stats = dec.speculative_generate(None, prompt, proposer, 2, 0.8, set(), generator=g)
-        counts[tuple(out)] += 1
-        kept += sum(stats.accepted)
-    return counts, expected, kept
-
-
 def test_sampling_through_the_native_heads_keeps_the_target_distribution(monkeypatch):
     """T > 0 with the heads drafting through C: the first two sampled tokens follow the target's own
     distribution (chi-square over 1,000 draws against two exact target forwards), with drafted tokens both kept
-    and rejected; the same harness rejects a rule that draws the bonus token from p instead of the residual."""
-    import specdraft.eval.static_decode as static_decode
-    from specdraft.testing import broken_bonus_rule, chi_square_pvalue
+    and rejected; the same harness rejects a rule that draws the bonus token from p instead of the residual
+    (`testing.check_sampling_keeps_distribution`)."""
+    from specdraft.testing import check_sampling_keeps_distribution, peaked_tiny_target
 
-    n = 1000
-    counts, expected, kept = _sampling_counts(n)
-    assert 0.05 * n < kept < 0.9 * n
-    assert chi_square_pvalue(counts, expected, n) > 1e-3
+    target = peaked_tiny_target()
 
-    monkeypatch.setattr(static_decode, "sample_verify", broken_bonus_rule)
-    counts, expected, _ = _sampling_counts(n)
-    assert chi_square_pvalue(counts, expected, n) < 1e-4
+    def native() -> MedusaProposer:  # root-token heads on a 3-node tree
+        proposer = make_proposer(_heads(target, root=True, scale=0.05), int8_head=True)
+        assert proposer._native is not None
+        proposer.fit_budget(3)
+        return proposer
+
+    check_sampling_keeps_distribution(target, native, monkeypatch)

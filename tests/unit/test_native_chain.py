@@ -5,7 +5,6 @@ ones), and lossless decoding with it in the proposer."""
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from specdraft.models import qdot, redrafter
 from specdraft.models.base_llm import target_fingerprint
 from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.panel_linear import panel_available
-from specdraft.testing import exact_first_two, tiny_llama, tiny_tokenizer
+from specdraft.testing import tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 
 pytestmark = pytest.mark.skipif(not panel_available(), reason="needs the CPU kernel library")
@@ -179,44 +178,23 @@ def test_proposer_with_the_native_chain_is_lossless(beam_length, monkeypatch):
     assert ReDrafterProposer(d, beam_width=1, beam_length=2, int8_layers=True)._native is None
 
 
-def _native_sampling_counts(n: int) -> tuple[Counter, dict, int]:
-    """First two tokens of `n` sampled decodes (T = 0.8) with the native chain drafting 3 tokens over an
-    8-token vocabulary, the exact target probabilities of each pair, and how many drafted tokens were kept."""
-    vocab, temperature = 8, 0.8
-    target = tiny_llama(vocab_size=vocab, hidden_size=32, seed=5)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)  # rows peaked enough that some drafts are kept, many rejected
-    schema = ReDrafterSchema(draft_len=3, beam_width=1, num_layers=1, exit_dim=32, copy_ngram=2)
-    d = redrafter.build(schema, target, target_fingerprint(target, tiny_tokenizer())).float().eval()
-    proposer = ReDrafterProposer(d, beam_width=1, beam_length=3, int8_layers=True)
-    assert proposer._native is not None
-    prompt = torch.tensor([1, 4, 2, 4, 2])
-    expected = exact_first_two(target, prompt, temperature)
-    dec, g = StaticDecoder(target, 64), torch.Generator().manual_seed(3)
-    counts: Counter = Counter()
-    accepted = 0
-    for _ in range(n):
-        out, stats = dec.speculative_generate(None, prompt, proposer, 2, temperature, set(), generator=g)
-        counts[tuple(out)] += 1
-        accepted += sum(stats.accepted)
-    return counts, expected, accepted
-
-
 def test_sampling_with_the_native_chain_keeps_the_target_distribution(monkeypatch):
     """T > 0 with the native chain drafting: the first two sampled tokens follow the target's own distribution
     (chi-square over 1,000 draws against two exact target forwards), with drafted tokens both kept and rejected;
-    the same harness rejects a rule that draws the bonus token from p instead of the residual."""
-    import specdraft.eval.static_decode as static_decode
-    from specdraft.testing import broken_bonus_rule, chi_square_pvalue
+    the same harness rejects a rule that draws the bonus token from p instead of the residual
+    (`testing.check_sampling_keeps_distribution`)."""
+    from specdraft.testing import check_sampling_keeps_distribution, peaked_tiny_target
 
-    n = 1000
-    counts, expected, accepted = _native_sampling_counts(n)
-    assert 0.05 * n < accepted < 0.9 * n  # 125 of 1,000 here
-    assert chi_square_pvalue(counts, expected, n) > 1e-3
+    target = peaked_tiny_target()
 
-    monkeypatch.setattr(static_decode, "sample_verify", broken_bonus_rule)
-    counts, expected, _ = _native_sampling_counts(n)
-    assert chi_square_pvalue(counts, expected, n) < 1e-4
+    def chain() -> ReDrafterProposer:  # a copy-gate ReDrafter's one-beam chain drafting 3 tokens
+        schema = ReDrafterSchema(draft_len=3, beam_width=1, num_layers=1, exit_dim=32, copy_ngram=2)
+        d = redrafter.build(schema, target, target_fingerprint(target, tiny_tokenizer())).float().eval()
+        proposer = ReDrafterProposer(d, beam_width=1, beam_length=3, int8_layers=True)
+        assert proposer._native is not None
+        return proposer
+
+    check_sampling_keeps_distribution(target, chain, monkeypatch)
 
 
 def test_a_lone_drafting_row_of_a_batch_takes_the_native_chain(monkeypatch):

@@ -18,6 +18,7 @@ token, so the output never does. `SPECDRAFT_NATIVE_CHAIN=0` turns it off (with t
 from __future__ import annotations
 
 import ctypes
+import weakref
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -80,7 +81,8 @@ class _HeadCopy:
         self.fn = kernel("sd_eagle_slot", [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64, i64, ptr,
                                            f32, f32, ptr, ptr, ptr, ctypes.c_int])  # fmt: skip
         d: Any = drafter
-        self.drafter, self.eagle3 = d, isinstance(drafter, Eagle3Drafter)
+        self.drafter = weakref.proxy(d)  # not a strong reference: the cache holds its head weakly
+        self.eagle3 = isinstance(drafter, Eagle3Drafter)
         layer: Any = d.draft_layer()[0]
         attn, mlp = layer.self_attn, layer.mlp
         h, dim = int(d.config.base_hidden_size), int(attn.head_dim)

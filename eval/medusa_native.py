@@ -102,7 +102,6 @@ class MedusaNative:
         self.table: Tensor | None = None  # (V, H) the root's embedding table, fp32 and contiguous
         if root is not None:
             self.table = root.borrowed.weight("embed", root.proj.weight).detach().float().contiguous()
-        self.drafter = drafter
 
     @torch.inference_mode()
     def topk(self, hidden: Tensor, root: Tensor, k: int, num_heads: int) -> Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -136,7 +137,7 @@ class NativeChain:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self.fn = kernel("sd_redrafter_slot", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_float, ptr,
                                                ptr, ptr, ctypes.c_int])  # fmt: skip
-        self.drafter = drafter
+        self.drafter = weakref.proxy(drafter)  # not a strong reference: the cache holds its drafter weakly
         cfg = drafter.config
         assert drafter.input_proj is not None
         e, x = int(drafter.rnn_u.weight.shape[0]), int(drafter.input_proj.weight.shape[0])

@@ -212,3 +212,17 @@ def test_sampling_through_the_chain_keeps_the_target_distribution(monkeypatch):
         return proposer
 
     check_sampling_keeps_distribution(target, chain, monkeypatch)
+
+
+def test_a_freed_head_drops_its_int8_copies():
+    """The heads' int8 copies are cached per head, weakly: a head that is freed (its chains with it) takes them."""
+    import gc
+    import weakref
+
+    head, _ = _head("eagle3")
+    chain = eagle_chain.make_chain(head)
+    assert chain is not None
+    alive = weakref.ref(head)
+    del head, chain
+    gc.collect()
+    assert alive() is None

@@ -151,3 +151,16 @@ def test_sampling_through_the_native_heads_keeps_the_target_distribution(monkeyp
         return proposer
 
     check_sampling_keeps_distribution(target, native, monkeypatch)
+
+
+def test_freed_heads_drop_their_native_copies():
+    """The shared copies are held per heads, weakly: heads that are freed take their int8 copies with them."""
+    import gc
+    import weakref
+
+    heads = _heads(tiny_llama(), root=True)
+    assert medusa_native.make_native(heads) is not None
+    alive = weakref.ref(heads)
+    del heads
+    gc.collect()
+    assert alive() is None

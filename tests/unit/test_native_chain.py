@@ -222,3 +222,18 @@ def test_a_lone_drafting_row_of_a_batch_takes_the_native_chain(monkeypatch):
         for prompt, n, (out, _) in zip(prompts, budgets, res, strict=True):
             assert out == ar_generate(target, None, torch.tensor(prompt), n, stop_ids=set())[0]
         assert calls  # batch 1 always, batch 3 once two rows have ended
+
+
+def test_a_freed_drafter_drops_its_native_chain():
+    """The chains are cached per drafter, weakly: a ReDrafter that is freed takes its int8 copies with it."""
+    import gc
+    import weakref
+
+    from specdraft.eval.proposers import _native_chain
+
+    d, _ = _drafter(32)
+    assert _native_chain(d) is not None
+    alive = weakref.ref(d)
+    del d
+    gc.collect()
+    assert alive() is None

@@ -26,13 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.eval.native_chain import (
-    _rows_int8,
     chain_tree,
     draft_id_maps,
     enabled,
     kernel,
     kernel_problem,
     pin,
+    rows_int8,
 )
 from specdraft.eval.tree import DraftTree
 from specdraft.models.layers import CopyCache, weights_key
@@ -98,7 +98,7 @@ class _HeadCopy:
         def product(*linears: nn.Linear) -> list[int]:
             """(weights, row scales, bias) addresses of the Linears stacked along their outputs."""
             w = torch.cat([lin.weight.detach().float() for lin in linears])
-            q, s = _rows_int8(w)
+            q, s = rows_int8(w)
             b = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
                            for lin in linears])  # fmt: skip
             return [hold(q), hold(s), hold(b)]

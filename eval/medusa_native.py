@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor, nn
 
-from specdraft.eval.native_chain import _rows_int8, enabled, kernel, kernel_problem, pin
+from specdraft.eval.native_chain import enabled, kernel, kernel_problem, pin, rows_int8
 from specdraft.models.layers import CopyCache, ResBlock, weights_key
 
 if TYPE_CHECKING:
@@ -78,9 +78,9 @@ class MedusaNative:
         hold = partial(pin, self.keep)
         one = torch.zeros(1)
         root = drafter.root_input
-        rq, rs = _rows_int8(root.proj.weight) if root is not None else (one.to(torch.int8), one)
+        rq, rs = rows_int8(root.proj.weight) if root is not None else (one.to(torch.int8), one)
         blocks = [cast(ResBlock, b).linear for t, _ in heads for b in cast(nn.Sequential, t)]  # K * NB
-        bq = [_rows_int8(b.weight) for b in blocks]
+        bq = [rows_int8(b.weight) for b in blocks]
         zeros = torch.zeros(h)
         bw = torch.stack([q for q, _ in bq]) if bq else one.to(torch.int8)  # (K * NB, H, H)
         bs = torch.stack([s for _, s in bq]) if bq else one  # (K * NB, H)
@@ -89,7 +89,7 @@ class MedusaNative:
             if bq
             else one
         )
-        vq = [_rows_int8(lin.weight) for _, lin in heads]
+        vq = [rows_int8(lin.weight) for _, lin in heads]
         vw, vs = torch.stack([q for q, _ in vq]), torch.stack([s for _, s in vq])  # (K, Vd, H), (K, Vd)
         addrs = [hold(rq), hold(rs), hold(bw), hold(bs), hold(bb), hold(vw), hold(vs)]
         self.addrs = torch.tensor(addrs, dtype=torch.int64)  # the pointer table `sd_medusa_heads` reads

@@ -78,7 +78,7 @@ def kernel(symbol: str, argtypes: list[Any]) -> Any:
     return fn
 
 
-def _rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+def rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     """(N, K) float -> int8 (N, K) and fp32 row scales (N,): w ~ q * s, s = max|w_row| / 127."""
     w = weight.detach().float().cpu()
     s = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # (N,)
@@ -146,11 +146,11 @@ class NativeChain:
         blocks = [cast(ResBlock, b).linear for b in drafter.blocks]
         self.keep: list[Tensor] = []  # every tensor the pointers address
         hold = partial(pin, self.keep)
-        u, us = _rows_int8(drafter.rnn_u.weight)
-        w, ws = _rows_int8(drafter.rnn_w.weight)
-        p, ps = _rows_int8(drafter.input_proj.weight)
-        h, hs = _rows_int8(drafter.head.weight)
-        bq = [_rows_int8(b.weight) for b in blocks]
+        u, us = rows_int8(drafter.rnn_u.weight)
+        w, ws = rows_int8(drafter.rnn_w.weight)
+        p, ps = rows_int8(drafter.input_proj.weight)
+        h, hs = rows_int8(drafter.head.weight)
+        bq = [rows_int8(b.weight) for b in blocks]
         zeros_x = torch.zeros(x)
         bw = torch.stack([q for q, _ in bq]) if bq else torch.zeros(1, dtype=torch.int8)
         bs = torch.stack([s for _, s in bq]) if bq else zeros_x

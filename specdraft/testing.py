@@ -328,13 +328,14 @@ def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 def on_int8_grid(module: torch.nn.Module) -> None:
     """Round every Linear's weight in `module` to its int8 grid (one scale per row, max|w_row| / 127, as the native
     drafts' copies store it), so their products equal torch's up to float rounding where the activations stay
-    fp32 (a CPU without VNNI, or inner sizes it does not take)."""
+    fp32 (a CPU without VNNI, or inner sizes it does not take): the copies' own quantiser, dequantised."""
+    from specdraft.eval.native_chain import rows_int8
+
     with torch.no_grad():
         for m in module.modules():
             if isinstance(m, torch.nn.Linear):
-                w = m.weight
-                s = (w.abs().amax(1, keepdim=True) / 127.0).clamp_min(1e-12)
-                w.copy_(torch.round(w / s).clamp(-127, 127) * s)
+                q, s = rows_int8(m.weight)  # (N, K) int8, (N,) row scales
+                m.weight.copy_(q.to(m.weight.dtype) * s.to(m.weight.dtype)[:, None])
 
 
 def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, graphs: bool = False) -> Any:

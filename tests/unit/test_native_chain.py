@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.eval.decode import ar_generate
-from specdraft.eval.native_chain import NativeChain, _rows_int8, unsupported
+from specdraft.eval.native_chain import NativeChain, rows_int8, unsupported
 from specdraft.eval.proposers import ReDrafterProposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import qdot, redrafter
@@ -52,7 +52,7 @@ def _quant(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 def _reference_chain(d, hidden, root, draft_len, copy, vnni):
     """The one-beam search in torch with the kernel's arithmetic (float64 sums): int8 weights with row scales,
     activations quantised per vector where `vnni`, else fp32; the copy gate and mixture as `mix_log_probs`."""
-    q = {name: _rows_int8(lin.weight) for name, lin in [("u", d.rnn_u), ("w", d.rnn_w), ("p", d.input_proj),
+    q = {name: rows_int8(lin.weight) for name, lin in [("u", d.rnn_u), ("w", d.rnn_w), ("p", d.input_proj),
          ("h", d.head), *[(f"b{i}", b.linear) for i, b in enumerate(d.blocks)]]}  # fmt: skip
     e = d.rnn_u.weight.shape[0]
 

@@ -134,9 +134,8 @@ class _HeadCopy:
         self.gate_scale = float(gate.scale) if gate is not None else 0.0
         self.attn_scale = float(attn.scaling)
         self.has_gate = gate is not None
-        self.zero = torch.zeros(
-            h
-        )  # the candidate embedding read where there is no candidate (never, in fact)
+        # the candidate embedding read where there is no candidate (never, in fact)
+        self.zero = torch.zeros(h)
         emb = d.borrowed.weight("embed", d.fc.weight)  # (V, H) the target's embeddings, fp32
         self.table = emb.detach().contiguous()
         self.row_bytes = h * 4
@@ -161,10 +160,8 @@ class EagleChain:
         if why is not None:
             raise ValueError(f"EagleChain: {why}")
         self.head = _HEADS.get(drafter, weights_key(*drafter.parameters()), lambda: _HeadCopy(drafter))
-        self.addrs, self.dims = (
-            self.head.addrs.clone(),
-            self.head.dims.clone(),
-        )  # + this chain's tables, capacity
+        # the head's pointer table and sizes, + this chain's rotary tables and capacity (`_alloc`)
+        self.addrs, self.dims = self.head.addrs.clone(), self.head.dims.clone()
         self.g = torch.zeros(self.head.h)  # (H,) the input feature in, the head's output out (in place)
         self.out_id, self.out_logp = ctypes.c_int64(), ctypes.c_float()
         self.length = 0  # committed positions in the KV cache

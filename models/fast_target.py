@@ -17,9 +17,10 @@ so outputs equal transformers' to rounding (the same products and attention; the
 are the model's own (no copy). A layer's q/k/v and gate/up products run as one product each over their stacked
 weights (`StackedLinear` on plain Linears: GPUs, native-layout CPUs; `StackedPanels` on the CPU's panels), of
 which the Linears keep views, and q and k are rotated together: ~7 fewer ops (kernels on a GPU) a layer.
-Where it does not apply (`fast_forward` returns None) the caller runs transformers' forward: another layer type (`unsupported`) or attention than SDPA's, no explicit
-4D mask over several new tokens (a causal prefill, a padding mask: transformers builds the mask), or a
-sliding window the keys would exceed. `SPECDRAFT_TARGET_FORWARD=hf` turns it off (`wanted`).
+Where it does not apply (`fast_forward` returns None) the caller runs transformers' forward: another layer type
+(`unsupported`) or attention than SDPA's, no explicit 4D mask over several new tokens (a causal prefill, a padding
+mask: transformers builds the mask), or a sliding window the keys would exceed. `SPECDRAFT_TARGET_FORWARD=hf`
+turns it off (`wanted`).
 
 A batched tree verify pads every row to the widest tree of the step (`eval/batch_decode.py`): at batch 16 a
 single row drafting 10 tokens makes all 16 rows carry 11 positions. With `packed` (`Packing`) only the wanted
@@ -293,9 +294,8 @@ def _layer_stacked(
     attn, mlp = layer.self_attn, layer.mlp
     b, n = pack.shape if pack is not None else x.shape[:2]
     d = int(attn.head_dim)
-    f = (
-        fused_ops.ops()
-    )  # each elementwise stretch one compiled kernel (`SPECDRAFT_FUSED_OPS=on`), else op by op
+    # each elementwise stretch one compiled kernel (`SPECDRAFT_FUSED_OPS=on`), else op by op
+    f = fused_ops.ops()
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
     qkv = stacks[0].whole(f["norm"](x, n1.weight, float(n1.variance_epsilon)))  # (B, n | T, Wq + Wk + Wv)
     if pack is not None:

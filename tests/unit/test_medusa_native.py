@@ -16,7 +16,7 @@ from specdraft.eval.medusa_tree import MedusaProposer
 from specdraft.eval.proposers import make_proposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import medusa
-from specdraft.testing import on_int8_grid, tiny_llama
+from specdraft.testing import jitter, on_int8_grid, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -36,9 +36,7 @@ def _heads(
     model = medusa.build(schema, target, fp, token_counts=counts).float()
     medusa.attach(model, target)
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn_like(p))
+    jitter(model, scale)
     on_int8_grid(model)
     return model.eval()
 

@@ -163,6 +163,8 @@ class LookupBranch:
             whenever lookup's chain is not expected to beat it (no pricing).
         min_probe, max_probe: steps the drafter idles, once priced out, before it drafts again as a probe; the
             gap doubles (up to `max_probe`) after each probe that still does not pay.
+        clock: seconds, read around the drafter's propose to price it (tests pass a fake one, so the pricing
+            does not depend on how loaded the machine is).
     """
 
     def __init__(
@@ -175,12 +177,13 @@ class LookupBranch:
         cost: Callable[[float], float] | None = None,
         min_probe: int = 4,
         max_probe: int = 64,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if num_tokens < 1:
             raise ValueError(f"LookupBranch: num_tokens={num_tokens} must be >= 1")
         if not 1 <= min_probe <= max_probe:
             raise ValueError(f"LookupBranch: need 1 <= min_probe={min_probe} <= max_probe={max_probe}")
-        self.cost, self.min_probe, self.max_probe = cost, min_probe, max_probe
+        self.cost, self.min_probe, self.max_probe, self.clock = cost, min_probe, max_probe, clock
         self.draft_ms: float | None = None  # EMA of the drafter's propose time (ms), steps without catch-up
         self.inner_nodes = 0  # nodes of the drafter's latest tree
         self._cap = FULL  # the node cap the decoder's budget set (`fit_budget`)
@@ -234,11 +237,11 @@ class LookupBranch:
         chain, hidden, tokens = step
         if self._timed:  # the drafter's time as the cost curve's: what the device ran, not what was queued
             sync_device(tokens.device)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         tree = self.inner.propose(hidden, tokens)
         if self._timed:
             sync_device(tokens.device)
-        return self._end(tree, chain, (time.perf_counter() - t0) * 1e3 if self._timed else None)
+        return self._end(tree, chain, (self.clock() - t0) * 1e3 if self._timed else None)
 
     def propose_rows(
         self, rows: Sequence[Proposer], hidden: Sequence[Tensor], tokens: Sequence[Tensor]

@@ -143,12 +143,17 @@ def test_lookup_alone_where_it_beats_the_drafter_and_the_drafter_gets_the_skippe
 def test_a_priced_drafter_idles_where_it_does_not_pay_and_is_probed_again():
     """With a verify cost curve, the drafter drafts only while (1 + its mean accepted) / (verify of its nodes +
     its draft time) beats the step without it; priced out, the step is lookup's chain or the root alone, and the
-    drafter drafts again as a probe after `min_probe` idle steps, the gap doubling up to `max_probe`."""
+    drafter drafts again as a probe after `min_probe` idle steps, the gap doubling up to `max_probe`.
+
+    A fake clock makes every draft take 0.1 ms, so the prices do not depend on the machine's load (a busy CI
+    host once timed this chain's draft above the 0.75 ms the flat curve leaves it, and the test failed)."""
     inner = _FixedChain()
     steep = lambda n: float(n)  # noqa: E731  (ms per n verified nodes: a 4-node tree costs 4 plain steps)
-    branch = LookupBranch(inner, 4, cost=steep, min_probe=2, max_probe=4)
+    ticks = iter(range(10_000))  # each read of the clock is 0.1 ms after the previous one
+    clock = lambda: next(ticks) * 1e-4  # noqa: E731  (seconds)
+    branch = LookupBranch(inner, 4, cost=steep, min_probe=2, max_probe=4, clock=clock)
     assert branch.propose(torch.zeros(3, 4), torch.tensor([5, 6, 7])).num_nodes == 4  # unmeasured: it drafts
-    assert branch.draft_ms is not None and branch.draft_ms >= 0.0  # one step's positions: timed
+    assert branch.draft_ms == pytest.approx(0.1)  # one step's positions: timed (by the fake clock)
     # its first token was right (mean 1 accepted): (1 + 1) / (4 + draft) < 1 / 1 for a plain step
     assert branch.propose(torch.zeros(1, 4), torch.tensor([1])).tokens.tolist() == [1]
     assert branch.propose(torch.zeros(1, 4), torch.tensor([9])).tokens.tolist() == [9]

@@ -275,6 +275,10 @@ class NodeBudget:
             standard errors of the mean over the fit's steps still beats plain steps (`_settle`), so a gain within
             the noise of a few dozen steps of one text (a refit: 16) does not turn drafting on; 0: the mean
             decides. The choice among drafted sizes is the means'.
+        refit_on_call: a decode call (a new prompt: new text) starts a refit at its first step when the budget
+            is settled on no drafting or on 2 nodes and at least `refit_steps` steps have passed since, instead
+            of waiting out the gap: whether drafting pays depends on the text (prompt lookup pays on a turn that
+            quotes the previous one), and a 128-token answer is shorter than the gap.
     """
 
     cost: CostCurve
@@ -292,6 +296,7 @@ class NodeBudget:
     probe_floor: int = 4
     trim_slowest: bool = True
     confidence: float = 1.0
+    refit_on_call: bool = True
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
@@ -369,7 +374,8 @@ class NodeBudget:
         """Call at the start of every decode call with the proposer's `spec.max_depth`: bounds every fit's
         probe by `could_pay` and returns the node cap the proposer drafts at now (`Proposer.fit_budget`): the
         cap once settled, else phase 1's probe size (`refit_cap`). When no size could pay, an unsettled budget
-        settles on no drafting for good (no refits: `off_for_good`)."""
+        settles on no drafting for good (no refits: `off_for_good`). A budget settled on no drafting or on 2
+        nodes refits at this call's first step (`refit_on_call`)."""
         self._payable = self.could_pay(max_depth)
         if self._payable == 1 and not self.settled:  # (a settled budget, e.g. `fixed`, keeps its cap)
             self.cap, self.settled, self.refit_gap = 1, True, 0
@@ -380,6 +386,9 @@ class NodeBudget:
                     f"of depth <= {max_depth} could pay for its verify",
                     flush=True,
                 )
+        timed = self.settled and self.cap is not None and self.cap <= 2 and self.refit_gap > 0
+        if self.refit_on_call and timed and self._since >= self.refit_steps:
+            self._due = True  # new text: a refit at this call's first step
         return self.cap if self.cap is not None else self.refit_cap()
 
     def tick(self) -> bool:

@@ -96,6 +96,7 @@ def throughput_rows(
     budget_refit: int = 128,
     budget_refit_scale: int = 4,
     budget_confidence: float = 1.0,
+    budget_refit_on_call: bool = True,
     cuda_graphs: str = "auto",
     node_cap: int | None = None,
     prefill_rows: int = 0,
@@ -130,6 +131,7 @@ def throughput_rows(
             full-size trees; `eval.node_budget_refit_scale`).
         budget_confidence: drafting turns on only if the best size beats plain steps with its gain this many
             standard errors lower (`NodeBudget.confidence`, `eval.node_budget_confidence`).
+        budget_refit_on_call: a batched call refits a budget settled on <= 2 nodes (`NodeBudget.refit_on_call`).
         node_cap: every drafter's trees cut to this many nodes at every batch size, no fitting
             (`NodeBudget.fixed`; instead of `node_budget`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
@@ -200,6 +202,7 @@ def throughput_rows(
                     refit_gap=budget_refit,
                     refit_scale=budget_refit_scale,
                     confidence=budget_confidence,
+                    refit_on_call=budget_refit_on_call,
                     trim_slowest=dec.graphs,  # captures happen only under graphs
                 )
                 if name in fitted:  # its gain curve from the previous batch size

@@ -281,7 +281,9 @@ def test_lossless_while_fitting_and_after(static, cap_costs):
     """Full trees while fitting, cut trees (or no drafting at all) after: the output never changes."""
     model = tiny_llama(num_layers=2, dtype=torch.float64)
     dec = StaticDecoder(model, 64, static=static)
-    budget = NodeBudget(CostCurve(cap_costs), fit_steps=4, check_steps=2, sizes=(1, 2, 4, 8))
+    budget = NodeBudget(  # (a new call would refit a budget settled off: `refit_on_call`, tested below)
+        CostCurve(cap_costs), fit_steps=4, check_steps=2, sizes=(1, 2, 4, 8), refit_on_call=False
+    )
     for prompt_len in (3, 11, 7):
         prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
         ref, _ = ar_generate(model, None, prompt, 30, stop_ids=set())
@@ -363,7 +365,11 @@ def test_every_family_accepts_a_fitted_budget(family):
         )
         proposer = make_proposer(medusa.build(schema, model, fp).double().eval(), tree_nodes=12)
     budget = NodeBudget(
-        CostCurve({1: 1e3, 2: 1e3, 4: 9e3, 8: 9e3}), fit_steps=3, check_steps=2, sizes=(1, 2, 4, 8)
+        CostCurve({1: 1e3, 2: 1e3, 4: 9e3, 8: 9e3}),
+        fit_steps=3,
+        check_steps=2,
+        sizes=(1, 2, 4, 8),
+        refit_on_call=False,  # the settled cap across calls (a new call would refit it: tested below)
     )
     dec = StaticDecoder(model, 64)
     for prompt_len in (4, 9, 6):
@@ -431,6 +437,37 @@ def test_refit_follows_the_text():
     for _ in range(10):
         off.observe(0.001, 1, bad)
     assert off.cap == 1 and off.off_for_good  # the decoders stop keeping skipped positions
+
+
+def test_a_new_call_refits_a_budget_settled_on_two_nodes_or_fewer():
+    """`refit_on_call`: a decode call (new text) starts a refit at its first step when the budget is settled
+    on no drafting or 2 nodes and `refit_steps` steps have passed since it settled, instead of waiting out
+    `refit_gap`; never on a larger cap, a final budget (`refit_gap` 0) or just after settling."""
+    costs = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0}
+    bad, good = [1] * 8, [1, 2, 2, 3, 3, 3, 3, 4]
+    for on in (True, False):
+        budget = _budget(costs, check_steps=0, refit_gap=100, refit_steps=4, refit_on_call=on)
+        for _ in range(10):
+            budget.observe(0.001, 1, bad)
+        assert budget.settled and budget.cap == 1
+        budget.start(4)  # a call at once: too soon after settling (fewer than refit_steps steps)
+        assert not any(budget.tick() for _ in range(4))
+        budget.start(4)  # the next call, 4 steps later: its first step refits (or the gap still runs)
+        assert budget.tick() is on and (budget.cap is None) is on
+    drafting = _budget(costs, check_steps=0, refit_gap=100, refit_steps=4)
+    for _ in range(10):
+        drafting.observe(0.001, 4, good)
+    assert drafting.cap == 8
+    for i in range(8):
+        drafting.tick()
+        drafting.observe(0.001, 2 + i % 2)  # as expected: no drift
+    drafting.start(4)
+    assert not drafting.tick()  # settled on 8 nodes: only a drift refits
+    final = _budget(costs, check_steps=0, refit_gap=0, refit_steps=4)
+    for _ in range(10):
+        final.observe(0.001, 1, bad)
+    final.start(4)
+    assert final.off_for_good and not any(final.tick() for _ in range(10))
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -261,7 +261,8 @@ def test_batched_node_budget_fits_a_cap_and_keeps_outputs(ms, expect):
     model = tiny_target("llama", CPU)
     prompts = random_prompts(LENGTHS)
     stops, refs = _references(model, prompts, BUDGETS)
-    budget = NodeBudget(CostCurve(ms), fit_steps=6, check_steps=3)
+    # (the settled cap carries over to the next call: a call does not refit it, `refit_on_call`)
+    budget = NodeBudget(CostCurve(ms), fit_steps=6, check_steps=3, refit_on_call=False)
     dec = BatchDecoder(model, 3)
     res = dec.generate(prompts, BUDGETS, stops, _factory("oracle", prompts, refs), budget=budget)
     assert [t for t, _ in res] == refs

@@ -718,7 +718,8 @@ def test_phase_one_drafts_no_tree_larger_than_could_pay(static):
 
 
 def test_eval_node_budget_confidence_reaches_every_fitted_budget():
-    """`eval.node_budget_confidence` (default 1) is the confidence of the budget evaluate.py builds per method."""
+    """`eval.node_budget_confidence` (default 1) is the confidence of the budget evaluate.py builds per method, and
+    `eval.node_budget_refit_on_call` (default true) its `refit_on_call`."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -726,11 +727,11 @@ def test_eval_node_budget_confidence_reaches_every_fitted_budget():
     from specdraft.eval.cli import _spec
     from specdraft.eval.config import EvalConfig
 
-    assert EvalConfig().node_budget_confidence == 1.0
+    assert EvalConfig().node_budget_confidence == 1.0 and EvalConfig().node_budget_refit_on_call is True
     runner = SimpleNamespace(spec_method=lambda *args: args[-1])  # the method's budget
-    for z in (0.0, 2.5):
+    for z, on in ((0.0, True), (2.5, False)):
         e = dict(acceptance="greedy", fallback=False, profile=False, node_budget_refit=128)
-        e.update(node_budget_refit_scale=4, node_budget_confidence=z)
+        e.update(node_budget_refit_scale=4, node_budget_confidence=z, node_budget_refit_on_call=on)
         cfg = OmegaConf.create({"eval": e})
         budget = _spec(cfg, runner, "m", None, None, None, set(), {}, None, cost=CostCurve({1: 1.0}))
-        assert isinstance(budget, NodeBudget) and budget.confidence == z
+        assert isinstance(budget, NodeBudget) and budget.confidence == z and budget.refit_on_call is on

@@ -195,6 +195,9 @@ MEDUSA: Table = {
     "draft_vocab_size": optional(POSITIVE),  # <= the target's vocab_size: checked when the heads are built
     "tree_choices": ANY,  # checked by eval/medusa_tree.py when the tree is built
     "root_token": ANY,
+    "copy_ngram": COUNT,
+    "copy_hidden": POSITIVE,
+    "copy_scale": above(0),
 }
 EAGLE_TREE: Table = {"tree_total_tokens": POSITIVE, "tree_depth": POSITIVE, "tree_top_k": POSITIVE}
 EAGLE: Table = {

@@ -68,7 +68,8 @@ class MedusaNative:
             raise ValueError(f"MedusaNative: {why}")
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self.fn = kernel(
-            "sd_medusa_heads", [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ctypes.c_int]
+            "sd_medusa_heads",
+            [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr],
         )
         cfg = drafter.config
         heads = drafter.vocab_heads()
@@ -99,6 +100,8 @@ class MedusaNative:
         self.scratch = torch.empty(3 * h + vd)
         self.ids = torch.zeros(len(heads) * 64, dtype=torch.long)  # (K, <= 64) the draft ids out
         self.to_target = drafter.to_target_ids(torch.arange(vd)).cpu()  # (Vd,) target id of each draft id
+        self.states = torch.zeros(len(heads), h)  # (K, H) the heads' states out (`heads`)
+        self.logits = torch.zeros(len(heads), vd)  # (K, Vd) their logits out (`heads`)
         self.table: Tensor | None = None  # (V, H) the root's embedding table, fp32 and contiguous
         if root is not None:
             self.table = root.borrowed.weight("embed", root.proj.weight).detach().float().contiguous()
@@ -115,21 +118,37 @@ class MedusaNative:
         Returns:
             (n, k) long target ids, row j head j's best k (rank 0 first).
         """
+        return self.to_target[self._run(hidden, root, k, num_heads, False)].view(num_heads, k)  # (n, k)
+
+    @torch.inference_mode()
+    def heads_out(
+        self, hidden: Tensor, root: Tensor, k: int, num_heads: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`topk` plus what a copy gate reads (`eval/medusa_copy_tree.py`), in the same call.
+
+        Returns:
+            ids (n, k) long draft ids (not target ids), states (n, H) each head's last block output, logits (n, Vd)
+            float32 (views of buffers the next call overwrites).
+        """
+        ids = self._run(hidden, root, k, num_heads, True).view(num_heads, k)
+        return ids, self.states[:num_heads], self.logits[:num_heads]
+
+    def _run(self, hidden: Tensor, root: Tensor, k: int, num_heads: int, keep: bool) -> Tensor:
+        """One `sd_medusa_heads` call -> (n * k,) draft ids; `keep`: the states and logits too."""
         if not 0 < k <= 64 or not 0 < num_heads <= self.heads:
             raise ValueError(
                 f"MedusaNative.topk: k={k} must be in [1, 64] and num_heads={num_heads} in [1, {self.heads}]"
             )
         x = hidden.detach().float().contiguous()  # (H,)
         emb = None
-        if self.table is not None:
-            emb = (
-                self.table.data_ptr() + max(int(root), 0) * self.h * 4
-            )  # padding (< 0) reads token 0, as torch  # the root's row, read in place
+        if self.table is not None:  # the root's row, read in place; padding (< 0) reads token 0, as torch
+            emb = self.table.data_ptr() + max(int(root), 0) * self.h * 4
+        states, logits = (self.states.data_ptr(), self.logits.data_ptr()) if keep else (None, None)
         self.fn(
             self.addrs.data_ptr(), self.dims.data_ptr(), x.data_ptr(), emb, self.eps, num_heads, k,
-            self.scratch.data_ptr(), self.ids.data_ptr(), torch.get_num_threads(),
+            self.scratch.data_ptr(), self.ids.data_ptr(), torch.get_num_threads(), states, logits,
         )  # fmt: skip
-        return self.to_target[self.ids[: num_heads * k]].view(num_heads, k)  # (n, k)
+        return self.ids[: num_heads * k]
 
 
 _HEADS: CopyCache[MedusaNative] = CopyCache()

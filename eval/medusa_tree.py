@@ -29,11 +29,13 @@ from torch import Tensor
 from specdraft.eval.graphs import CudaGraph, replay_or_run
 from specdraft.eval.tree import DraftTree, ProposerSpec, ancestor_matrix
 from specdraft.models.medusa_choices import resolve_paths, tree_layout
+from specdraft.models.medusa_copy import copy_ngram
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from specdraft.eval.decode import Proposer
+    from specdraft.eval.medusa_copy_tree import CopyTreeFill
     from specdraft.eval.medusa_native import MedusaNative
     from specdraft.models.medusa import Medusa
 
@@ -116,7 +118,8 @@ def measure_rank_accuracies(
             reduced draft vocabulary: a label outside it is a miss at every rank).
         target: the frozen target (one no-grad forward per batch for h_t).
         batches: collated batches (`data.collate.Collator` with draft_len = K): `input_ids`, `attention_mask`,
-            `root` (B, L), `targets` (B, L, K), `pos_mask` (B, L).
+            `root` (B, L), `targets` (B, L, K), `pos_mask` (B, L); with `copy_ids`, `copy_len` (B, L, K) (the
+            collator's `copy_ngram`) heads with a copy gate are ranked by their mixtures.
         topk: ranks measured per head.
         max_batches: stop after this many batches (None: all).
         chunk: positions per head-logits call (bounds the (chunk, K, V) buffer).
@@ -139,8 +142,15 @@ def measure_rank_accuracies(
         sel = batch["pos_mask"].to(dev)  # (B, L)
         h, tg = hidden[sel], batch["targets"].to(dev)[sel]  # (N, H), (N, K)
         root = batch["root"].to(dev)[sel]  # (N,) x_{t+1}, read by root-conditioned heads
+        # heads with a copy gate: their mixtures' ranks (models/medusa_copy.py)
+        gated = drafter.copy is not None and "copy_ids" in batch
+        cands = (batch["copy_ids"].to(dev)[sel], batch["copy_len"].to(dev)[sel]) if gated else None  # (N, K)
         for s in range(0, h.shape[0], chunk):
-            logits = drafter.head_logits(h[s : s + chunk], tg.shape[-1], root=root[s : s + chunk]).float()
+            part = slice(s, s + chunk)
+            if cands is not None:
+                logits = drafter(h[part], root[part], tg[part], copy=(cands[0][part], cands[1][part])).float()
+            else:
+                logits = drafter.head_logits(h[part], tg.shape[-1], root=root[part]).float()
             labels = tg[s : s + chunk].to(logits.device)  # (n, K) target ids, -100 = ignored
             if drafter.reduced_vocab:  # draft ids; -1 (never a hit) outside the vocabulary
                 labels = drafter.to_draft_ids(labels, missing=-1).masked_fill(labels == -100, -100)
@@ -195,7 +205,8 @@ class MedusaProposer:
 
             vocab = tuple(lin for _, lin in drafter.vocab_heads())
             # the root input slices its weight per call (`models/medusa_root.py`): it keeps its float product
-            self._search = cast("Medusa", int8_clone(drafter, keep=("root_input",), skip=vocab))
+            # (the copy gate reads the target's embeddings through its own Linear's weight: kept too)
+            self._search = cast("Medusa", int8_clone(drafter, keep=("root_input", "copy"), skip=vocab))
         self.paths = paths
         self.parents, self.head, self.rank = tree_layout(paths)  # (N,) each
         self.ancestors, self.depth = ancestor_matrix(self.parents)  # (N, N), (N,)
@@ -214,19 +225,30 @@ class MedusaProposer:
         # with int8 heads on the CPU one row's heads draft as one C call (eval/medusa_native.py, int8 blocks and
         # root input too); rows drafted together (`propose_rows`) stay in torch
         self._native: MedusaNative | None = None
+        gated = copy_ngram(cfg) > 0  # a copy gate (models/medusa_copy.py)
         if self.int8 is not None:
             from specdraft.eval.medusa_native import make_native
 
             self._native = make_native(drafter)
         weight = next(iter(drafter.parameters()), None)
         dev = weight.device if weight is not None else torch.device("cpu")
-        self.graphs = graphs and dev.type == "cuda"
+        # with a copy gate the children depend on each node's path, looked up on the host: eager (no draft graph)
+        self._copy: CopyTreeFill | None = None
+        if gated:
+            from specdraft.eval.medusa_copy_tree import CopyTreeFill
+
+            self._copy = CopyTreeFill(
+                drafter, self._search, self.int8, self.parents, self.depth, self.rank, dev, self._native
+            )
+        self.graphs = graphs and dev.type == "cuda" and not gated
         self._captured: dict[int, CudaGraph[Tensor] | None] = {}  # per node cap
         self._hidden_in = torch.zeros(0, device=dev)  # (H,) graph input, sized at the first call
         self._root_in = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) graph input
 
     def reset(self) -> None:
-        """No state across prompts."""
+        """Forget the previous prompt (the copy gate's committed tokens; plain heads keep nothing)."""
+        if self._copy is not None:
+            self._copy.reset()
 
     def fit_budget(self, nodes: int) -> None:
         """Propose only the first `nodes` nodes (paths are in importance order, so they are the tree a smaller
@@ -268,7 +290,9 @@ class MedusaProposer:
         dev = tokens.device
         self._layout_on(dev)
         n = self._cap
-        if self.graphs:
+        if self._copy is not None:
+            out = self._copy.fill(hidden[-1], tokens, n, *self._run)
+        elif self.graphs:
             if self._hidden_in.shape != hidden[-1].shape or self._hidden_in.dtype != hidden.dtype:
                 self._hidden_in, self._captured = hidden[-1].clone(), {}  # (H,)
             self._hidden_in.copy_(hidden[-1])
@@ -311,6 +335,8 @@ class MedusaProposer:
         if not all(isinstance(p, MedusaProposer) for p in rows):
             return None
         ps = cast("list[MedusaProposer]", list(rows))
+        if any(p._copy is not None for p in ps):  # each row's candidates are its own text's: row by row
+            return [p.propose(h, t) for p, h, t in zip(ps, hidden, tokens, strict=True)]
         same = (self._search, self.paths, self._cap, self.int8 is None)
         if any((p._search, p.paths, p._cap, p.int8 is None) != same for p in ps):
             return None

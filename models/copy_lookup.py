@@ -16,6 +16,7 @@ starts at lam = 1/2 on every candidate. The same candidates are computed in trai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -203,6 +204,32 @@ class CopyGate(nn.Module):
         z = self.out(F.silu(self.fc(torch.cat([g, cand_emb.to(g.dtype)], dim=-1))))[..., 0].float()  # (...)
         lam = torch.sigmoid((z + self.length_bias[length].float()) * self.scale)
         return lam * (length > 0).float()
+
+
+def gated_candidates(
+    gate: CopyGate,
+    to_draft_ids: Callable[..., Tensor],
+    embed: Callable[[Tensor], Tensor],
+    state: Tensor,
+    cand: Tensor,
+    length: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The candidates in draft ids and their copy weights, for a head over a (possibly reduced) draft vocabulary.
+
+    Args:
+        gate: the head's `CopyGate`; to_draft_ids: target ids -> draft ids (`missing` for the ones outside);
+        embed: target ids (...) -> (..., E) their embeddings.
+        state: (..., X) what the gate reads beside the candidate (the state the vocabulary head reads).
+        cand: (...) long target ids (-1: no candidate); length: (...) long match lengths (0: none).
+
+    Returns:
+        draft ids (...) long (0 where there is none) and lam (...) float32, 0 where there is no candidate or it is
+        outside the draft vocabulary.
+    """
+    draft = to_draft_ids(cand, missing=-1)  # (...)
+    length = length.to(draft.device).masked_fill(draft < 0, 0)
+    lam = gate(state, embed(cand.clamp_min(0).to(draft.device)), length)  # (...)
+    return draft.clamp_min(0), lam
 
 
 def mix_logits(logits: Tensor, cand: Tensor, lam: Tensor, chunk_rows: int | None = None) -> Tensor:

@@ -400,9 +400,11 @@ void sd_eagle_slot(const int64_t *p, const int64_t *dims, const float *feats, fl
 // H)  3 their row scales (K, NB, H)  4 their biases (K, NB, H)  5 vocabulary rows (K, VD, H)  6 their row scales
 // (K, VD) (weights int8 + 128 as uint8; 0-1 unread without the root). dims: H, VD, NB, has_root.
 // hidden (H,): the target's last-layer state; root_emb (H,): the root's embedding (NULL without the root).
-// scratch: 3 H + VD floats. out_ids (n, k): draft ids. k <= 64.
+// scratch: 3 H + VD floats. out_ids (n, k): draft ids. k <= 64. out_states (n, H), out_logits (n, VD): each head's
+// last block output and its logits, for the copy gate (models/medusa_copy.py); NULL: not kept.
 void sd_medusa_heads(const int64_t *p, const int64_t *dims, const float *hidden, const float *root_emb, float eps,
-                     int64_t n, int64_t k, float *scratch, int64_t *out_ids, int nthreads) {
+                     int64_t n, int64_t k, float *scratch, int64_t *out_ids, int nthreads, float *out_states,
+                     float *out_logits) {
     const int64_t H = dims[0], VD = dims[1], NB = dims[2];
     const int has_root = (int)dims[3] && root_emb != NULL;
     const uint8_t *R = (const uint8_t *)p[0], *B = (const uint8_t *)p[2], *W = (const uint8_t *)p[5];
@@ -443,17 +445,21 @@ void sd_medusa_heads(const int64_t *p, const int64_t *dims, const float *hidden,
             dst = t;
         }
 #pragma omp single
-        if (vnni) dc_quant(src, H, a0.q, &a0.s, &a0.sum);
+        {
+            if (vnni) dc_quant(src, H, a0.q, &a0.s, &a0.sum);
+            if (out_states) memcpy(out_states + hd * H, src, (size_t)H * sizeof(float));  // the copy gate's state
+        }
         const uint8_t *Wh = W + hd * VD * H;
         const float *ws = Ws + hd * VD;
+        float *lg = out_logits ? out_logits + hd * VD : logits;  // (VD,) this head's logits (kept when asked)
 #pragma omp for schedule(static)
-        for (int64_t v = 0; v < VD; v++) logits[v] = ws[v] * dc_row(vnni, Wh + v * H, src, &a0, H);
+        for (int64_t v = 0; v < VD; v++) lg[v] = ws[v] * dc_row(vnni, Wh + v * H, src, &a0, H);
 #pragma omp single
         {
             float bv[64];
             int64_t bi[64], cnt = 0;
             for (int64_t v = 0; v < VD; v++) {
-                float l = logits[v];
+                float l = lg[v];
                 if (cnt == k && !(l > bv[cnt - 1])) continue;  // not above the k-th (NaN never enters)
                 if (cnt < k) cnt++;
                 int64_t pos = cnt - 1;

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from specdraft.models.copy_lookup import CopyGate, mix_log_probs, mix_logits
+from specdraft.models.copy_lookup import CopyGate, gated_candidates, mix_log_probs, mix_logits
 
 if TYPE_CHECKING:
     from specdraft.models.eagle import EagleDrafter
@@ -68,10 +68,7 @@ def gate(
         outside the draft vocabulary.
     """
     assert model.copy_gate is not None, "gate(): the head has no copy gate (copy_ngram = 0)"
-    draft = model.to_draft_ids(cand, missing=-1)  # (...)
-    length = length.to(draft.device).masked_fill(draft < 0, 0)
-    lam = model.copy_gate(state, model.embed(cand.clamp_min(0).to(draft.device)), length)  # (...)
-    return draft.clamp_min(0), lam
+    return gated_candidates(model.copy_gate, model.to_draft_ids, model.embed, state, cand, length)
 
 
 def mixed_logits(

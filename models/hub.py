@@ -223,6 +223,8 @@ _ADDABLE_MODULES: dict[str, Callable[[Any], tuple[Any, ...]]] = {
     "ctx": lambda m: tuple(m.out.parameters()),
     "copy_gate": lambda m: (*m.out.parameters(), m.length_bias),
     "root_input": lambda m: (m.proj.weight,),  # Medusa's root token (models/medusa_root.py)
+    # Medusa's copy gate (models/medusa_copy.py)
+    "copy": lambda m: (*m.gate.out.parameters(), m.gate.length_bias),
 }
 
 
@@ -250,7 +252,8 @@ def warm_start(model: PreTrainedModel, path_or_hub_id: str, fingerprint: dict[st
     start then began at half the exported accuracy); (4) ReDrafter prefix attention (`ctx.`) added to an export
     without it stays at its init, whose zero output projection leaves the logits unchanged; (5) a ReDrafter copy
     gate (`copy_gate.`) added to an export without it starts at its init: copy weight 1/2 on every lookup candidate;
-    (6) Medusa's root-token input (`root_input.`) added to plain heads starts at zero (the export's function).
+    (6) Medusa's root-token input (`root_input.`) added to plain heads starts at zero (the export's function), and
+    its copy gate (`copy.`) at copy weight 1/2.
     An export tensor this drafter lacks (e.g. the root token's into plain heads) is refused, never dropped.
 
     Args:

@@ -23,6 +23,9 @@ never drafted; `topk_tokens` returns target ids, so trees and verification (loss
 
 Root token (`root_token`, models/medusa_root.py): every head's input also reads the root x_{t+1}'s embedding,
 which the decoder knows before the heads run; the heads stay parallel and the tree static.
+
+Copy gate (`copy_ngram`, models/medusa_copy.py): each head's distribution mixed with a prompt-lookup candidate of
+the node it drafts under, weighted by a learnt gate.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from specdraft.models.family import FamilySpec
 from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids, draft_vocab_ids
 from specdraft.models.medusa_choices import teacher_forced_tree_accept
+from specdraft.models.medusa_copy import MedusaCopy, copy_ngram, mixed_head_logits
+from specdraft.models.medusa_copy import build as build_copy
 from specdraft.models.medusa_root import RootInput
 
 FORMAT_VERSION = 1
@@ -62,6 +67,9 @@ class MedusaConfig(PretrainedConfig):
     topk: int = 10  # candidates per head the static tree may use at decode time
     tree_choices: list | None = None  # static tree as Medusa rank paths (None: eval/medusa_tree.DEFAULT_TREE)
     root_token: bool = False  # every head also reads the root x_{t+1}'s embedding (models/medusa_root.py)
+    copy_ngram: int = 0  # > 0: copy gate over prompt-lookup candidates, n-grams up to this (medusa_copy.py)
+    copy_hidden: int = 64  # hidden width of the copy gate
+    copy_scale: float = 8.0  # multiplier of the gate's log-odds
     training_summary: dict = field(default_factory=dict)  # filled in by the trainer at export
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -93,6 +101,7 @@ class Medusa(PreTrainedModel):
         self.reduced_vocab = vd < v
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=self.reduced_vocab)
         self.root_input: RootInput | None = RootInput(h, config.draft_len) if config.root_token else None
+        self.copy: MedusaCopy | None = build_copy(config)  # its output layer is zero-initialised: lam = 1/2
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -151,26 +160,44 @@ class Medusa(PreTrainedModel):
             (..., num_heads, Vd) (Vd = V unless `draft_vocab_size` is set; `to_target_ids` maps a column index
             to its token); entry k predicts x_{t+2+k}.
         """
-        w = cast(nn.Linear, cast(nn.Sequential, self.heads[0])[-1]).weight  # first head's vocabulary Linear
-        x = hidden.to(device=w.device, dtype=w.dtype)
         n = self.config.draft_len if num_heads is None else num_heads
         if n > self.config.draft_len:
             raise ValueError(
                 f"Medusa has {self.config.draft_len} heads, {n} requested (lower drafter.draft_len)"
             )
+        return self.vocab_logits(self.head_states(hidden, n, root), linears)  # (..., n, Vd)
+
+    def vocab_logits(
+        self, states: Tensor, linears: Sequence[Callable[[Tensor], Tensor]] | None = None
+    ) -> Tensor:
+        """states (..., n, H) of the first n heads -> their logits (..., n, Vd) (`linears`: as `head_logits`)."""
+        n, parts = states.shape[-2], self.vocab_heads()
+        if linears is None:
+            return torch.stack([parts[k][1](states[..., k, :]) for k in range(n)], dim=-2)  # (..., n, Vd)
+        flat = states.reshape(-1, n, states.shape[-1])  # int8 products take 2-D inputs: (N, H) per head
+        out = torch.stack([linears[k](flat[:, k]) for k in range(n)], dim=-2)  # (N, n, Vd)
+        return out.reshape(*states.shape[:-2], n, out.shape[-1])
+
+    def head_states(self, hidden: Tensor, num_heads: int, root: Tensor | None = None) -> Tensor:
+        """(..., H) target states -> (..., num_heads, H): what each head's vocabulary projection reads (its
+        residual blocks' output; the copy gate's state)."""
+        w = cast(nn.Linear, cast(nn.Sequential, self.heads[0])[-1]).weight
+        x = hidden.to(device=w.device, dtype=w.dtype)
         if self.root_input is not None:
             if root is None:
                 raise ValueError("this Medusa reads the root token (root_token=true): pass `root`")
-            xs = self.root_input(x, root, n).unbind(-2)  # n x (..., H): head k's input
+            xs = self.root_input(x, root, num_heads).unbind(-2)  # n x (..., H)
         else:
-            xs = (x,) * n
-        if linears is None:
-            return torch.stack([self.heads[k](xs[k]) for k in range(n)], dim=-2)  # (..., n, Vd)
-        parts = self.vocab_heads()  # int8 products take 2-D inputs: (N, H) per head
-        out = torch.stack([linears[k](parts[k][0](xs[k].reshape(-1, x.shape[-1]))) for k in range(n)], dim=-2)
-        return out.reshape(*x.shape[:-1], n, out.shape[-1])  # (..., n, Vd)
+            xs = (x,) * num_heads
+        return torch.stack([cast(nn.Sequential, self.heads[k])[:-1](xs[k]) for k in range(num_heads)], dim=-2)
 
-    def forward(self, hidden: Tensor, root: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        hidden: Tensor,
+        root: Tensor | None = None,
+        targets: Tensor | None = None,
+        copy: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         """Teacher-forced logits in the shared drafter signature (docs/design.md).
 
         Args:
@@ -178,11 +205,17 @@ class Medusa(PreTrainedModel):
             root: (B, L) the root x_{t+1} of each position; read only with `root_token` (plain heads do not
                 condition on tokens).
             targets: (B, L, D) ignored except for D, the number of heads run (None: all K).
+            copy: with a copy gate, each slot's lookup candidate and match length, (B, L, D) each
+                (`copy_lookup.slot_candidates`); the logits are then those of the mixtures.
 
         Returns:
             logits: (B, L, D, Vd) over the draft vocabulary.
         """
-        return self.head_logits(hidden, None if targets is None else targets.shape[-1], root=root)
+        n = self.config.draft_len if targets is None else targets.shape[-1]
+        if self.copy is None or copy is None:
+            return self.head_logits(hidden, n, root=root)
+        states = self.head_states(hidden, n, root)  # (B, L, D, H)
+        return mixed_head_logits(self, states, self.vocab_logits(states), copy[0], copy[1])
 
     @torch.no_grad()
     def topk_tokens(
@@ -216,16 +249,19 @@ MODEL, CONFIG = Medusa, MedusaConfig
 
 
 def attach(model: Medusa, target: PreTrainedModel) -> Medusa:
-    """Borrow the target's input embeddings for the root token (`root_token`); plain heads borrow nothing (every
-    head owns its projection)."""
-    if model.root_input is not None:
-        emb = cast(nn.Embedding, target.get_input_embeddings())
+    """Borrow the target's input embeddings for the root token (`root_token`) and the copy gate (`copy_ngram`);
+    plain heads borrow nothing (every head owns its projection)."""
+    emb = cast(nn.Embedding, target.get_input_embeddings())
+    if model.root_input is not None or model.copy is not None:
         shape, want = tuple(emb.weight.shape), (model.config.vocab_size, model.config.base_hidden_size)
         if shape != want:
             raise ValueError(
                 f"target embeddings {shape} do not match the Medusa heads (vocab_size, hidden) {want}"
             )
+    if model.root_input is not None:
         model.root_input.attach(emb)
+    if model.copy is not None:
+        model.copy.attach(emb)
     return model
 
 
@@ -268,6 +304,9 @@ def build(
         topk=int(schema.topk),
         tree_choices=[list(map(int, p)) for p in tree] if tree else None,
         root_token=bool(getattr(schema, "root_token", False)),
+        copy_ngram=int(getattr(schema, "copy_ngram", 0) or 0),
+        copy_hidden=int(getattr(schema, "copy_hidden", 64)),
+        copy_scale=float(getattr(schema, "copy_scale", 8.0)),
     )
     model = attach(Medusa(config), target)
     with torch.no_grad():
@@ -330,4 +369,5 @@ FAMILY = FamilySpec(
     low_precision_outputs=True,  # compute_loss takes bf16 logits (fp32 inside): no fp32 copy (train/loop)
     uses_token_counts=True,  # reduced draft vocabulary: the Vd most frequent training labels
     tree_accept=teacher_forced_tree_accept,  # its static tree over the heads' label ranks (eval/tree_accept_len)
+    copy_ngram=copy_ngram,  # the copy gate's lookup candidates per slot (models/medusa_copy.py; 0: none)
 )

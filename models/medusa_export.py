@@ -13,7 +13,8 @@ Both compute head k as W_k (x + SiLU(A x + b))^n on the target's last normed hid
 after the next one plus k (vLLM's head 0 drafts the first token after the one the target just sampled). vLLM
 scatters a truncated head's logits into the full vocabulary through `token_map`; a full-vocabulary export writes
 neither `token_map` nor a smaller `truncated_vocab_size`. Heads that read the root token (`root_token`,
-`models/medusa_root.py`) have no counterpart there and are refused.
+`models/medusa_root.py`) or draft through a copy gate (`copy_ngram`, `models/medusa_copy.py`) have no counterpart
+there and are refused.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def engine_tensors(model: Medusa, dtype: str = "float16") -> dict[str, Tensor]:
         raise ValueError(
             "these Medusa heads read the root token (drafter.root_token=true, models/medusa_root.py); vLLM's "
             "Medusa heads read only the hidden state: export heads trained with root_token=false"
+        )
+    if int(cfg.copy_ngram or 0) > 0:
+        raise ValueError(
+            "these Medusa heads draft through a copy gate (drafter.copy_ngram > 0, models/medusa_copy.py); vLLM's "
+            "Medusa heads run alone: export heads trained with copy_ngram=0"
         )
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")

@@ -31,6 +31,7 @@ from specdraft.eval.medusa_tree import build_tree, measure_rank_accuracies
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.hub import load_drafter
 from specdraft.models.medusa_choices import check_tree
+from specdraft.models.registry import spec_of
 from specdraft.utils import atomic_write_json
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -72,7 +73,10 @@ def main() -> None:
     loader = DataLoader(
         RowDataset(val_rows, use_features=False),
         batch_size=cfg.train.batch_size,
-        collate_fn=Collator(pad_id=int(tokenizer.pad_token_id), draft_len=heads),
+        # heads with a copy gate rank their mixtures: the collator adds each slot's candidate (models/medusa_copy.py)
+        collate_fn=Collator(
+            int(tokenizer.pad_token_id), heads, copy_ngram=spec_of(drafter).copy_ngram_of(drafter.config)
+        ),
     )
     acc, positions = measure_rank_accuracies(drafter, target, loader, topk, a.max_batches or None)
     paths, expected = build_tree(acc, a.nodes)

@@ -312,8 +312,8 @@ def run_tiny_train(
 
 # ---- proposers for decoder tests (lossless checks need no trained drafter) ------------------------
 FAMILIES = (
-    "redrafter", "redrafter_context", "redrafter_copy", "medusa", "medusa_root", "eagle", "eagle_vocab", "eagle3",
-    "eagle_int8", "eagle3_int8", "eagle_copy", "eagle3_copy", "redrafter_int8", "lookup",
+    "redrafter", "redrafter_context", "redrafter_copy", "medusa", "medusa_root", "medusa_copy", "eagle",
+    "eagle_vocab", "eagle3", "eagle_int8", "eagle3_int8", "eagle_copy", "eagle3_copy", "redrafter_int8", "lookup",
 )  # fmt: skip
 
 
@@ -340,7 +340,8 @@ def on_int8_grid(module: torch.nn.Module) -> None:
 
 def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, graphs: bool = False) -> Any:
     """A randomly initialised drafter of `family` (one of `FAMILIES`; "redrafter_copy": the copy gate without
-    prefix attention; "medusa_root": Medusa heads that read the root token; "eagle_vocab": EAGLE-1 drafting over
+    prefix attention; "medusa_root": Medusa heads that read the root token; "medusa_copy": those with a copy gate
+    (`models/medusa_copy.py`); "eagle_vocab": EAGLE-1 drafting over
     64 of the 128 tokens; "eagle_int8" / "eagle3_int8" / "eagle3_fused": the head's layer run
     as int8 / fused products (`eval.draft_block`); "eagle_copy" / "eagle3_copy": the head with a copy gate;
     "redrafter_int8": the copy-gate ReDrafter searching through int8 products (`eval/int8_clone.py`);
@@ -381,10 +382,11 @@ def tiny_proposer(family: str, target: torch.nn.Module, static: bool = False, gr
         return ReDrafterProposer(
             ready(d, 0.05), beam_width=4, beam_length=4, static=static, graphs=graphs, int8_layers=int8
         )
-    if family in ("medusa", "medusa_root"):
+    if family in ("medusa", "medusa_root", "medusa_copy"):
         schema = OmegaConf.create(
             {"draft_len": 3, "num_layers": 1, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
-             "tree_choices": None, "root_token": family == "medusa_root"}
+             "tree_choices": None, "root_token": family != "medusa", "copy_hidden": 8, "copy_scale": 8.0,
+             "copy_ngram": 3 if family == "medusa_copy" else 0}
         )  # fmt: skip
         return make_proposer(
             ready(medusa.build(schema, model, fp), 0.05), tree_nodes=12, static=static, graphs=graphs

@@ -113,6 +113,11 @@ class MedusaSchema:
         None  # static tree (Medusa rank paths) saved in the export (None: default)
     )
     root_token: bool = False  # every head also reads the root x_{t+1}'s embedding (models/medusa_root.py)
+    copy_ngram: int = (
+        0  # > 0: copy gate over the prompt-lookup candidate, n-grams up to this (models/medusa_copy.py)
+    )
+    copy_hidden: int = 64  # hidden width of the copy gate
+    copy_scale: float = 8.0  # multiplier of the gate's log-odds (an Adam step moves them this many times lr)
 
 
 @dataclass

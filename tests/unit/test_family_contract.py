@@ -50,14 +50,16 @@ def test_declared_capabilities_of_the_four_families() -> None:
     assert spec["redrafter"].low_precision_outputs and not spec["eagle"].low_precision_outputs
     assert [n for n, s in spec.items() if s.uses_token_counts] == ["redrafter", "medusa", "eagle", "eagle3"]
     assert [n for n, s in spec.items() if s.tree_accept is not None] == ["medusa"]  # a static tree
-    # the copy gate's lookup candidates: declared by the ReDrafter (from its config), never read by the others
+    # the copy gate's lookup candidates: declared by every family with a gate (from its config; 0 without one)
     assert spec["redrafter"].copy_ngram_of(spec["redrafter"].config(copy_ngram=4)) == 4
     assert spec["redrafter"].copy_ngram_of(spec["redrafter"].config()) == 0
-    assert [n for n, s in spec.items() if s.copy_ngram is not None] == ["redrafter", "eagle", "eagle3"]
+    gated = [n for n, s in spec.items() if s.copy_ngram is not None]
+    assert gated == ["redrafter", "medusa", "eagle", "eagle3"]
     assert spec["eagle"].copy_ngram_of(spec["eagle"].config(copy_ngram=2)) == 2
     assert spec["eagle3"].copy_ngram_of(spec["eagle3"].config(copy_ngram=3)) == 3
     assert spec["eagle3"].copy_ngram_of(spec["eagle3"].config()) == 0
     assert spec["medusa"].copy_ngram_of(spec["medusa"].config()) == 0
+    assert spec["medusa"].copy_ngram_of(spec["medusa"].config(copy_ngram=4)) == 4
 
 
 def test_an_incomplete_spec_is_refused() -> None:

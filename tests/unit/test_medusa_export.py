@@ -26,13 +26,14 @@ from specdraft.testing import jitter, load_script, tiny_llama, tiny_proposer, ti
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _heads(vocab: int | None, layers: int = 1, root: bool = False) -> medusa.Medusa:
-    """Random (non-identity) tiny Medusa heads: 3 heads, `layers` ResBlocks, a draft vocabulary of `vocab`."""
+def _heads(vocab: int | None, layers: int = 1, root: bool = False, copy: int = 0) -> medusa.Medusa:
+    """Random (non-identity) tiny Medusa heads: 3 heads, `layers` ResBlocks, a draft vocabulary of `vocab`, a copy
+    gate of order `copy` (0: none)."""
     target = tiny_llama()
     fp = target_fingerprint(target, tiny_tokenizer())
     schema = OmegaConf.create(
         {"draft_len": 3, "num_layers": layers, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
-         "tree_choices": None, "root_token": root, "draft_vocab_size": vocab}
+         "tree_choices": None, "root_token": root, "draft_vocab_size": vocab, "copy_ngram": copy}
     )  # fmt: skip
     counts = torch.rand(int(fp["vocab_size"]), generator=torch.Generator().manual_seed(3))
     torch.manual_seed(0)
@@ -62,10 +63,13 @@ def test_vllm_layout_computes_our_heads(tmp_path, vocab, layers):
 
 
 def test_what_the_vllm_layout_refuses(tmp_path):
-    """Heads reading the root token have no vLLM counterpart: one clear error, nothing written; the checker
-    names missing, misshapen and unexpected tensors and a token map outside the vocabulary."""
+    """Heads reading the root token or drafting through a copy gate have no vLLM counterpart: one clear error,
+    nothing written; the checker names missing, misshapen and unexpected tensors and a token map outside the
+    vocabulary."""
     with pytest.raises(ValueError, match="root_token=true.*root_token=false"):
         export_engine_layout(_heads(None, root=True), tmp_path / "e")
+    with pytest.raises(ValueError, match="copy_ngram > 0.*copy_ngram=0"):
+        export_engine_layout(_heads(None, copy=3), tmp_path / "e")
     assert not (tmp_path / "e").exists()
     model = _heads(48)
     cfg, tensors = read_engine_layout(export_engine_layout(model, tmp_path / "ok"))

@@ -57,6 +57,11 @@ def test_native_heads_are_what_torch_drafts(root, layers, vd):
         for n in (1, 2, 3):
             want = heads.topk_tokens(h, 4, n, root=r)  # (n, 4)
             assert native.topk(h, r, 4, n).tolist() == want.tolist()
+            # what a copy gate reads, from the same call: draft ids, the heads' states and logits
+            ids, states, logits = native.heads_out(h, r, 4, n)
+            assert heads.to_target_ids(ids).tolist() == want.tolist()
+            torch.testing.assert_close(states, heads.head_states(h, n, r), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits, heads.head_logits(h, n, root=r), rtol=1e-5, atol=1e-4)
     assert medusa_native.make_native(heads) is medusa_native.make_native(heads)
 
 

@@ -317,6 +317,16 @@ FAMILIES = (
 )  # fmt: skip
 
 
+def saved_without(model: Any, folder: Path, key: str) -> Path:
+    """`model.save_pretrained(folder)` with `key` dropped from its config.json: an export from before that field
+    was added (older exports must still load). Returns `folder`."""
+    model.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop(key)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 def jitter(module: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
     """Random non-identity weights (identity-initialised heads would all draft the same token)."""
     with torch.no_grad():

@@ -1,11 +1,11 @@
 """Medusa's static tree filled through the heads' copy gate (`models/medusa_copy.py`), on the host.
 
-The heads run once per step, as without a gate: each head's residual-block output g_k (d, H), its vocabulary
-logits and their log-softmax (d, Vd), and its k best ids. Then depth by depth, every node with children in the
-tree looks its candidate up on the committed tokens + the root + its path (`CopyContext`'s `NgramIndex`), the
-gate weighs all of that depth's candidates in one call, and the node's children are the ranks the tree asks for
-in its own mixture (`medusa_copy.mixture_ranks`). Which tokens are drafted changes, never the output: the
-verification is the target's (lossless).
+The heads run once per step, as without a gate (as one C call on a CPU where it runs, `eval/medusa_native.py`, else
+torch): each head's residual-block output g_k (d, H), its vocabulary logits (d, Vd) with their logsumexp, and its
+k best ids. Then depth by depth, every node with children in the tree looks its candidate up on the committed
+tokens + the root + its path (`CopyContext`'s `NgramIndex`), the gate weighs all of that depth's candidates in one
+call, and the node's children are the ranks the tree asks for in its own mixture (`medusa_copy.mixture_ranks`).
+Which tokens are drafted changes, never the output: the verification is the target's (lossless).
 
 One host read per depth (the candidates' log-probabilities and copy weights) plus one for the heads' top-k: for
 the CPU's small trees (2-8 nodes); the fixed-shape GPU draft graph is not used with a gate (`MedusaProposer`).

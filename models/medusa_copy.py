@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 def copy_ngram(config: Any) -> int:
     """`config.copy_ngram` of a Medusa config: the gate's n-gram order (0: no gate, exports older than the field
     included; the family's declared `FamilySpec.copy_ngram`)."""
-    return int(getattr(config, "copy_ngram", 0) or 0)
+    return int(getattr(config, "copy_ngram", 0) or 0)  # (duck-typed heads' configs may lack the field)
 
 
 class MedusaCopy(nn.Module):

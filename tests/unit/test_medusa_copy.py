@@ -142,7 +142,7 @@ def test_decoding_with_the_gate_is_lossless(int8):
     proposer = make_proposer(_heads(target, scale=0.05), int8_head=int8, draft_block="auto")
     assert isinstance(proposer, MedusaProposer) and proposer._copy is not None
     if int8 and medusa_native.make_native(proposer.drafter) is not None:  # the heads' one C call, gate beside
-        assert proposer._copy.native is not None
+        assert proposer._copy.native is not None and proposer._copy.host is not None
     dec = StaticDecoder(target, 96)
     gen = torch.Generator().manual_seed(7)
     accepted = 0
@@ -220,3 +220,28 @@ def test_the_loss_reads_each_slots_candidate_and_trains_the_gate(tmp_path):
     )
     old = medusa.Medusa.from_pretrained(saved_without(_heads(target, copy=0), tmp_path / "old", "copy_ngram"))
     assert old.copy is None and spec_of(old).copy_ngram_of(old.config) == 0
+
+
+def test_the_host_gate_is_the_gates_arithmetic():
+    """`HostGate` (numpy, beside the heads' C call) gives the torch gate's draft ids and copy weights: candidates
+    inside and outside a reduced draft vocabulary, none, every match length; shared per heads and weights."""
+    from specdraft.eval.medusa_copy_tree import host_gate
+
+    target = tiny_llama()
+    heads = _heads(target, vd=64).float()
+    host = host_gate(heads)
+    assert host_gate(heads) is host
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(10):
+        state = torch.randn(32, generator=gen) * 2.0
+        cand = torch.randint(-1, 128, (9,), generator=gen)
+        length = torch.randint(0, 4, (9,), generator=gen)
+        draft, lam = host(state.numpy(), cand.tolist(), length.tolist())
+        want_d, want_l = heads.copy.candidates(heads, state.expand(9, -1), cand, length)
+        assert draft == want_d.tolist()
+        torch.testing.assert_close(
+            torch.tensor(lam, dtype=torch.float64), want_l.double(), rtol=1e-5, atol=1e-6
+        )
+    with torch.no_grad():
+        heads.copy.gate.length_bias.add_(1.0)  # trained further: a new host copy
+    assert host_gate(heads) is not host

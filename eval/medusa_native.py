@@ -100,8 +100,8 @@ class MedusaNative:
         self.scratch = torch.empty(3 * h + vd)
         self.ids = torch.zeros(len(heads) * 64, dtype=torch.long)  # (K, <= 64) the draft ids out
         self.to_target = drafter.to_target_ids(torch.arange(vd)).cpu()  # (Vd,) target id of each draft id
-        self.states = torch.zeros(len(heads), h)  # (K, H) the heads' states out (`heads`)
-        self.logits = torch.zeros(len(heads), vd)  # (K, Vd) their logits out (`heads`)
+        self.states = torch.zeros(len(heads), h)  # (K, H) the heads' states out (`heads_out`)
+        self.logits = torch.zeros(len(heads), vd)  # (K, Vd) their logits out (`heads_out`)
         self.table: Tensor | None = None  # (V, H) the root's embedding table, fp32 and contiguous
         if root is not None:
             self.table = root.borrowed.weight("embed", root.proj.weight).detach().float().contiguous()

@@ -245,3 +245,46 @@ def test_the_host_gate_is_the_gates_arithmetic():
     with torch.no_grad():
         heads.copy.gate.length_bias.add_(1.0)  # trained further: a new host copy
     assert host_gate(heads) is not host
+
+
+def test_warm_start_from_root_heads_and_the_export_round_trip(tmp_path):
+    """`train.init_from` root-token heads: every tensor copied, the gate at its start (lam = 1/2), the same
+    logits; a gated export loads with the target's embeddings borrowed again (same mixtures), and refuses a warm
+    start into heads without a gate (the tensor is named, not dropped)."""
+    from specdraft.models.base_llm import target_fingerprint
+    from specdraft.models.hub import export_drafter, load_drafter, warm_start
+    from specdraft.testing import tiny_tokenizer
+
+    target = tiny_llama(dtype=torch.float64)
+    fp = target_fingerprint(target, tiny_tokenizer())
+
+    def build(copy: int) -> medusa.Medusa:  # root-token heads for this target's fingerprint
+        schema = OmegaConf.create(
+            {"draft_len": 3, "num_layers": 1, "loss_decay": 0.8, "init_from_lm_head": True, "topk": 4,
+             "tree_choices": None, "draft_vocab_size": None, "root_token": True, "copy_ngram": copy}
+        )  # fmt: skip
+        return medusa.build(schema, target, fp).double()
+
+    torch.manual_seed(3)
+    root = jitter(build(0), 0.3).eval()
+    export_drafter(root, tmp_path / "root")
+    fresh = build(3)
+    assert warm_start(fresh, str(tmp_path / "root"), fp) == len(root.state_dict())
+    assert not fresh.copy.gate.out.weight.any() and not fresh.copy.gate.length_bias.any()
+    h, r = torch.randn(4, 32, dtype=torch.float64), torch.randint(0, 128, (4,))
+    torch.testing.assert_close(
+        fresh.eval().head_logits(h, root=r), root.head_logits(h, root=r), rtol=0, atol=0
+    )
+    gated = jitter(build(3), 0.3).eval()
+    export_drafter(gated, tmp_path / "gated")
+    loaded = load_drafter(str(tmp_path / "gated"), target=target).double().eval()
+    zeros, cand, length = (
+        torch.zeros(4, 3, dtype=torch.long),
+        torch.randint(0, 128, (4, 3)),
+        torch.randint(0, 4, (4, 3)),
+    )
+    want = gated(h, r, zeros, copy=(cand, length))
+    torch.testing.assert_close(loaded(h, r, zeros, copy=(cand, length)), want)
+    assert not torch.equal(want, gated(h, r, zeros))  # the candidates changed the logits
+    with pytest.raises(ValueError, match=r"has tensor 'copy\.gate\.[a-z_.]+' that this drafter lacks"):
+        warm_start(build(0), str(tmp_path / "gated"), fp)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU (after the setup calls of docs/gpu.md; carry .gpu/d with sharegpt8k.jsonl.xz): self-distill the
-# long preset's set (3,000 prompts) alone, then train the ReDrafter, EAGLE-1 and EAGLE-3 recipes (all three with the copy gate) and Medusa's
-# side by side on it while the CUDA tests (and then the rest of the suite, until the trainings end) run on the host's CPUs.
+# long preset's set (3,000 prompts) alone, then train the ReDrafter, EAGLE-1, EAGLE-3 and Medusa recipes (all four with the copy
+# gate; Medusa's heads also read the root token) side by side on it while the CUDA tests (and then the rest of the suite, until the trainings end) run on the host's CPUs.
 # Exports land in /tmp/o/<preset>/export; bf16 copies, logs and summaries go to $OUT (Medusa's, 75 MB in bf16,
 # stays in /tmp/bf for measure.sh to send: at most 8 files, ~64 MB in all, come back per call). Usage (from the checkout):
 #   bash scripts/gpu/s3.sh && bash scripts/gpu/train_on_gpu.sh [distill_prompts] [train_timeout_s]
@@ -40,7 +40,10 @@ OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=eagle_smollm2_long drafter.c
 # EAGLE-1 and EAGLE-3 with the copy gate (as the ReDrafter recipe has its own): session 55's like-for-like comparison
 OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=eagle3_smollm2_long drafter.copy_ngram=4 $C train.max_steps=$S3 train.batch_size=16 \
   train.eval_every=$S3 train.ckpt_every=$S3 > $OUT/logs/train_eagle3.log 2>&1 & P3=$!
-OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=medusa_smollm2_long $C train.max_steps=$S4 train.batch_size=32 \
+# Medusa with the root token and the copy gate from the start (session 59: on the CPU, warm-started, 2.0-2.1 tokens
+# a step against 1.5 without the gate; a 4-step run from scratch checked on the CPU)
+OMP_NUM_THREADS=2 timeout $TT python3 train.py conf=medusa_smollm2_long drafter.root_token=true drafter.copy_ngram=4 $C \
+  train.max_steps=$S4 train.batch_size=32 \
   train.eval_every=$S4 train.ckpt_every=$S4 > $OUT/logs/train_medusa.log 2>&1 & P4=$!
 wait $P1 $P2 $P3 $P4
 echo "trainings done at $(( $(date +%s) - T0 )) s"

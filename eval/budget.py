@@ -386,10 +386,15 @@ class NodeBudget:
                     f"of depth <= {max_depth} could pay for its verify",
                     flush=True,
                 )
-        timed = self.settled and self.cap is not None and self.cap <= 2 and self.refit_gap > 0
-        if self.refit_on_call and timed and self._since >= self.refit_steps:
+        if self.refit_on_call and self._timed and self._since >= self.refit_steps:
             self._due = True  # new text: a refit at this call's first step
         return self.cap if self.cap is not None else self.refit_cap()
+
+    @property
+    def _timed(self) -> bool:
+        """Settled on no drafting or one draft node, with refits on: refitted on a timer (`tick`) and on a new
+        call (`start`, `refit_on_call`), not only on drift."""
+        return self.settled and self.cap is not None and self.cap <= 2 and self.refit_gap > 0
 
     def tick(self) -> bool:
         """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
@@ -399,8 +404,7 @@ class NodeBudget:
         if not self.settled or self.refit_gap <= 0:
             return False
         self._since += 1
-        timed = self.cap is not None and self.cap <= 2  # off, or one draft node: refitted on a timer too
-        if not self._due and (not timed or self._since <= (self._gap or self.refit_gap)):
+        if not self._due and (not self._timed or self._since <= (self._gap or self.refit_gap)):
             return False
         self.cap, self.settled, self.measured, self.checks = None, False, {}, []
         self._left, self.refits, self._due, self._check_tokens = self.refit_steps, self.refits + 1, False, {}

@@ -55,6 +55,7 @@ class CopyTreeFill:
         assert drafter.copy is not None, "CopyTreeFill: the heads have no copy gate (copy_ngram = 0)"
         self.drafter, self.search, self.linears, self.native = drafter, search, linears, native
         self.parents, self.depth, self.rank = parents.tolist(), depth.tolist(), rank.tolist()
+        self._by_count: dict[int, list[tuple[list[int], list[int]]]] = {}  # `_levels` per node count
         self.ctx = CopyContext(copy_ngram(drafter.config), device, 1)
         self.host = host_gate(drafter) if native is not None else None  # the gate beside the C call
 
@@ -85,11 +86,7 @@ class CopyTreeFill:
             top_vals = (logits.gather(1, top) - lse[:, None]).tolist()  # their log-probabilities
             kids: dict[int, list[int]] = {}  # node -> its children's draft ids by rank (its mixture's best)
             paths: dict[int, list[int]] = {0: [root]}  # node -> target ids from the root to it
-            for d in range(heads):
-                level = [i for i in range(1, nodes) if self.depth[i] == d + 1]
-                if not level:
-                    break
-                parents = sorted({self.parents[i] for i in level})
+            for d, (level, parents) in enumerate(self._levels(nodes)):
                 found = [index.lookup(paths[p]) for p in parents]  # (candidate, match length) each
                 draft, lam = self._gate(states[d], [c for c, _ in found], [m for _, m in found])  # (P,) each
                 cand_lp = (logits[d, draft] - lse[d]).tolist()  # (P,) log-probabilities under the head
@@ -104,6 +101,17 @@ class CopyTreeFill:
                     out[i] = t
                     paths[i] = paths[self.parents[i]] + [t]
         return torch.tensor(out, dtype=torch.long, device=tokens.device)
+
+    def _levels(self, nodes: int) -> list[tuple[list[int], list[int]]]:
+        """Per depth 1, 2, ... of the first `nodes` nodes: (its nodes, their parents, sorted), made once per node
+        count (the layout is static)."""
+        if nodes not in self._by_count:
+            levels = []
+            for d in range(1, max(self.depth[:nodes]) + 1):
+                level = [i for i in range(1, nodes) if self.depth[i] == d]
+                levels.append((level, sorted({self.parents[i] for i in level})))
+            self._by_count[nodes] = levels
+        return self._by_count[nodes]
 
     def _gate(self, state: Tensor, cand: list[int], length: list[int]) -> tuple[list[int], list[float]]:
         """One head's copy weights for P candidates: state (H,) its output g_k; cand, length (P,) target ids

@@ -30,4 +30,4 @@ class DistillConfig:
     capture_features: str = "auto"  # features from the generation pass where exact (else 2nd forward): auto (on a CPU, off on a GPU) | true | false
     max_disk_gb: float = 20.0  # refuse to start when the projected feature size exceeds this
     seed: int = 0  # sampling seed
-    linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: packed on Intel+MKL, panel on other AVX2 CPUs, else transposed) | transposed | native | packed | panel
+    linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: panel on x86 AVX2 CPUs with a C compiler, else packed on Intel+MKL, else transposed) | transposed | native | packed | panel

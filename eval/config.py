@@ -46,7 +46,7 @@ class EvalConfig:
     adaptive_threshold: float = 0.1  # adaptive: cumulative draft probability a tree node needs to be verified
     decode_path: str = "static"  # static (preallocated cache, one host sync/step) | dynamic (pre-0.2 path)
     cuda_graphs: str = "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify (single and batched) as CUDA graphs
-    linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: packed on Intel+MKL, panel on other AVX2 CPUs, else transposed) | transposed | native | packed | panel
+    linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: panel on x86 AVX2 CPUs with a C compiler, else packed on Intel+MKL, else transposed) | transposed | native | packed | panel
     node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off
     node_budget_refit: int = 128  # steps after settling on no drafting before a refit (0: no refits at all)
     node_budget_refit_scale: int = (

@@ -243,10 +243,10 @@ def resolve_layout(
 ) -> str:
     """What `layout` means for a target on `device` in `dtype`: "native", "transposed", "packed" or "panel".
 
-    `auto` on a CPU in fp32: packed on an Intel CPU with MKL when the packs (`packs` bytes, `pack_bytes`) take
-    at most `PACK_MEMORY_SHARE` of the free memory (measured on a Xeon); else panel where the panel kernel runs
-    and its copy (`panels` bytes, `panel_bytes`) fits the same share (measured on an AMD EPYC); else transposed.
-    Native elsewhere. `transposed` / `native` / `packed` / `panel` force.
+    `auto` on a CPU in fp32: panel where the panel kernel runs and its copy (`panels` bytes, `panel_bytes`)
+    takes at most `PACK_MEMORY_SHARE` of the free memory (measured on AMD EPYCs and an AMX Xeon); else packed on
+    an Intel CPU with MKL when the packs (`packs` bytes, `pack_bytes`) fit the same share (measured on a Xeon
+    against transposed); else transposed. Native elsewhere. `transposed` / `native` / `packed` / `panel` force.
 
     Raises:
         ValueError: an unknown layout name, `packed` where MKL's packed fp32 GEMM cannot run, or `panel` where
@@ -267,11 +267,11 @@ def resolve_layout(
         return layout
     if not cpu_fp32:
         return "native"
+    if panel_available() and panels <= PACK_MEMORY_SHARE * free_memory_bytes():
+        return "panel"
     intel = "intel" in cpu_model().lower()
     if intel and mkl_packing_available() and packs <= PACK_MEMORY_SHARE * free_memory_bytes():
         return "packed"
-    if not intel and panel_available() and panels <= PACK_MEMORY_SHARE * free_memory_bytes():
-        return "panel"
     return "transposed"
 
 

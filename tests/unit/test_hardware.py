@@ -66,7 +66,7 @@ def test_cpu_bf16_follows_the_flags(cpu_with, flags, native):
     "model,flags,compiler,dtype",
     [
         ("AMD EPYC", ("avx2", "fma", "f16c", "avx512_bf16"), True, torch.float32),  # the panel kernels decode
-        ("Intel(R) Xeon(R) Platinum 8480+", ("avx2", "fma", "f16c", "amx_bf16"), True, torch.bfloat16),  # MKL
+        ("Intel(R) Xeon(R) Platinum 8480+", ("avx2", "fma", "f16c", "amx_bf16"), True, torch.float32),  # AMX
         ("AMD EPYC", ("avx512f", "avx512_bf16"), True, torch.bfloat16),  # no AVX2/FMA/F16C: no panel kernels
         ("AMD EPYC", ("avx2", "fma", "f16c", "avx512_bf16"), False, torch.bfloat16),  # nothing to build them
     ],
@@ -75,7 +75,7 @@ def test_native_bf16_cpus_decode_in_fp32_where_the_panel_kernels_run(
     cpu_with, monkeypatch, model, flags, compiler, dtype
 ):
     """A target under `auto` on a CPU with native bf16 loads in fp32 where the fp32 panel kernels are the decode
-    layout (x86-64, not Intel, AVX2 + FMA + F16C, a C compiler), else bf16; training's mixed precision stays
+    layout (x86-64, Intel or AMD, AVX2 + FMA + F16C, a C compiler), else bf16; training's mixed precision stays
     bf16 on all of them, and the reason says why."""
     cpu_with(*flags)
     monkeypatch.setattr(hardware, "cpu_model", lambda: model)

@@ -101,6 +101,7 @@ def test_static_decode_lossless_on_transposed_target(shape: str) -> None:
 
 
 def test_resolve_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_layout, "panel_available", lambda: False)  # test_panel_linear: with it
     monkeypatch.setattr(linear_layout, "cpu_model", lambda: "Intel(R) Xeon(R) CPU @ 2.50GHz")
     monkeypatch.setattr(linear_layout, "mkl_packing_available", lambda: True)
     monkeypatch.setattr(linear_layout, "free_memory_bytes", lambda: 8 << 30)
@@ -115,7 +116,6 @@ def test_resolve_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="'packed' needs an fp32 target on a CPU"):
         resolve_layout("packed", CPU, torch.float64)
     monkeypatch.setattr(linear_layout, "cpu_model", lambda: "AMD EPYC 7B13")  # packing measured on Intel only
-    monkeypatch.setattr(linear_layout, "panel_available", lambda: False)  # test_panel_linear: with it
     assert resolve_layout("auto", CPU, torch.float32, packs=1) == "transposed"
     assert resolve_layout("packed", CPU, torch.float32) == "packed"  # forced
     monkeypatch.setattr(linear_layout, "mkl_packing_available", lambda: False)  # e.g. an ARM build

@@ -118,3 +118,17 @@ def test_report_keeps_specdrafts_own_messages_plain(capsys):
     with pytest.raises(SystemExit), entry.reported_errors():
         raise entry.SpecdraftError(problems[0])
     assert capsys.readouterr().err == f"error: {problems[0]}\n"
+
+
+def test_benchmark_scripts_report_bad_input_in_one_line(eval_assets: Path, tmp_path: Path) -> None:
+    """A benchmark script given a layout its dtype cannot use says so in one line (exit 2), writes no JSON, and
+    shows the traceback under SPECDRAFT_DEBUG=1."""
+    out = tmp_path / "layouts.json"
+    args = (
+        "scripts/bench_layouts.py", "--target", str(eval_assets / "target"), "--dtype", "fp64", "--device", "cpu",
+        "--threads", "1", "--layouts", "panel", "--sizes", "1", "--reps", "1", "--json", str(out),
+    )  # fmt: skip
+    assert_one_line_error(run(*args), "linear layout 'panel'", "use linear_layout=transposed or auto")
+    assert not out.exists()
+    proc = run(*args, env={**ENV, "SPECDRAFT_DEBUG": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.proposers import PromptLookupProposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import linear_layout, panel_linear
+from specdraft.models.exact_panels import ExactPanels
 from specdraft.models.linear_layout import resolve_layout, weight_bytes
 from specdraft.models.panel_linear import (
     PANEL,
@@ -23,6 +25,7 @@ from specdraft.models.panel_linear import (
     panel_available,
     panel_bytes,
     panel_linears,
+    panel_product,
     panel_status,
 )
 from specdraft.testing import (
@@ -83,6 +86,34 @@ def test_panel_linear_is_row_invariant() -> None:
     for i in range(17):
         assert torch.equal(p(x[i : i + 1]), full[i : i + 1])
         assert torch.equal(p(torch.cat([torch.randn(i % 7, 200), x[i : i + 1]]))[-1], full[i])
+
+
+@needs_panel
+def test_fp32_panels_give_the_same_bits_on_the_avx512_and_avx2_paths() -> None:
+    """fp32 panels (a drafter's weights) at 2+ rows take the AVX-512 two-panel loop where the CPU has it (12 rows
+    a pass): every row count 0-30, an odd panel count (a lone last panel) and a partial last panel, with and
+    without a bias, give the AVX2 loop's bits; a no-op check on a CPU without AVX-512."""
+    from specdraft.models.exact_panels import set_avx512
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 70)  # 5 panels, the last holding 6 columns
+    p, panels = PanelLinear(lin), pack_panels(lin.weight.detach())
+    assert not isinstance(p.panels, ExactPanels)  # random weights: fp32 panels
+    x = torch.randn(30, 96)
+    try:
+        for rows in range(31):
+            for bias in (None, lin.bias):
+                got = {}
+                for on in (True, False):
+                    set_avx512(on)
+                    got[on] = panel_product(x[:rows], panels, 70, bias)
+                assert torch.equal(got[True].view(torch.int32), got[False].view(torch.int32))
+                if rows:
+                    torch.testing.assert_close(
+                        got[True], torch.nn.functional.linear(x[:rows], lin.weight, bias)
+                    )
+    finally:
+        set_avx512(os.environ.get("SPECDRAFT_AVX512", "1") != "0")
 
 
 def test_panel_linear_refuses_other_dtypes() -> None:

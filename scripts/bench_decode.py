@@ -10,7 +10,7 @@
     python scripts/bench_decode.py --lookup 10 --layout all --budget --prompts 3
     # each drafter alone and with prompt lookup's chain merged into its trees, both with the fitted budget
     python scripts/bench_decode.py --drafter <exports> --lookup 10 --lookup-branch 10 --layout panel --budget
-    # CPU: the panel kernel against the transposed layout it replaced on non-Intel CPUs
+    # CPU: the panel kernel against the transposed layout it replaced
     python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-vs-transposed --budget
     # CPU: a dequantised GGUF target's weights as exact 4/8-bit blocks against fp32 panels
     python scripts/bench_decode.py --drafter <export> --lookup 10 --layout panel-exact --budget

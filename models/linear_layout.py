@@ -267,10 +267,10 @@ def resolve_layout(
         return layout
     if not cpu_fp32:
         return "native"
-    if panel_available() and panels <= PACK_MEMORY_SHARE * free_memory_bytes():
+    room = PACK_MEMORY_SHARE * free_memory_bytes()  # bytes a layout's copies may take
+    if panel_available() and panels <= room:
         return "panel"
-    intel = "intel" in cpu_model().lower()
-    if intel and mkl_packing_available() and packs <= PACK_MEMORY_SHARE * free_memory_bytes():
+    if "intel" in cpu_model().lower() and mkl_packing_available() and packs <= room:
         return "packed"
     return "transposed"
 

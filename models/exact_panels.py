@@ -329,6 +329,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.sd_qpanel_unpack.restype = None
     lib.sd_set_avx512.argtypes = [ctypes.c_int]
     lib.sd_set_avx512.restype = ctypes.c_int
+    if hasattr(lib, "sd_set_vbmi"):  # a baseline library built from an older source (A/B runs) has none
+        lib.sd_set_vbmi.argtypes = [ctypes.c_int]
+        lib.sd_set_vbmi.restype = ctypes.c_int
     lib.sd_qdot_vnni.argtypes = []
     lib.sd_qdot_vnni.restype = ctypes.c_int
 
@@ -341,3 +344,13 @@ def set_avx512(on: bool) -> bool:
 
     lib = panel_lib()
     return bool(lib.sd_set_avx512(int(on))) if lib is not None else False
+
+
+def set_vbmi(on: bool) -> bool:
+    """Rebuild paired 4-bit weights through AVX512-VBMI's multishift where the CPU has it and the AVX-512 paths
+    run (`on`, the default; `SPECDRAFT_VBMI=0` starts a process without it), or through plain AVX-512 byte
+    shuffles (the same bits: for A/B runs and tests). Returns whether the VBMI rebuild runs now."""
+    from specdraft.models.panel_linear import panel_lib
+
+    lib = panel_lib()
+    return bool(lib.sd_set_vbmi(int(on))) if lib is not None else False

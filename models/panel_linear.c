@@ -19,7 +19,10 @@
  * the product is bound by the vector ops that rebuild the weights, not by memory (a 2-core EPYC streams
  * 10 GB/s of 4-bit weights here against ~20 available), so a 4- or 8-bit weight row is rebuilt with one
  * in-lane shuffle per 8 weights (vpshufb of the bytes broadcast to both lanes) rather than cross-lane
- * zero-extensions (session 48: 1,536 x 576 Q4 product at 1 row 75-104 -> 58-61 us).
+ * zero-extensions (session 48: 1,536 x 576 Q4 product at 1 row 75-104 -> 58-61 us). Where AVX-512 runs, a paired
+ * 4-bit row is rebuilt 16 weights a zmm; with AVX512-VBMI one multishift puts each column's nibble in its lane and
+ * one vpermps (which reads an index's low 4 bits) turns it into float(u): 3 vector ops a panel with the fma
+ * (session 61, a 2-core AMX Xeon: the target's 4-bit products at 1 / 4 / 8 rows 0.69 / 0.72 / 0.82x the time).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -250,15 +253,52 @@ static inline __attribute__((always_inline)) AVX512 __m512 dequant16(const int K
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), d, m);
 }
 
+/* vpmultishiftqb (AVX512-VBMI) as inline asm, so the library's AVX-512 functions need no VBMI target: byte k of
+ * each qword of the result = the 8 bits of the same qword of `data` from bit ctrl[k] (mod 64). Runs only where
+ * sd_vbmi_on() says the CPU has it. */
+static inline __attribute__((always_inline)) AVX512 __m512i multishift(__m512i ctrl, __m512i data) {
+    __m512i r;
+    __asm__("vpmultishiftqb %2, %1, %0" : "=v"(r) : "v"(ctrl), "v"(data));
+    return r;
+}
+
+/* A paired 4-bit store's input row (q: panel a's 8 bytes, then b's) rebuilt as both panels' 16 weights, the same
+ * fma(u, d, m) per column as dequant16. VBMI: each panel's 8 bytes broadcast to every qword and one multishift
+ * puts column c's nibble in dword c's low bits (one AND clears the rest): 4 vector ops a panel. Else the 16 bytes
+ * are split into nibbles once for both panels: 11 ops a pair against dequant16's 16. */
+static inline __attribute__((always_inline)) AVX512 void q4_pair16(const int VBMI, const uint8_t *q, __m512 da,
+                                                                   __m512 ma, __m512 db, __m512 mb, __m512 *wa,
+                                                                   __m512 *wb) {
+    __m512 ua, ub;
+    if (VBMI) { /* column c < 8: low nibble of byte c (bit 8c); c >= 8: high nibble of byte c - 8 */
+        const __m512i ctrl = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 4, 12, 20, 28, 36, 44, 52, 60);
+        /* vpermps reads only an index's low 4 bits: the nibble picks float(u) from 0..15, no AND, no convert */
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        int64_t a8, b8;
+        memcpy(&a8, q, 8);
+        memcpy(&b8, q + 8, 8);
+        ua = _mm512_permutexvar_ps(multishift(ctrl, _mm512_set1_epi64(a8)), iota);
+        ub = _mm512_permutexvar_ps(multishift(ctrl, _mm512_set1_epi64(b8)), iota);
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i *)q), nib = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+        ua = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+        ub = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi)));
+    }
+    *wa = _mm512_fmadd_ps(ua, da, ma);
+    *wb = _mm512_fmadd_ps(ub, db, mb);
+}
+
 /* pair_rows with one zmm a panel, up to PAIR16_ROWS rows: 2 R chains (R <= 8: 16 accumulators of 32 registers),
  * each column's chain the same FMAs in the same order as every other path. */
 #define PAIR16_ROWS 8
 #ifndef PAIR16_AHEAD
 #define PAIR16_AHEAD 4 /* blocks of 32 input rows whose bytes a pass prefetches ahead */
 #endif
-static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R, const int KIND, const float *x,
-                                                                     int64_t K, const uint8_t *q, const float *d,
-                                                                     const float *m, float *out_a, float *out_b) {
+static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R, const int KIND, const int VBMI,
+                                                                     const float *x, int64_t K, const uint8_t *q,
+                                                                     const float *d, const float *m, float *out_a,
+                                                                     float *out_b) {
     const int64_t qb = kind_bytes(KIND);
     __m512 a[PAIR16_ROWS], b[PAIR16_ROWS];
     for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();
@@ -269,7 +309,13 @@ static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R
         const __m512 da = table16(KIND, d, t), db = table16(KIND, d, t + PW);
         const __m512 ma = table16(KIND, m, t), mb = table16(KIND, m, t + PW);
         for (int64_t i = j * QBLK; i < (j + 1) * QBLK; i++) {
-            const __m512 wa = dequant16(KIND, q + i * 2 * qb, da, ma), wb = dequant16(KIND, q + i * 2 * qb + qb, db, mb);
+            __m512 wa, wb;
+            if (IS_Q4(KIND)) {
+                q4_pair16(VBMI, q + i * 2 * qb, da, ma, db, mb, &wa, &wb);
+            } else {
+                wa = dequant16(KIND, q + i * 2 * qb, da, ma);
+                wb = dequant16(KIND, q + i * 2 * qb + qb, db, mb);
+            }
             for (int r = 0; r < R; r++) {
                 const __m512 xb = _mm512_set1_ps(x[r * K + i]);
                 a[r] = _mm512_fmadd_ps(xb, wa, a[r]);
@@ -284,20 +330,23 @@ static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R
 }
 
 /* pair_rows16 at R rows (R <= PAIR16_ROWS) of one kind (a compile-time constant where inlined). */
-static inline __attribute__((always_inline)) AVX512 void pair_rows16_r(const int R, const int KIND, const float *x,
-                                                                       int64_t K, const uint8_t *q, const float *d,
-                                                                       const float *m, float *out_a, float *out_b) {
-#define P16_R(RR) pair_rows16(RR, KIND, x, K, q, d, m, out_a, out_b)
+static inline __attribute__((always_inline)) AVX512 void pair_rows16_r(const int R, const int KIND, const int VBMI,
+                                                                       const float *x, int64_t K, const uint8_t *q,
+                                                                       const float *d, const float *m, float *out_a,
+                                                                       float *out_b) {
+#define P16_R(RR) pair_rows16(RR, KIND, VBMI, x, K, q, d, m, out_a, out_b)
     ROWS_SWITCH8(P16_R)
 }
 
-static AVX512 void pair_rows16_any(int R, int kind, const float *x, int64_t K, const uint8_t *q, const float *d,
-                                   const float *m, float *out_a, float *out_b) {
+/* vbmi: the 4-bit kinds' rebuild through vpmultishiftqb (sd_vbmi_on) */
+static AVX512 void pair_rows16_any(int R, int kind, int vbmi, const float *x, int64_t K, const uint8_t *q,
+                                   const float *d, const float *m, float *out_a, float *out_b) {
+#define P16_ANY(KK, V) pair_rows16_r(R, KK, V, x, K, q, d, m, out_a, out_b)
     switch (kind) {
-        case 4: pair_rows16_r(R, 4, x, K, q, d, m, out_a, out_b); break;
-        case 8: pair_rows16_r(R, 8, x, K, q, d, m, out_a, out_b); break;
-        case KIND_Q4H: pair_rows16_r(R, KIND_Q4H, x, K, q, d, m, out_a, out_b); break;
-        default: pair_rows16_r(R, KIND_Q8H, x, K, q, d, m, out_a, out_b); break;
+        case 4: if (vbmi) P16_ANY(4, 1); else P16_ANY(4, 0); break;
+        case 8: P16_ANY(8, 0); break;
+        case KIND_Q4H: if (vbmi) P16_ANY(KIND_Q4H, 1); else P16_ANY(KIND_Q4H, 0); break;
+        default: P16_ANY(KIND_Q8H, 0); break;
     }
 }
 
@@ -386,6 +435,24 @@ int sd_avx512_on(void) {
 int sd_set_avx512(int on) {
     avx512_state = on && cpu_avx512();
     return avx512_state;
+}
+
+static int vbmi_state = -1; /* -1: not decided yet; else whether 4-bit pairs are rebuilt through vpmultishiftqb */
+
+/* Whether the AVX-512 pair pass rebuilds 4-bit weights with AVX512-VBMI: where the AVX-512 paths run and the CPU
+ * has VBMI, unless SPECDRAFT_VBMI=0 or sd_set_vbmi(0). The same bits either way. */
+int sd_vbmi_on(void) {
+    if (vbmi_state < 0) {
+        const char *env = getenv("SPECDRAFT_VBMI");
+        vbmi_state = __builtin_cpu_supports("avx512vbmi") && !(env && env[0] == '0');
+    }
+    return vbmi_state && sd_avx512_on();
+}
+
+/* Turns the VBMI rebuild on or off (tests and A/B runs); returns whether it runs now. */
+int sd_set_vbmi(int on) {
+    vbmi_state = on && __builtin_cpu_supports("avx512vbmi");
+    return sd_vbmi_on();
 }
 
 /* out[r, 0:16] = sum_i x[r, i] * p[i, 0:16] for r < R (R a compile-time constant after inlining): the fp32
@@ -508,6 +575,7 @@ void sd_qpanel_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, co
     kind &= ~KIND_PAIRED;
     const int64_t panels = (N + PW - 1) / PW, groups = (panels + S - 1) / S;
     const int avx512 = S == 2 && kind < KIND_BF16 && sd_avx512_on();
+    const int vbmi = avx512 && sd_vbmi_on();
 #pragma omp parallel num_threads(nthreads)
     {
         /* more than 8 rows, unless the AVX-512 pair pass takes them 8 at a time: each panel rebuilt once */
@@ -522,7 +590,7 @@ void sd_qpanel_linear(const float *x, int64_t M, int64_t K, const uint8_t *Q, co
                 panel_at(kind, S, K, Q, D, Mn, 2 * g, &q, &d, &m);
                 for (int64_t r0 = 0; r0 < M; r0 += PAIR16_ROWS) {
                     const int R = (int)(M - r0 < PAIR16_ROWS ? M - r0 : PAIR16_ROWS);
-                    pair_rows16_any(R, kind, x + r0 * K, K, q, d, m, out_a, out_b);
+                    pair_rows16_any(R, kind, vbmi, x + r0 * K, K, q, d, m, out_a, out_b);
                     for (int h = 0; h < 2; h++) {
                         const int64_t n0 = (2 * g + h) * PW, width = N - n0 < PW ? N - n0 : PW;
                         if (width > 0) store_rows(R, h ? out_b : out_a, bias, n0, width, N, y + r0 * N);

@@ -235,11 +235,15 @@ def test_fp16_tables_give_the_fp32_tables_bits(form: str) -> None:
     assert ep._to_panels(u, d, torch.zeros(16, 2), 4).d.dtype == torch.float32
 
 
-@pytest.fixture(params=[True, False], ids=["avx512", "avx2"])
+@pytest.fixture(params=["vbmi", "avx512", "avx2"])
 def avx512(request: pytest.FixtureRequest):
-    """The kernel's AVX-512 paths on (where the CPU has them) or off, restored after the test."""
-    yield ep.set_avx512(request.param)
+    """The kernel's AVX-512 paths on (where the CPU has them) with the 4-bit VBMI rebuild (where the CPU has
+    it) or without, or off; restored after the test."""
+    on = ep.set_avx512(request.param != "avx2")
+    ep.set_vbmi(request.param == "vbmi")
+    yield on
     ep.set_avx512(os.environ.get("SPECDRAFT_AVX512", "1") != "0")
+    ep.set_vbmi(os.environ.get("SPECDRAFT_VBMI", "1") != "0")
 
 
 @needs_panel
@@ -251,8 +255,8 @@ def test_paired_panels_give_the_unpaired_bits(
     """A 4- or 8-bit store of an even panel count is paired (`SPECDRAFT_PAIRED_PANELS`, on by default): panels 2g
     and 2g + 1 side by side. Its rebuilt panels and its products at 0-20 rows (with a bias, a partial last panel)
     equal the unpaired store's bit for bit, with fp16 or fp32 block tables, through the AVX-512 paths (where the
-    CPU has them) and the AVX2 ones; `unpair` inverts `pair`; an odd panel count stays unpaired; slices take
-    whole pairs; mixed stores stack unpaired."""
+    CPU has them; 4-bit pairs rebuilt with and without VBMI) and the AVX2 ones; `unpair` inverts `pair`; an odd
+    panel count stays unpaired; slices take whole pairs; mixed stores stack unpaired."""
     monkeypatch.setenv("SPECDRAFT_PAIRED_PANELS", "1")  # on any CPU (`auto`: where the AVX-512 paths run)
     g = torch.Generator().manual_seed(11)
     w = gguf_like(torch.randn(60, 96, generator=g), form)  # 4 panels, the last holding 12 columns

@@ -263,9 +263,9 @@ static inline __attribute__((always_inline)) AVX512 __m512i multishift(__m512i c
 }
 
 /* A paired 4-bit store's input row (q: panel a's 8 bytes, then b's) rebuilt as both panels' 16 weights, the same
- * fma(u, d, m) per column as dequant16. VBMI: each panel's 8 bytes broadcast to every qword and one multishift
- * puts column c's nibble in dword c's low bits (one AND clears the rest): 4 vector ops a panel. Else the 16 bytes
- * are split into nibbles once for both panels: 11 ops a pair against dequant16's 16. */
+ * fma(u, d, m) per column as dequant16. VBMI: each panel's 8 bytes broadcast to every qword, one multishift puts
+ * column c's nibble in dword c's low bits and one vpermps turns it into float(u): 3 vector ops a panel with the
+ * fma. Else the 16 bytes are split into nibbles once for both panels: 11 ops a pair against dequant16's 16. */
 static inline __attribute__((always_inline)) AVX512 void q4_pair16(const int VBMI, const uint8_t *q, __m512 da,
                                                                    __m512 ma, __m512 db, __m512 mb, __m512 *wa,
                                                                    __m512 *wb) {

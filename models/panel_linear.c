@@ -265,26 +265,28 @@ static inline __attribute__((always_inline)) AVX512 __m512i multishift(__m512i c
 /* A paired 4-bit store's input row (q: panel a's 8 bytes, then b's) rebuilt as both panels' 16 weights, the same
  * fma(u, d, m) per column as dequant16. VBMI: each panel's 8 bytes broadcast to every qword, one multishift puts
  * column c's nibble in dword c's low bits and one vpermps turns it into float(u): 3 vector ops a panel with the
- * fma. Else the 16 bytes are split into nibbles once for both panels: 11 ops a pair against dequant16's 16. */
+ * fma. Else the 16 bytes and their copy shifted right by 4 are unpacked once for both panels: 9 ops a pair against
+ * dequant16's 16. */
 static inline __attribute__((always_inline)) AVX512 void q4_pair16(const int VBMI, const uint8_t *q, __m512 da,
                                                                    __m512 ma, __m512 db, __m512 mb, __m512 *wa,
                                                                    __m512 *wb) {
-    __m512 ua, ub;
+    /* vpermps reads only an index's low 4 bits: a dword whose low 4 bits are u picks float(u) from 0..15, so
+     * neither path masks the other bits off or converts an integer */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i ia, ib; /* dword c: column c's nibble in its low 4 bits */
     if (VBMI) { /* column c < 8: low nibble of byte c (bit 8c); c >= 8: high nibble of byte c - 8 */
         const __m512i ctrl = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 4, 12, 20, 28, 36, 44, 52, 60);
-        /* vpermps reads only an index's low 4 bits: the nibble picks float(u) from 0..15, no AND, no convert */
-        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         int64_t a8, b8;
         memcpy(&a8, q, 8);
         memcpy(&b8, q + 8, 8);
-        ua = _mm512_permutexvar_ps(multishift(ctrl, _mm512_set1_epi64(a8)), iota);
-        ub = _mm512_permutexvar_ps(multishift(ctrl, _mm512_set1_epi64(b8)), iota);
-    } else {
-        const __m128i v = _mm_loadu_si128((const __m128i *)q), nib = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-        ua = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
-        ub = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi)));
+        ia = multishift(ctrl, _mm512_set1_epi64(a8));
+        ib = multishift(ctrl, _mm512_set1_epi64(b8));
+    } else { /* bytes 0-7 as they are (low nibbles), then shifted right 4 (high nibbles), zero-extended */
+        const __m128i v = _mm_loadu_si128((const __m128i *)q), hi = _mm_srli_epi16(v, 4);
+        ia = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(v, hi));
+        ib = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(v, hi));
     }
+    const __m512 ua = _mm512_permutexvar_ps(ia, iota), ub = _mm512_permutexvar_ps(ib, iota);
     *wa = _mm512_fmadd_ps(ua, da, ma);
     *wb = _mm512_fmadd_ps(ub, db, mb);
 }

@@ -189,20 +189,15 @@ static inline __attribute__((always_inline)) void weigh(const int H, const int C
         for (int c = 0; c < C; c++) _mm256_storeu_ps(o + h * os + 8 * c, a[h][c]);
 }
 
-/* H (<= 3, a constant after inlining) query heads sharing one key/value head and one visible key list idx
- * (n keys, their mask values mv, padded with zeros to a multiple of 8): their attention outputs o_h (rows `os`
- * apart). sc: H rows of `sp` floats of scratch. */
-static inline __attribute__((always_inline)) void heads(const int H, const float *const *qs, const float *kr,
-                                                        int64_t ks, const float *vr, int64_t vs, const int32_t *idx,
-                                                        int64_t n, const float *mv, int64_t d, float scale,
-                                                        float *sc, int64_t sp, float *o, int64_t os) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) dots4(H, qs, kr, ks, idx + j, d, sc + j, sp);
-    for (; j < n; j++) dot1(H, qs, kr + idx[j] * ks, d, sc + j, sp);
+/* Softmax of H (<= 3) score rows sc[h][0:n] (rows `sp` floats apart, scaled by `scale`, plus the mask values mv)
+ * in place, lane by lane; each sum by key index mod 8; padded with zero weights to a multiple of 8. */
+static inline __attribute__((always_inline)) void softmax_rows(const int H, float *sc, int64_t sp, int64_t n,
+                                                               const float *mv, float scale) {
     const int64_t np = (n + 7) / 8 * 8;
     const __m256 s8 = _mm256_set1_ps(scale);
-    for (int h = 0; h < H; h++) { /* softmax over the visible keys, lane by lane; the sum by key index mod 8 */
+    for (int h = 0; h < H; h++) {
         float *e = sc + h * sp;
+        int64_t j;
         for (j = n; j < np; j++) e[j] = -INFINITY;
         __m256 m8 = _mm256_set1_ps(-INFINITY);
         for (j = 0; j < np; j += 8) {
@@ -223,13 +218,107 @@ static inline __attribute__((always_inline)) void heads(const int H, const float
         const __m256 inv = _mm256_set1_ps(1.0f / hsum(z8));
         for (j = 0; j < np; j += 8) _mm256_storeu_ps(e + j, _mm256_mul_ps(_mm256_loadu_ps(e + j), inv));
     }
+}
+
+/* o_h[c : d] for the last 0-3 8-float chunks of the value rows (weigh at C = (d - c) / 8) */
+static inline __attribute__((always_inline)) void weigh_tail(const int H, const float *w, int64_t sp,
+                                                             const int32_t *idx, int64_t n, const float *v, int64_t vs,
+                                                             float *o, int64_t os, int64_t c, int64_t d) {
+    switch ((d - c) / 8) {
+        case 3: weigh(H, 3, w, sp, idx, n, v + c, vs, o + c, os); break;
+        case 2: weigh(H, 2, w, sp, idx, n, v + c, vs, o + c, os); break;
+        case 1: weigh(H, 1, w, sp, idx, n, v + c, vs, o + c, os); break;
+        default: break;
+    }
+}
+
+/* H (<= 3, a constant after inlining) query heads sharing one key/value head and one visible key list idx
+ * (n keys, their mask values mv, padded with zeros to a multiple of 8): their attention outputs o_h (rows `os`
+ * apart). sc: H rows of `sp` floats of scratch. */
+static inline __attribute__((always_inline)) void heads(const int H, const float *const *qs, const float *kr,
+                                                        int64_t ks, const float *vr, int64_t vs, const int32_t *idx,
+                                                        int64_t n, const float *mv, int64_t d, float scale,
+                                                        float *sc, int64_t sp, float *o, int64_t os) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) dots4(H, qs, kr, ks, idx + j, d, sc + j, sp);
+    for (; j < n; j++) dot1(H, qs, kr + idx[j] * ks, d, sc + j, sp);
+    softmax_rows(H, sc, sp, n, mv, scale);
     int64_t c = 0;
     for (; c + 32 <= d; c += 32) weigh(H, 4, sc, sp, idx, n, vr + c, vs, o + c, os);
-    switch ((d - c) / 8) { /* the last 0-3 chunks */
-        case 3: weigh(H, 3, sc, sp, idx, n, vr + c, vs, o + c, os); break;
-        case 2: weigh(H, 2, sc, sp, idx, n, vr + c, vs, o + c, os); break;
-        case 1: weigh(H, 1, sc, sp, idx, n, vr + c, vs, o + c, os); break;
-        default: break;
+    weigh_tail(H, sc, sp, idx, n, vr, vs, o, os, c, d);
+}
+
+/* ---- AVX-512 (where panel_linear.c's AVX-512 paths run): the same lanes' chains in half the instructions ---- */
+#define AVX512R __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+int sd_avx512_on(void); /* panel_linear.c's AVX-512 switch (SPECDRAFT_AVX512, sd_set_avx512) */
+
+/* dots4 with two keys a zmm (lanes 0-7: key t's 8-lane chain, 8-15: key t + 1's): every lane the same FMAs in
+ * the same order as dots4's, then dots4's reduction of the four keys' chains: the same bits. */
+static inline __attribute__((always_inline)) AVX512R void dots4_wide(const int H, const float *const *qs,
+                                                                    const float *k, int64_t ks, const int32_t *idx,
+                                                                    int64_t d, float *sc, int64_t sp) {
+    __m512 a[3][2];
+    for (int h = 0; h < H; h++) a[h][0] = a[h][1] = _mm512_setzero_ps();
+    const float *k0 = k + idx[0] * ks, *k1 = k + idx[1] * ks, *k2 = k + idx[2] * ks, *k3 = k + idx[3] * ks;
+    for (int64_t i = 0; i < d; i += 8) {
+        __m512 x[3];
+        for (int h = 0; h < H; h++) x[h] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qs[h] + i));
+        const __m512 y01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k0 + i)), _mm256_loadu_ps(k1 + i), 1);
+        const __m512 y23 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k2 + i)), _mm256_loadu_ps(k3 + i), 1);
+        for (int h = 0; h < H; h++) a[h][0] = _mm512_fmadd_ps(x[h], y01, a[h][0]);
+        for (int h = 0; h < H; h++) a[h][1] = _mm512_fmadd_ps(x[h], y23, a[h][1]);
+    }
+    for (int h = 0; h < H; h++) {
+        const __m256 t0 = _mm512_castps512_ps256(a[h][0]), t1 = _mm512_extractf32x8_ps(a[h][0], 1);
+        const __m256 t2 = _mm512_castps512_ps256(a[h][1]), t3 = _mm512_extractf32x8_ps(a[h][1], 1);
+        const __m256 g = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+        _mm_storeu_ps(sc + h * sp, _mm_add_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1)));
+    }
+}
+
+/* weigh at 32 floats (C = 4) with 16 a zmm: each output lane the same chain over the keys in order. */
+static inline __attribute__((always_inline)) AVX512R void weigh32_wide(const int H, const float *w, int64_t sp,
+                                                                      const int32_t *idx, int64_t n, const float *v,
+                                                                      int64_t vs, float *o, int64_t os) {
+    __m512 a[3][2];
+    for (int h = 0; h < H; h++) a[h][0] = a[h][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const float *vv = v + idx[j] * vs;
+        const __m512 y0 = _mm512_loadu_ps(vv), y1 = _mm512_loadu_ps(vv + 16);
+        for (int h = 0; h < H; h++) {
+            const __m512 wb = _mm512_set1_ps(w[h * sp + j]);
+            a[h][0] = _mm512_fmadd_ps(wb, y0, a[h][0]);
+            a[h][1] = _mm512_fmadd_ps(wb, y1, a[h][1]);
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        _mm512_storeu_ps(o + h * os, a[h][0]);
+        _mm512_storeu_ps(o + h * os + 16, a[h][1]);
+    }
+}
+
+/* heads through dots4_wide and weigh32_wide: the same bits. */
+static inline __attribute__((always_inline)) AVX512R void heads_wide(const int H, const float *const *qs,
+                                                                    const float *kr, int64_t ks, const float *vr,
+                                                                    int64_t vs, const int32_t *idx, int64_t n,
+                                                                    const float *mv, int64_t d, float scale,
+                                                                    float *sc, int64_t sp, float *o, int64_t os) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) dots4_wide(H, qs, kr, ks, idx + j, d, sc + j, sp);
+    for (; j < n; j++) dot1(H, qs, kr + idx[j] * ks, d, sc + j, sp);
+    softmax_rows(H, sc, sp, n, mv, scale);
+    int64_t c = 0;
+    for (; c + 32 <= d; c += 32) weigh32_wide(H, sc, sp, idx, n, vr + c, vs, o + c, os);
+    weigh_tail(H, sc, sp, idx, n, vr, vs, o, os, c, d);
+}
+
+static AVX512R void heads_wide_any(int H, const float *const *qs, const float *kr, int64_t ks, const float *vr,
+                                   int64_t vs, const int32_t *idx, int64_t n, const float *mv, int64_t d,
+                                   float scale, float *sc, int64_t sp, float *o, int64_t os) {
+    switch (H) {
+        case 3: heads_wide(3, qs, kr, ks, vr, vs, idx, n, mv, d, scale, sc, sp, o, os); break;
+        case 2: heads_wide(2, qs, kr, ks, vr, vs, idx, n, mv, d, scale, sc, sp, o, os); break;
+        default: heads_wide(1, qs, kr, ks, vr, vs, idx, n, mv, d, scale, sc, sp, o, os); break;
     }
 }
 
@@ -262,6 +351,7 @@ void sd_attention_rows(const float *q, int64_t qb, int64_t qh, int64_t ql, const
                        float scale, const int64_t *krow, float *out, int nthreads) {
     const int64_t groups = Hq / Hkv, items = B * L * Hkv, sp = (S + 7) / 8 * 8;
     const int par = nthreads > 1 && B * Hq * L * S * d > PAR_WORK;
+    const int wide = sd_avx512_on() && __builtin_cpu_supports("avx512dq"); /* the heads' AVX-512 code */
 #pragma omp parallel num_threads(par ? nthreads : 1)
     {
         float *sc = (float *)malloc((size_t)3 * sp * sizeof(float)), *mv = (float *)malloc((size_t)sp * sizeof(float));
@@ -285,6 +375,10 @@ void sd_attention_rows(const float *q, int64_t qb, int64_t qh, int64_t ql, const
                 }
                 const float *qs[3];
                 for (int h = 0; h < H; h++) qs[h] = q + b * qb + (h0 + h) * qh + l * ql;
+                if (wide) {
+                    heads_wide_any(H, qs, kr, ks, vr, vs, idx, n, mv, d, scale, sc, sp, o, d);
+                    continue;
+                }
                 switch (H) {
                     case 3: heads(3, qs, kr, ks, vr, vs, idx, n, mv, d, scale, sc, sp, o, d); break;
                     case 2: heads(2, qs, kr, ks, vr, vs, idx, n, mv, d, scale, sc, sp, o, d); break;

@@ -3,6 +3,8 @@ row-invariant, taken by the lean forward on panel targets, lossless, and switche
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,6 +94,33 @@ def test_attention_at_every_head_width_equals_torch_and_is_row_invariant(d: int)
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
     alone = row_ops.attention(q[:, :, 1:2], k, v, mask[:, :, 1:2], d**-0.5)
     assert alone is not None and torch.equal(alone[:, 0], got[:, 1])
+
+
+@pytest.mark.parametrize("d", [8, 24, 40, 64, 72])
+def test_attention_gives_the_same_bits_on_the_avx512_and_avx2_paths(d: int) -> None:
+    """Where the CPU has AVX-512, the attention's key dots run two keys a zmm and its 32-column value sums 16
+    columns a zmm (`SPECDRAFT_AVX512`): every head width, key count (4 at a time and the rest), grouped head
+    count (3, 2 and 1 a key/value head) and masked key gives the AVX2 path's bits; a no-op check without it."""
+    from specdraft.models.exact_panels import set_avx512
+
+    b, hkv, n = 2, 2, 4
+    try:
+        for hq, s in ((6, 37), (4, 9), (2, 3)):  # 3 / 2 / 1 query heads a key/value head
+            q, k, v = (
+                _rand(b, hq, n, d, seed=d + s),
+                _rand(b, hkv, s, d, seed=d + 1),
+                _rand(b, hkv, s, d, seed=2),
+            )
+            mask = torch.zeros(b, 1, n, s)
+            mask[..., ::3] = torch.finfo(torch.float32).min
+            got = {}
+            for on in (True, False):
+                set_avx512(on)
+                got[on] = row_ops.attention(q, k, v, mask, d**-0.5)
+            assert got[True] is not None and got[False] is not None
+            assert torch.equal(got[True].view(torch.int32), got[False].view(torch.int32))
+    finally:
+        set_avx512(os.environ.get("SPECDRAFT_AVX512", "1") != "0")
 
 
 def test_attention_equals_torch_and_a_query_sees_only_its_keys_bit_for_bit() -> None:

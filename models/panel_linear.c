@@ -240,17 +240,10 @@ static inline __attribute__((always_inline)) AVX512 __m512 table16(const int KIN
     return _mm512_loadu_ps(t + at);
 }
 
-/* A panel's 16 weights of one input row rebuilt in one zmm: the same fma(u, d, m) per column as `dequant`. */
-static inline __attribute__((always_inline)) AVX512 __m512 dequant16(const int KIND, const uint8_t *q, __m512 d,
-                                                                     __m512 m) {
-    __m128i b;
-    if (IS_Q4(KIND)) { /* byte c: column c low, column c + 8 high -> bytes 0-15 in column order */
-        const __m128i v = _mm_loadl_epi64((const __m128i *)q), nib = _mm_set1_epi8(0x0F);
-        b = _mm_unpacklo_epi64(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib));
-    } else {
-        b = _mm_loadu_si128((const __m128i *)q);
-    }
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), d, m);
+/* An 8-bit panel's 16 weights of one input row (byte c: column c) rebuilt in one zmm: the same fma(u, d, m) per
+ * column as `dequant` (4-bit pairs: q4_pair16). */
+static inline __attribute__((always_inline)) AVX512 __m512 q8_16(const uint8_t *q, __m512 d, __m512 m) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), d, m);
 }
 
 /* vpmultishiftqb (AVX512-VBMI) as inline asm, so the library's AVX-512 functions need no VBMI target: byte k of
@@ -263,10 +256,10 @@ static inline __attribute__((always_inline)) AVX512 __m512i multishift(__m512i c
 }
 
 /* A paired 4-bit store's input row (q: panel a's 8 bytes, then b's) rebuilt as both panels' 16 weights, the same
- * fma(u, d, m) per column as dequant16. VBMI: each panel's 8 bytes broadcast to every qword, one multishift puts
+ * fma(u, d, m) per column as `dequant`. VBMI: each panel's 8 bytes broadcast to every qword, one multishift puts
  * column c's nibble in dword c's low bits and one vpermps turns it into float(u): 3 vector ops a panel with the
- * fma. Else the 16 bytes and their copy shifted right by 4 are unpacked once for both panels: 9 ops a pair against
- * dequant16's 16. */
+ * fma. Else the 16 bytes and their copy shifted right by 4 are unpacked once for both panels: 9 ops a pair (a
+ * panel at a time with masks and conversions took 16, session 60). */
 static inline __attribute__((always_inline)) AVX512 void q4_pair16(const int VBMI, const uint8_t *q, __m512 da,
                                                                    __m512 ma, __m512 db, __m512 mb, __m512 *wa,
                                                                    __m512 *wb) {
@@ -315,8 +308,8 @@ static inline __attribute__((always_inline)) AVX512 void pair_rows16(const int R
             if (IS_Q4(KIND)) {
                 q4_pair16(VBMI, q + i * 2 * qb, da, ma, db, mb, &wa, &wb);
             } else {
-                wa = dequant16(KIND, q + i * 2 * qb, da, ma);
-                wb = dequant16(KIND, q + i * 2 * qb + qb, db, mb);
+                wa = q8_16(q + i * 2 * qb, da, ma);
+                wb = q8_16(q + i * 2 * qb + qb, db, mb);
             }
             for (int r = 0; r < R; r++) {
                 const __m512 xb = _mm512_set1_ps(x[r * K + i]);

@@ -71,7 +71,7 @@ from specdraft.eval.decode import sync_device
 from specdraft.hardware import cpu_model
 from specdraft.models.base_llm import fast_supported
 from specdraft.models.fast_target import wanted
-from specdraft.models.panel_linear import storage_summary
+from specdraft.models.panel_linear import kernel_identity, storage_summary
 from specdraft.utils import cache_root
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
@@ -92,7 +92,9 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
     """What a cost curve depends on: the model's config, device (CPU model / GPU name), dtype, threads,
     torch version, the decode path ("eager" | "fixed" | "graph"), the Linear weight layout
     (`models.linear_layout`: the LM head's class tells; panels: fp32 or exact blocks), the attention implementation, the target forward
-    (`models/fast_target.py` or transformers') and `COST_VERSION`."""
+    (`models/fast_target.py` or transformers'), on a CPU the kernel library's build and switches
+    (`models.panel_linear.kernel_identity`: a curve measured before a kernel change is not reused after it) and
+    `COST_VERSION`."""
     emb = cast(torch.nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight
     dev = emb.device
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
@@ -110,6 +112,7 @@ def machine_key(model: torch.nn.Module, path: str) -> str:
         storage_summary(model),  # fp32 or exact block panels (models/exact_panels.py)
         str(getattr(cast(PreTrainedModel, model).config, "_attn_implementation", "")),
         "lean-forward" if wanted() and fast_supported(model) else "hf-forward",
+        kernel_identity() if dev.type == "cpu" else "",  # the CPU kernels' build and switches
         f"cost-v{COST_VERSION}",
     ]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]

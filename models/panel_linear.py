@@ -169,6 +169,19 @@ def swap_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     return old
 
 
+def kernel_identity() -> str:
+    """What a CPU step's cost depends on in the kernel library, e.g. "panel_linear-3f2a...so avx512=1 vbmi=1
+    vnni=1": the build (its file name hashes the sources, flags and compiler) and the run-time switches
+    (`SPECDRAFT_AVX512`, `SPECDRAFT_VBMI`); "" where the kernel does not run. A cached cost curve is keyed by it
+    (`eval/budget.machine_key`), so a new kernel or another switch setting measures its own curve."""
+    lib = panel_lib()
+    if lib is None:
+        return ""
+    switches = [("avx512", "sd_avx512_on"), ("vbmi", "sd_vbmi_on"), ("vnni", "sd_qdot_vnni")]
+    on = " ".join(f"{name}={int(getattr(lib, fn)())}" for name, fn in switches if hasattr(lib, fn))
+    return f"{Path(lib._name).name} {on}"
+
+
 def panel_available() -> bool:
     """Whether the panel kernel runs on this machine (see `panel_status`)."""
     return panel_status()[0] is not None

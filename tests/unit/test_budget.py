@@ -3,6 +3,8 @@ one verify (against truncated trees verified one by one), the cap chosen, and lo
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -271,6 +273,33 @@ def test_machine_key_changes_with_path_dtype_and_attention():
     key = machine_key(model, "eager")
     assert use_gqa_sdpa(model) and machine_key(model, "eager") != key  # a curve per attention implementation
     assert machine_key(model, "eager") != machine_key(model.double(), "eager")
+
+
+def test_machine_key_changes_with_the_cpu_kernel_build_and_switches(monkeypatch: pytest.MonkeyPatch):
+    """A curve cached before a kernel change (a new build, or SPECDRAFT_AVX512 / SPECDRAFT_VBMI set otherwise)
+    is not the one read after it: the key names the library and its switches on a CPU."""
+    from specdraft.eval import budget as budget_mod
+    from specdraft.models import exact_panels as ep
+    from specdraft.models.panel_linear import kernel_identity, panel_available
+
+    model = tiny_llama(num_layers=1)
+    key = machine_key(model, "eager")
+    monkeypatch.setattr(budget_mod, "kernel_identity", lambda: "panel_linear-0000.so avx512=1 vbmi=1 vnni=1")
+    assert machine_key(model, "eager") != key
+    monkeypatch.undo()
+    assert machine_key(model, "eager") == key
+    if not panel_available():
+        assert kernel_identity() == ""
+        return
+    assert kernel_identity().startswith("panel_linear-") and "avx512=" in kernel_identity()
+    was = ep.set_avx512(True)
+    try:
+        if was:  # an AVX-512 CPU: the AVX2 paths are another curve
+            on = machine_key(model, "eager")
+            ep.set_avx512(False)
+            assert "avx512=0" in kernel_identity() and machine_key(model, "eager") != on
+    finally:
+        ep.set_avx512(os.environ.get("SPECDRAFT_AVX512", "1") != "0")
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -381,11 +381,14 @@ def evaluate(cfg: DictConfig) -> Path:
     from specdraft.eval.runner import run_benchmark, warm_up
     from specdraft.eval.speedup import print_tables, summarize
     from specdraft.models.base_llm import load_target
+    from specdraft.models.hub import read_config
     from specdraft.models.linear_layout import apply_layout, layout_label
 
     validate_config(cfg)
     e = cfg.eval
     benches = load_benches(cfg)
+    for path in e.drafters or ():  # a missing or unreachable export is refused before the target loads
+        read_config(str(path), "eval.drafters")
     if e.num_threads:
         torch.set_num_threads(int(e.num_threads))
     seed_everything(int(e.seed))

@@ -170,6 +170,27 @@ def test_bad_input_exits_2_and_keeps_the_previous_results(assets, tmp_path, bad)
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
 
 
+def test_a_missing_drafter_is_refused_before_the_target_loads(assets, tmp_path, monkeypatch):
+    """An eval.drafters entry that is no export (a typo'd folder, an uncached Hub id offline) fails in one line
+    naming the field before the target is loaded, not after."""
+    from specdraft.models import base_llm
+
+    def no_target(*_args, **_kwargs):
+        raise AssertionError("the target loaded before the drafters were checked")
+
+    GlobalHydra.instance().clear()
+    register_configs()
+    missing = tmp_path / "no_such_export"
+    overrides = [o for o in _overrides(assets, tmp_path / "out") if not o.startswith("eval.drafters=")]
+    overrides += [f"eval.drafters=[{missing}]", f"eval.benches=[{assets / 'mini_mt.jsonl'}]", "eval.limit=1"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    monkeypatch.setattr(base_llm, "load_target", no_target)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="eval.drafters="):
+        evaluate(cfg)
+
+
 def test_a_failure_while_writing_keeps_the_previous_results(assets, tmp_path, monkeypatch):
     """results.json and the plots are staged and moved in only once all of them are written."""
     from specdraft.eval import speedup

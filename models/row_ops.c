@@ -232,6 +232,21 @@ static inline __attribute__((always_inline)) void weigh_tail(const int H, const 
     }
 }
 
+/* The body of `heads` and `heads_wide`, one sequence for both so their bits stay equal: the key dots four keys at
+ * a time through DOTS4, the rest one by one, the softmax, then the value sums 32 columns at a time through WEIGH32
+ * and the last 0-3 8-column chunks. */
+#define HEADS_BODY(DOTS4, WEIGH32)                                                      \
+    int64_t j = 0;                                                                      \
+    for (; j + 4 <= n; j += 4) DOTS4(H, qs, kr, ks, idx + j, d, sc + j, sp);            \
+    for (; j < n; j++) dot1(H, qs, kr + idx[j] * ks, d, sc + j, sp);                    \
+    softmax_rows(H, sc, sp, n, mv, scale);                                              \
+    int64_t c = 0;                                                                      \
+    for (; c + 32 <= d; c += 32) WEIGH32(H, sc, sp, idx, n, vr + c, vs, o + c, os);     \
+    weigh_tail(H, sc, sp, idx, n, vr, vs, o, os, c, d);
+
+/* weigh at 32 floats (C = 4), in `weigh32_wide`'s signature */
+#define WEIGH32(H, w, sp, idx, n, v, vs, o, os) weigh(H, 4, w, sp, idx, n, v, vs, o, os)
+
 /* H (<= 3, a constant after inlining) query heads sharing one key/value head and one visible key list idx
  * (n keys, their mask values mv, padded with zeros to a multiple of 8): their attention outputs o_h (rows `os`
  * apart). sc: H rows of `sp` floats of scratch. */
@@ -239,13 +254,7 @@ static inline __attribute__((always_inline)) void heads(const int H, const float
                                                         int64_t ks, const float *vr, int64_t vs, const int32_t *idx,
                                                         int64_t n, const float *mv, int64_t d, float scale,
                                                         float *sc, int64_t sp, float *o, int64_t os) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) dots4(H, qs, kr, ks, idx + j, d, sc + j, sp);
-    for (; j < n; j++) dot1(H, qs, kr + idx[j] * ks, d, sc + j, sp);
-    softmax_rows(H, sc, sp, n, mv, scale);
-    int64_t c = 0;
-    for (; c + 32 <= d; c += 32) weigh(H, 4, sc, sp, idx, n, vr + c, vs, o + c, os);
-    weigh_tail(H, sc, sp, idx, n, vr, vs, o, os, c, d);
+    HEADS_BODY(dots4, WEIGH32)
 }
 
 /* ---- AVX-512 (where panel_linear.c's AVX-512 paths run): the same lanes' chains in half the instructions ---- */
@@ -303,13 +312,7 @@ static inline __attribute__((always_inline)) AVX512R void heads_wide(const int H
                                                                     int64_t vs, const int32_t *idx, int64_t n,
                                                                     const float *mv, int64_t d, float scale,
                                                                     float *sc, int64_t sp, float *o, int64_t os) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) dots4_wide(H, qs, kr, ks, idx + j, d, sc + j, sp);
-    for (; j < n; j++) dot1(H, qs, kr + idx[j] * ks, d, sc + j, sp);
-    softmax_rows(H, sc, sp, n, mv, scale);
-    int64_t c = 0;
-    for (; c + 32 <= d; c += 32) weigh32_wide(H, sc, sp, idx, n, vr + c, vs, o + c, os);
-    weigh_tail(H, sc, sp, idx, n, vr, vs, o, os, c, d);
+    HEADS_BODY(dots4_wide, weigh32_wide)
 }
 
 static AVX512R void heads_wide_any(int H, const float *const *qs, const float *kr, int64_t ks, const float *vr,

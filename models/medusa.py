@@ -39,10 +39,12 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from specdraft.models.family import FamilySpec
-from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids, draft_vocab_ids
+from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids
+from specdraft.models.medusa_build import build  # fresh heads from the config group
 from specdraft.models.medusa_choices import teacher_forced_tree_accept
 from specdraft.models.medusa_copy import MedusaCopy, copy_ngram, mixed_head_logits
 from specdraft.models.medusa_copy import build as build_copy
+from specdraft.models.medusa_loss import compute_loss  # teacher-forced, heads weighted lambda^k
 from specdraft.models.medusa_root import RootInput
 
 FORMAT_VERSION = 1
@@ -263,97 +265,6 @@ def attach(model: Medusa, target: PreTrainedModel) -> Medusa:
     if model.copy is not None:
         model.copy.attach(emb)
     return model
-
-
-def build(
-    schema: Any,
-    target: PreTrainedModel,
-    fingerprint: dict[str, Any],
-    token_counts: Tensor | None = None,
-    **_: Any,
-) -> Medusa:
-    """Fresh Medusa heads for `target` from the `drafter` config group.
-
-    Args:
-        schema: `cfg.drafter` (fields of `train.config.MedusaSchema`).
-        target: the frozen target; its LM head (the draft vocabulary's rows) initialises every head's projection.
-        fingerprint: `base_llm.target_fingerprint(target, tokenizer)`.
-        token_counts: (V,) training-label frequencies; required when `draft_vocab_size` < V (the draft
-            vocabulary is the Vd most frequent labels).
-    """
-    tree = getattr(schema, "tree_choices", None)
-    v = int(fingerprint["vocab_size"])
-    want = getattr(schema, "draft_vocab_size", None)
-    # `draft_vocab_ids` reads 0 as "full"; the schema says null for that, so 0 is refused here
-    if want is not None and int(want) < 1:
-        raise ValueError(
-            f"drafter.draft_vocab_size={want} must be in [1, vocab_size={v}] (null: full vocabulary)"
-        )
-    ids = draft_vocab_ids(want, v, token_counts)  # (Vd,) ascending target ids
-    vd = int(ids.numel())
-    config = MedusaConfig(
-        base_model_name_or_path=str(fingerprint["name_or_path"]),
-        base_revision=fingerprint.get("revision"),
-        base_hidden_size=int(fingerprint["hidden_size"]),
-        vocab_size=v,
-        draft_vocab_size=vd,
-        tokenizer_hash=str(fingerprint["tokenizer_hash"]),
-        draft_len=int(schema.draft_len),
-        num_layers=int(schema.num_layers),
-        loss_decay=float(schema.loss_decay),
-        topk=int(schema.topk),
-        tree_choices=[list(map(int, p)) for p in tree] if tree else None,
-        root_token=bool(getattr(schema, "root_token", False)),
-        copy_ngram=int(getattr(schema, "copy_ngram", 0) or 0),
-        copy_hidden=int(getattr(schema, "copy_hidden", 64)),
-        copy_scale=float(getattr(schema, "copy_scale", 8.0)),
-    )
-    model = attach(Medusa(config), target)
-    with torch.no_grad():
-        if vd < v:
-            model.d2t.copy_(ids - torch.arange(vd))
-        if schema.init_from_lm_head:
-            lm_head = target.get_output_embeddings().weight  # (V, H)
-            rows = lm_head.detach()[ids.to(lm_head.device)].float()  # (Vd, H) the draft vocabulary's rows
-            for head in model.heads:  # (Vd, H) each
-                cast(nn.Linear, cast(nn.Sequential, head)[-1]).weight.copy_(rows)
-    return model
-
-
-def head_weights(decay: float, num_heads: int) -> Tensor:
-    """(D,) float32 Medusa loss weights lambda^k, k = 0..D-1."""
-    return torch.tensor([decay**k for k in range(num_heads)], dtype=torch.float32)
-
-
-def compute_loss(
-    model: nn.Module, batch: dict[str, Tensor], target_out: Any, opts: dict[str, Any] | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-head CE weighted by lambda^k (or the soft top-k KL), on the positions that train.
-
-    Position selection, hard labels and soft-teacher alignment are those of every teacher-forced drafter
-    (`models.teacher_forced.compute_loss`, which only needs `model(hidden, root, targets)`); Medusa adds the
-    lambda^k head weights unless `opts["slot_weights"]` is set explicitly.
-
-    Args:
-        model: the (possibly accelerate-wrapped) Medusa.
-        batch: from `data.collate` - `root` (B, L), `targets` (B, L, D'), `pos_mask` (B, L) bool, optional
-            cached teacher `topk_ids`/`topk_logprobs` (B, L, k).
-        target_out: `TargetOutput` of the frozen target (`hidden` (B, L, H); `logits` for online soft targets).
-        opts: as in `teacher_forced.compute_loss` (`loss`, `kl_weight`, `kl_topk`, `slot_weights`, `draft_len`,
-            `max_positions`, `generator`).
-
-    Returns:
-        (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) target ids; with a reduced
-        draft vocabulary in training mode, (N, D, Vd) and draft ids (-1 outside it), as `teacher_forced` says.
-    """
-    from specdraft.models.teacher_forced import compute_loss as teacher_forced_loss
-
-    opts = dict(opts or {})
-    config = cast(Medusa, getattr(model, "module", model)).config  # unwrap DDP
-    d = int(opts.get("draft_len") or batch["targets"].shape[-1])
-    if not opts.get("slot_weights"):
-        opts["slot_weights"] = head_weights(float(config.loss_decay), d).tolist()
-    return teacher_forced_loss(model, batch, target_out, opts)
 
 
 FAMILY = FamilySpec(

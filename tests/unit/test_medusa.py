@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from specdraft.data.collate import Collator
 from specdraft.models.hub import export_drafter, load_drafter
-from specdraft.models.medusa import Medusa, MedusaConfig, build, compute_loss, head_weights
+from specdraft.models.medusa import Medusa, MedusaConfig, build, compute_loss
+from specdraft.models.medusa_loss import head_weights
 from specdraft.models.registry import get_family
 from specdraft.testing import tiny_llama
 

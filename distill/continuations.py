@@ -15,10 +15,14 @@ Cost: T forwards per chunk of positions (never one forward per position per step
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdraft.models.hf_compat import cache_kwargs, returned_cache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IGNORE = -100
 
@@ -49,7 +53,7 @@ def _chain_mask(pos: torch.Tensor, L: int, rounds: int, dtype: torch.dtype) -> t
 
 @torch.no_grad()
 def greedy_continuations(
-    model,
+    model: PreTrainedModel,
     input_ids: Sequence[int],
     T: int,
     positions: Sequence[int] | None = None,

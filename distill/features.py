@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdraft.models.base_llm import forward_with_hidden, lm_logits, teacher_topk
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FEATURE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +63,7 @@ class FeatureSpec:
         }
 
 
-def make_spec(cfg_distill, model) -> FeatureSpec:
+def make_spec(cfg_distill: Any, model: PreTrainedModel) -> FeatureSpec:
     """Build and validate a `FeatureSpec` from the `distill` config and the target."""
     if cfg_distill.feature_dtype not in FEATURE_DTYPES:
         raise ValueError(
@@ -147,7 +150,7 @@ def has_features(row: dict[str, Any], spec: FeatureSpec) -> bool:
 
 
 def feature_tensors(
-    model,
+    model: PreTrainedModel,
     hidden: torch.Tensor,
     layers: torch.Tensor | None,
     spec: FeatureSpec,
@@ -195,7 +198,7 @@ def pack_features(tensors: dict[str, torch.Tensor], spec: FeatureSpec) -> dict[s
 
 @torch.no_grad()
 def compute_features(
-    model, sequences: Sequence[Sequence[int]], spec: FeatureSpec, batch_tokens: int = 4096
+    model: PreTrainedModel, sequences: Sequence[Sequence[int]], spec: FeatureSpec, batch_tokens: int = 4096
 ) -> list[dict[str, Any]]:
     """Run the target over whole sequences (right-padded, length-sorted batches) and pack the features.
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -35,6 +35,9 @@ from specdraft.distill.features import FeatureSpec, feature_tensors
 from specdraft.distill.slack_cache import SlackLayer, slack_cache
 from specdraft.models.base_llm import TargetOutput, fast_supported, forward_with_hidden, lm_logits
 from specdraft.models.hf_compat import cache_kwargs, returned_cache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TailFn = Callable[[list[int], str], list[int]]  # (generated ids, finish reason) -> ids fed after g_{n-1}
 Features = dict[str, torch.Tensor]  # `feature_tensors` output: (n, ...) per key, CPU, feature dtype
@@ -87,7 +90,9 @@ def feed_last(tokens: list[int], reason: str) -> list[int]:
     return tokens[-1:]
 
 
-def stop_token_ids(tokenizer, model=None) -> tuple[int, ...]:
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None
+) -> tuple[int, ...]:
     """EOS + end-of-turn ids of the tokenizer (`data.chat.stop_token_ids`) and of the model's generation config."""
     from specdraft.data.chat import stop_token_ids as chat_stop_ids
 
@@ -282,7 +287,7 @@ def _tail_features(
 
 @torch.no_grad()
 def generate_batched(
-    model,
+    model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     settings: GenerationSettings,
     max_new_tokens: Sequence[int] | None = None,

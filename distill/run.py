@@ -14,7 +14,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from specdraft.conf.validate import validate_config
 from specdraft.data.conversations import load_conversations
 from specdraft.distill.features import (
+    FeatureSpec,
     capture_wanted,
     check_disk_budget,
     compute_features,
@@ -48,6 +49,9 @@ from specdraft.models.linear_layout import apply_layout, layout_label
 from specdraft.models.panel_linear import int8_activations
 from specdraft.utils import clean_stale_tmp
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 def _dist_state():
     """(rank, world size, barrier): accelerate's state under a multi-process launch, else a single process."""
@@ -59,7 +63,9 @@ def _dist_state():
     return state.process_index, state.num_processes, state.wait_for_everyone
 
 
-def generation_settings(d: Any, tokenizer, model) -> GenerationSettings:
+def generation_settings(
+    d: Any, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel
+) -> GenerationSettings:
     """`GenerationSettings` from the `distill` config and the target's stop/pad tokens."""
     if d.max_new_tokens <= 0:
         raise ValueError(f"distill.max_new_tokens={d.max_new_tokens} must be > 0")
@@ -84,7 +90,7 @@ def make_header(
     cfg: DictConfig,
     fingerprint: dict,
     settings: GenerationSettings,
-    spec,
+    spec: FeatureSpec,
     limit: int | None,
     q8: bool = False,
 ) -> dict:

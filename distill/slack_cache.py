@@ -18,6 +18,8 @@ When the room runs out, or the generation loop replaced `keys` / `values` (rows 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -34,7 +36,9 @@ class SlackLayer(DynamicLayer):
             None  # the keys / values this layer last set (of `_buffers`)
         )
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         """Append key/value states (B, heads, n, d) after the cached columns; returns the (B, heads, S + n, d)
         views attention reads."""
         if not self.is_initialized:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from specdraft.data.conversations import Conversation
 from specdraft.distill.continuations import greedy_continuations, positions_to_compute
 from specdraft.distill.features import FeatureSpec, pack_features
 from specdraft.distill.generate import Captured, GenerationSettings, TailFn, generate_batched
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 GenerateFn = Callable[..., list]  # generate_batched's signature; tests may stub it
 
@@ -45,7 +48,7 @@ class Regenerated:
     captured: Captured | None = None  # features of the last turn's generation pass (`capture` set)
 
 
-def template_tail(tokenizer) -> TailFn:
+def template_tail(tokenizer: PreTrainedTokenizerBase) -> TailFn:
     """The ids the chat template puts after an assistant turn, as a `generate_batched` tail.
 
     An "eos" answer is rendered without its stop token, a "length" one in full, each followed by the template
@@ -68,8 +71,8 @@ def template_tail(tokenizer) -> TailFn:
 
 
 def regenerate(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     convs: Sequence[Conversation],
     settings: GenerationSettings,
     max_turns: int,
@@ -122,7 +125,7 @@ def regenerate(
             content = g.tokens[:-1] if g.finish_reason == "eos" else g.tokens
             msgs[c][i] = {
                 "role": "assistant",
-                "content": tokenizer.decode(content, skip_special_tokens=False),
+                "content": str(tokenizer.decode(content, skip_special_tokens=False)),
             }
             r = out[c]
             r.responses.append(list(g.tokens))
@@ -181,8 +184,8 @@ def _mask_runs(mask: Sequence[int]) -> list[int]:
 
 
 def build_rows(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     convs: Sequence[Conversation],
     settings: GenerationSettings,
     regen: bool,

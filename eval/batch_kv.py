@@ -43,7 +43,9 @@ class BatchKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Buffers are allocated up front; nothing to do."""
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         """Write L new positions per row where the owner's `prepare_write` said (`write_index`); return the rows'
         first `span` positions.
 

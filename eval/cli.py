@@ -232,14 +232,15 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     return methods, skipped
 
 
-def machine_info(model) -> dict[str, Any]:
+def machine_info(model: torch.nn.Module) -> dict[str, Any]:
     """Where the numbers were measured: `hardware.host_info` of the model's device (its GPU, if any), the
     device, dtype and the target's Linear layout (`models.linear_layout`: the LM head's class)."""
     from transformers import PreTrainedModel
 
     layout = type(model.get_output_embeddings()).__name__ if isinstance(model, PreTrainedModel) else None
     dtype = str(model.dtype).replace("torch.", "")
-    return {**host_info(model.device), "device": str(model.device), "dtype": dtype, "linear_layout": layout}
+    device = cast(torch.device, model.device)  # a PreTrainedModel's property (a bare Module has none)
+    return {**host_info(device), "device": str(device), "dtype": dtype, "linear_layout": layout}
 
 
 def load_benches(cfg: DictConfig) -> dict[str, list]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +33,9 @@ from specdraft.eval.tree import DraftTree, ProposerSpec, tree_attention_mask, tr
 from specdraft.eval.verify import greedy_verify, sample_token, sample_verify
 from specdraft.models.attention import varying_shape_sdpa
 from specdraft.models.base_llm import forward_with_hidden, lm_logits
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedTokenizerBase
 
 
 class Proposer(Protocol):
@@ -133,7 +136,9 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).weight.device
 
 
-def default_stop_ids(tokenizer, model: torch.nn.Module | None = None) -> set[int]:
+def default_stop_ids(
+    tokenizer: PreTrainedTokenizerBase | None, model: torch.nn.Module | None = None
+) -> set[int]:
     """`data.chat.stop_token_ids` (EOS + known end-of-turn tokens) plus the generation config's EOS ids."""
     ids: set[int] = set(stop_token_ids(tokenizer)) if tokenizer is not None else set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -153,7 +158,7 @@ def sync_device(device: torch.device) -> None:
 def target_forward(
     model: torch.nn.Module,
     input_ids: Tensor,
-    cache,
+    cache: Cache,
     position_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
     logits_rows: slice | Tensor | None = None,
@@ -209,7 +214,10 @@ def _emit(out: list[int], new: Iterable[int], stop_ids: set[int], max_new_tokens
 
 
 def _setup(
-    model: torch.nn.Module, tokenizer, prompt_ids: Tensor | list[int], stop_ids: set[int] | None
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt_ids: Tensor | list[int],
+    stop_ids: set[int] | None,
 ) -> tuple[torch.device, set[int], Tensor, DecodeStats]:
     """Shared by both loops: (device, stop ids, prompt ids (1, L) on the device, fresh stats)."""
     device = model_device(model)
@@ -231,7 +239,7 @@ def _finish(stats: DecodeStats, out: list[int], stop_ids: set[int], device: torc
 @torch.inference_mode()
 def ar_generate(
     model: torch.nn.Module,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase | None,
     prompt_ids: Tensor | list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -265,7 +273,7 @@ def ar_generate(
 @torch.inference_mode()
 def speculative_generate(
     model: torch.nn.Module,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase | None,
     prompt_ids: Tensor | list[int],
     proposer: Proposer,
     max_new_tokens: int,

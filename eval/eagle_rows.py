@@ -64,7 +64,9 @@ class RowsKVLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(g, h, cap, value_states.shape[-1])
         self.is_initialized = True
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         """Write n new positions per slot of `owner.rows` at `owner.write_pos`; return those slots' buffers.
 
         Args:

@@ -53,7 +53,9 @@ class HeadKVLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(b, h, self.owner.capacity, value_states.shape[-1])
         self.is_initialized = True
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         """Write L new positions; return what attention reads.
 
         Args:

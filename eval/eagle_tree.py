@@ -502,7 +502,7 @@ class EagleTreeProposer:
             return self.drafter.step(feats[None], toks[None], self.cache, pos, mask, self.block)[0]
 
     def rerank(
-        self, root: Tensor, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device
+        self, root: Tensor, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor, device: torch.device | str
     ) -> DraftTree:
         """Keep the `total_tokens` best candidates and lay them out depth by depth under the root (1,); the
         ancestors in `depth` fixed steps (`fixed_ancestors`: no host reads beyond the parent check)."""

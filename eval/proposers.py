@@ -592,7 +592,7 @@ def make_proposer(
     graphs: bool = False,
     draft_block: str = "hf",
     verify_cost: Callable[[float], float] | None = None,
-):
+) -> Proposer:
     """The proposer for `drafter`'s family, with decode settings (None: the drafter's defaults).
 
     Args:
@@ -628,7 +628,9 @@ def make_proposer(
     return proposer
 
 
-def pruned_factories(drafter: torch.nn.Module, **settings) -> Callable[[float], Callable[[], Any]] | None:
+def pruned_factories(
+    drafter: torch.nn.Module, **settings: Any
+) -> Callable[[float], Callable[[], Any]] | None:
     """min_prob -> a factory of `drafter`'s proposers (`make_proposer` with `settings`) whose trees drop the beam
     positions below that drafter probability (`eval.batch_min_prob`, `bench_batch.py --min-prob`); None for a
     family whose proposer takes no `min_prob` (only ReDrafter's beam search prunes by it)."""

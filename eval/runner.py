@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,6 +29,11 @@ from specdraft.eval.decode import ar_generate, model_device, speculative_generat
 from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import new_cache
 from specdraft.eval.static_decode import StaticDecoder
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+
+    from specdraft.eval.decode import Proposer
 
 RunFn = Callable[[list[int], int, "torch.Generator | None"], tuple[list[int], dict[str, Any]]]
 
@@ -51,9 +56,9 @@ class Method:
 
 def spec_method(
     name: str,
-    model,
-    tokenizer,
-    proposer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    proposer: Proposer,
     stop_ids: set[int],
     sampling: dict,
     profile: bool,
@@ -140,7 +145,11 @@ def _draft_len(proposer) -> int | None:
 
 
 def ar_method(
-    model, tokenizer, stop_ids: set[int], sampling: dict, decoder: StaticDecoder | None = None
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: set[int],
+    sampling: dict,
+    decoder: StaticDecoder | None = None,
 ) -> Method:
     """Our autoregressive baseline (same forward/cache/prefill/path as the speculative loop)."""
     generate = decoder.ar_generate if decoder is not None else partial(ar_generate, model)
@@ -152,7 +161,14 @@ def ar_method(
     return Method("ar", "ar", run, "ar")
 
 
-def hf_method(name: str, model, tokenizer, stop_ids: set[int], sampling: dict, **extra: Any) -> Method:
+def hf_method(
+    name: str,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: set[int],
+    sampling: dict,
+    **extra: Any,
+) -> Method:
     """`model.generate` with `extra` (e.g. `prompt_lookup_num_tokens`, `assistant_model`); counts target forwards."""
     from transformers import GenerationConfig
 
@@ -186,7 +202,9 @@ def hf_method(name: str, model, tokenizer, stop_ids: set[int], sampling: dict, *
             sync_device(device)
             t0 = time.perf_counter()
             gcfg.max_new_tokens = max_new
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gcfg, **extra)
+            out = cast(GenerationMixin, model).generate(
+                x, attention_mask=torch.ones_like(x), generation_config=gcfg, **extra
+            )
             sync_device(device)
             dt = time.perf_counter() - t0
         finally:
@@ -198,7 +216,7 @@ def hf_method(name: str, model, tokenizer, stop_ids: set[int], sampling: dict, *
     return Method(name, "hf", run, "hf_ar")
 
 
-def top2_gap(model, prompt: list[int], tokens: list[int], position: int) -> float:
+def top2_gap(model: PreTrainedModel, prompt: list[int], tokens: list[int], position: int) -> float:
     """The target's top-2 logit gap at new-token index `position` (one full forward, fresh cache)."""
     device = model_device(model)
     ids = torch.tensor([prompt + tokens[:position]], device=device)
@@ -230,8 +248,8 @@ def run_benchmark(
     bench: str,
     items: list[BenchmarkItem],
     methods: list[Method],
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     max_new_tokens: int,
     seed: int,
     check_lossless: bool,
@@ -274,7 +292,7 @@ def run_benchmark(
                 for r in records[-len(methods) :]
             )
             log(f"[{bench} {k + 1}/{len(items)} {item.category} turn {turn + 1}] {line}")
-            answer = tokenizer.decode(outputs["ar"], skip_special_tokens=True)
+            answer = str(tokenizer.decode(outputs["ar"], skip_special_tokens=True))
             messages.append({"role": "assistant", "content": answer})
     return records
 

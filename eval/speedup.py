@@ -15,9 +15,12 @@ import io
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdraft.utils import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def _rate(tokens: float, seconds: float) -> float:
@@ -75,7 +78,7 @@ def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_tables(summary: list[dict], categories: list[dict], console=None) -> None:
+def print_tables(summary: list[dict], categories: list[dict], console: Console | None = None) -> None:
     """Rich tables: one per benchmark (all methods) and one per benchmark x category."""
     from rich.console import Console
     from rich.table import Table

@@ -24,7 +24,7 @@ from typing import cast
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdraft.eval.budget import SIZES, NodeBudget, time_round_robin
 from specdraft.eval.decode import (
@@ -308,7 +308,7 @@ class StaticDecoder:
     @torch.inference_mode()
     def ar_generate(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase | None,
         prompt_ids: Tensor | list[int],
         max_new_tokens: int,
         temperature: float = 0.0,
@@ -380,7 +380,7 @@ class StaticDecoder:
     @torch.inference_mode()
     def speculative_generate(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase | None,
         prompt_ids: Tensor | list[int],
         proposer: Proposer,
         max_new_tokens: int,

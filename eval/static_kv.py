@@ -52,7 +52,9 @@ class StaticKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Buffers are allocated up front; nothing to do."""
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         """Write L new positions after the committed ones; return what attention reads.
 
         Args:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,6 +33,9 @@ from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, marginal_min_pro
 from specdraft.eval.decode import Proposer
 from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
 from specdraft.eval.scheduler import SCHEDULERS, schedule_order
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass(frozen=True)
@@ -365,7 +368,7 @@ def _batches(r: dict[str, Any]) -> str:
     return f"{len(sizes)} of {min(sizes)}-{max(sizes)} rows, {r.get('overflows', 0)} overflows"
 
 
-def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
+def print_throughput(rows: list[dict[str, Any]], console: Console | None = None) -> None:
     """A rich table per benchmark: tokens/s and speedups against batch size."""
     from rich.console import Console
     from rich.table import Table
@@ -403,7 +406,7 @@ def print_throughput(rows: list[dict[str, Any]], console=None) -> None:
         console.print(table)
 
 
-def print_phases(rows: list[dict[str, Any]], console=None) -> None:
+def print_phases(rows: list[dict[str, Any]], console: Console | None = None) -> None:
     """Where each method's batched step goes (the records with `phase_ms_per_step`, `throughput_rows(phases=
     True)`): ms per step and phase, the time outside the verify forward (draft + accept + commit) as a
     fraction of it (prefills are per request, not per step, and stay out of it), and the speedup over the

@@ -501,7 +501,8 @@ class RandomTreeProposer:
     def fit_budget(self, nodes: int) -> None:
         """Trees are cut by the decoder; nothing to change here."""
 
-    def propose(self, hidden, tokens):
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
+        """A random tree of 1..max_nodes nodes rooted at the last token; `hidden` (n, H), `tokens` (n,)."""
         n = int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.g))
         parents = [-1] + [int(torch.randint(0, i, (1,), generator=self.g)) for i in range(1, n)]
         toks = torch.randint(0, self.vocab, (n,), generator=self.g)
@@ -538,7 +539,8 @@ class OracleBeamProposer:
     def fit_budget(self, nodes: int) -> None:
         """Trees are cut by the decoder; nothing to change here."""
 
-    def propose(self, hidden, tokens):
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
+        """Beams around the reference continuation, packed as a tree; `hidden` (n, H), `tokens` (n,) committed."""
         assert hidden.shape[0] == tokens.shape[0]
         self.seen += tokens.shape[0]
         done = self.seen - (self.prompt_len - 1)  # generated tokens committed so far (root included)

@@ -84,7 +84,9 @@ def _scalar(v: Any) -> Any:
     return v
 
 
-def make_logger(run_dir: str | os.PathLike[str], cfg: Any, run_name: str, config: dict[str, Any], main: bool):
+def make_logger(
+    run_dir: str | os.PathLike[str], cfg: Any, run_name: str, config: dict[str, Any], main: bool
+) -> MetricLogger | NullLogger:
     """A `MetricLogger` on the main process, a `NullLogger` elsewhere."""
     return MetricLogger(run_dir, cfg, run_name, config) if main else NullLogger()
 

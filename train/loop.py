@@ -64,7 +64,7 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
     )
 
 
-def lr_lambda(warmup: int, total: int, kind: str, calls_per_step: int):
+def lr_lambda(warmup: int, total: int, kind: str, calls_per_step: int) -> Callable[[int], float]:
     """LambdaLR factor: linear warm-up then cosine (or constant). accelerate steps a prepared scheduler
     `num_processes` times per optimiser step, hence `calls_per_step`."""
 

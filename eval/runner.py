@@ -202,7 +202,7 @@ def hf_method(
             sync_device(device)
             t0 = time.perf_counter()
             gcfg.max_new_tokens = max_new
-            out = cast(GenerationMixin, model).generate(
+            out = cast("GenerationMixin", model).generate(
                 x, attention_mask=torch.ones_like(x), generation_config=gcfg, **extra
             )
             sync_device(device)

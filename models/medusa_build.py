@@ -31,7 +31,7 @@ def build(
             vocabulary is the Vd most frequent labels).
     """
     # imported here, not above: models/medusa.py imports this module
-    from specdraft.models.medusa import Medusa, MedusaConfig, attach  # noqa: F811
+    from specdraft.models.medusa import Medusa, MedusaConfig, attach
 
     tree = getattr(schema, "tree_choices", None)
     v = int(fingerprint["vocab_size"])

@@ -48,7 +48,15 @@ from transformers import PreTrainedModel
 
 from specdraft.eval.batch_kv import BatchKVCache
 from specdraft.eval.batch_width import WidthPolicy
-from specdraft.eval.budget import FULL, SIZES, CostCurve, NodeBudget, machine_key, time_round_robin
+from specdraft.eval.budget import (
+    FULL,
+    RECHECK_SIZES,
+    SIZES,
+    CostCurve,
+    NodeBudget,
+    machine_key,
+    time_round_robin,
+)
 from specdraft.eval.decode import (
     DecodeStats,
     Proposer,
@@ -385,7 +393,13 @@ class BatchDecoder:
         sum_r gain_r / (cost_B(b) + sum_r draft_r) = mean gain / (cost_B(b) / B + mean draft)."""
         path = "" if not self.static else f"-{self.path_name()}"  # eager keeps its earlier key
         key = machine_key(self.model, f"batch{self.batch_size}{path}")
-        curve = CostCurve.load_or_measure(key, self.measure_costs, refresh=refresh, log=log)
+        curve = CostCurve.load_or_measure(
+            key,
+            self.measure_costs,
+            refresh=refresh,
+            log=log,
+            recheck=lambda: self.measure_costs(RECHECK_SIZES, reps=3),  # this machine's speed and shape now
+        )
         return CostCurve({b: ms / self.batch_size for b, ms in curve.ms.items()})
 
     def _release(self, row: int) -> None:

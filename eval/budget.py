@@ -5,7 +5,8 @@ costs very different multiples of a one-token step (flat to 128 nodes on an H100
 nodes on a 2-core CPU in fp32). Two measured curves decide the budget:
 
   * **cost(b)**: ms of one verify forward of b nodes after a 256-token prefix on this decode path, measured
-    once per (model, device, dtype, threads, path) and cached as JSON (`CostCurve.load_or_measure`);
+    once per (model, device, dtype, threads, path) and cached as JSON (`CostCurve.load_or_measure`), a cached
+    curve re-timed at 1, 4 and 8 nodes before each use and measured again when its speed or shape moved;
   * **gain(b)**: tokens/step the proposer's own trees would give if cut to their first b nodes. Proposers
     order nodes best first (beam rank, EAGLE-2 score, Medusa accuracy), and the first b nodes of a tree are a
     tree, so one verify of the full tree yields gain(b) for every b at once: the deepest fully accepted node
@@ -78,6 +79,7 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # budgets measured and considered
 # bumped when the decode code changes what a verify costs, so curves cached before are measured again
 # (2: one-token steps and batch-1 trees attend per key/value head, models/attention.py)
 COST_VERSION = 2
+RECHECK_SIZES = (1, 4, 8)  # the verify sizes a cached cost curve is checked at before it is reused (cheap)
 FULL = 1 << 30  # `Proposer.fit_budget(FULL)`: no cap, draft full-size trees again (a refit)
 
 
@@ -146,6 +148,18 @@ def typical_ms(ms: list[float], trim: bool = True) -> float:
     return sum(keep) / len(keep)
 
 
+def _moved(cached: CostCurve, now: dict[int, float], tolerance: float, shape_tolerance: float) -> str | None:
+    """Why a cached curve no longer prices this machine (cost(1) or a size's cost(n) / cost(1) drifted past its
+    tolerance, relative), as words for the log line; None when it still does. `now`: {nodes: ms}, 1 in it."""
+    if abs(now[1] - cached(1)) > tolerance * cached(1):
+        return f"a 1-node verify takes {now[1]:.1f} ms now against {cached(1):.1f} ms"
+    for n in sorted(now):
+        was, ratio = cached(n) / cached(1), now[n] / now[1]
+        if n != 1 and abs(ratio - was) > shape_tolerance * was:
+            return f"a {n}-node verify costs {ratio:.2f} one-node verifies now against {was:.2f}"
+    return None
+
+
 @dataclass
 class CostCurve:
     """Median ms of one verify forward per node count (measured sizes; linear in between)."""
@@ -171,8 +185,9 @@ class CostCurve:
         measure: Callable[[], dict[int, float]],
         refresh: bool = False,
         log: Callable[[str], None] = print,
-        recheck: Callable[[], float] | None = None,
+        recheck: Callable[[], dict[int, float]] | None = None,
         tolerance: float = 0.25,
+        shape_tolerance: float = 0.15,
     ) -> CostCurve:
         """The cached curve for `key`, or `measure()` it (a few seconds) and cache it atomically.
 
@@ -181,13 +196,18 @@ class CostCurve:
             measure: () -> {nodes: ms}, the whole curve.
             refresh: measure even when a curve is cached.
             log: where the one-line reports go.
-            recheck: () -> ms of a 1-node verify now (a second or less); a cached curve whose cost(1) is more
-                than `tolerance` (relative) away from it is measured again: the machine's speed moved since
-                it was cached (a VM's timings drift 10-30% from day to day: a curve cached at 44 ms per
-                one-token step fitted budgets while AR ran at 33 ms, pricing the draft time a third too low).
-                Within `tolerance` the cached curve is scaled by now / cost(1), so the verify costs it gives
-                are at the speed the draft times are measured at. None: the cached curve as it is.
+            recheck: () -> {nodes: ms} of a few verify sizes now, 1 among them (a second or less); a cached
+                curve whose cost(1) is more than `tolerance` (relative) away from it is measured again: the
+                machine's speed moved since it was cached (a VM's timings drift 10-30% from day to day: a
+                curve cached at 44 ms per one-token step fitted budgets while AR ran at 33 ms, pricing the
+                draft time a third too low). So is one whose shape moved: a size's cost over cost(1) more
+                than `shape_tolerance` (relative) away from the cached ratio (on a 2-core Zen 4 a q8
+                curve cached at 2.49x for 8 nodes measured 1.69x a session later, cost(1) within 5%: every
+                budget was fitted against trees 1.5x dearer than they were). Within both the cached curve is
+                scaled by now / cost(1), so the verify costs it gives are at the speed the draft times are
+                measured at. None: the cached curve as it is.
             tolerance: relative drift of cost(1) a cached curve survives.
+            shape_tolerance: relative drift of each rechecked size's cost(n) / cost(1) a cached curve survives.
         """
         path = _cache_dir() / f"{key}.json"
         if path.is_file() and not refresh:
@@ -196,15 +216,13 @@ class CostCurve:
             except (ValueError, KeyError, TypeError):
                 log(f"cost curve {path} is unreadable: measuring it again")
             else:
-                now = recheck() if recheck is not None else None
-                if now is None:
+                if recheck is None:
                     return cached
-                if abs(now - cached(1)) <= tolerance * cached(1):  # the same machine, at today's speed
-                    return CostCurve({n: v * now / cached(1) for n, v in cached.ms.items()})
-                log(
-                    f"cost curve {path}: a 1-node verify takes {now:.1f} ms now against {cached(1):.1f} ms "
-                    "when it was cached: measuring it again"
-                )
+                now = recheck()
+                why = _moved(cached, now, tolerance, shape_tolerance)
+                if why is None:  # the same machine, at today's speed
+                    return CostCurve({n: v * now[1] / cached(1) for n, v in cached.ms.items()})
+                log(f"cost curve {path}: {why} when it was cached: measuring it again")
         t0 = time.perf_counter()
         ms = measure()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -97,7 +97,7 @@ def _spec(
 def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[list, dict[str, str]]:
     """The AR reference, one method per drafter, then the transformers baselines (and why any was skipped)."""
     from specdraft.eval import runner
-    from specdraft.eval.budget import CostCurve, machine_key
+    from specdraft.eval.budget import RECHECK_SIZES, CostCurve, machine_key
     from specdraft.eval.decode import model_device
     from specdraft.eval.graphs import graphs_wanted
     from specdraft.eval.proposers import PromptLookupProposer, drafter_label, make_proposer, pruned_factories
@@ -121,7 +121,8 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
         cost = CostCurve.load_or_measure(
             machine_key(model, decoder.path_name()),
             decoder.measure_costs,
-            recheck=lambda: decoder.measure_costs((1,), reps=5)[1],  # this machine? its speed now
+            # this machine? its speed and shape now
+            recheck=lambda: decoder.measure_costs(RECHECK_SIZES, reps=5),
         )
     elif e.node_budget == "auto":
         print(

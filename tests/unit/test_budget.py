@@ -4,6 +4,7 @@ one verify (against truncated trees verified one by one), the cap chosen, and lo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_cost_curve_interpolates_and_is_cached(tmp_path, monkeypatch):
 
 
 def test_a_cached_curve_is_measured_again_when_the_machine_moved(tmp_path, monkeypatch):
-    """`recheck` times one 1-node verify now: within `tolerance` of the cached cost(1) the cached curve stands
+    """`recheck` times a few verify sizes now: within `tolerance` of the cached cost(1) the cached curve stands
     (no full measurement), scaled to the speed now (the draft times a fit adds to it are measured now), and
     the file keeps the measured curve; farther away (a VM 33% slower or faster than when it cached) it is
     measured again, reported in one line, and the new curve is cached."""
@@ -61,19 +62,47 @@ def test_a_cached_curve_is_measured_again_when_the_machine_moved(tmp_path, monke
         calls.append(1)
         return {1: 10.0 * len(calls), 4: 16.0 * len(calls)}
 
+    def at(ms1: float) -> Callable[[], dict[int, float]]:
+        return lambda: {1: ms1}
+
     CostCurve.load_or_measure("k2", measure, log=lambda m: None)
-    same = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 12.0)  # +20%
+    same = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=at(12.0))  # +20%
     assert len(calls) == 1 and same(1) == pytest.approx(12.0) and same(4) == pytest.approx(19.2)
     kept = CostCurve.load_or_measure("k2", measure, log=lambda m: None)  # no recheck: the file, unscaled
     assert kept.ms == {1: 10.0, 4: 16.0}
     msgs: list[str] = []
-    moved = CostCurve.load_or_measure("k2", measure, log=msgs.append, recheck=lambda: 13.5)  # +35%
+    moved = CostCurve.load_or_measure("k2", measure, log=msgs.append, recheck=at(13.5))  # +35%
     assert len(calls) == 2 and moved(1) == 20.0 and moved(4) == 32.0
     assert "13.5 ms now against 10.0 ms" in msgs[0] and "measuring it again" in msgs[0]
-    again = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 20.0)
+    again = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=at(20.0))
     assert len(calls) == 2 and again.ms == moved.ms  # the new curve was cached
-    fast = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=lambda: 14.0)  # -30%
+    fast = CostCurve.load_or_measure("k2", measure, log=lambda m: None, recheck=at(14.0))  # -30%
     assert len(calls) == 3 and fast(1) == 30.0
+
+
+def test_a_cached_curve_whose_shape_moved_is_measured_again(tmp_path, monkeypatch):
+    """cost(1) alone does not vouch for a cached curve: the Zen 4 of session 64 measured a q8 target's 8-node
+    verify at 1.69x its one-node verify where the curve cached a session earlier said 2.49x, at the same cost(1).
+    A rechecked size whose cost(n) / cost(1) is more than `shape_tolerance` away from the cached ratio makes the
+    curve measured again (one log line naming the size); within it the cached curve stands, scaled."""
+    monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path / "cost_curves"))
+    curves = [{1: 5.0, 4: 7.9, 8: 12.45}, {1: 5.0, 4: 6.1, 8: 8.45}]
+
+    def measure() -> dict[int, float]:
+        return curves.pop(0)
+
+    CostCurve.load_or_measure("k3", measure, log=lambda m: None)
+    near = CostCurve.load_or_measure(
+        "k3", measure, log=lambda m: None, recheck=lambda: {1: 5.2, 4: 7.5, 8: 12.0}
+    )
+    assert len(curves) == 1 and near(8) == pytest.approx(12.45 * 5.2 / 5.0)  # 2.31x against 2.49x: kept
+    msgs: list[str] = []
+    flat = CostCurve.load_or_measure(
+        "k3", measure, log=msgs.append, recheck=lambda: {1: 5.07, 4: 6.2, 8: 8.55}
+    )
+    assert not curves and flat.ms == {1: 5.0, 4: 6.1, 8: 8.45}  # measured again, and cached
+    assert "4-node verify costs 1.22 one-node verifies now against 1.58" in msgs[0]
+    assert CostCurve.load_or_measure("k3", measure, log=lambda m: None).ms == flat.ms
 
 
 def _budget(costs: dict[int, float], **kw) -> NodeBudget:

@@ -266,8 +266,13 @@ class NodeBudget:
     1. `fit_steps` drafted steps at the probe size (`refit_cap`) record the gain curve and the draft time; the
        best cap b >= 2
        becomes provisional (`cap`), and the proposer is told (`Proposer.fit_budget`), so it may draft less;
-    2. `check_steps` drafted steps at that cap measure the draft time it really has, which rates it with the
-       phase-1 gain curve (the same steps for every size: the checks' own tokens come from other text);
+    2. `check_steps` drafted steps at that cap measure the draft time it really has, and, where the decoder
+       reports it, the verify time it really has in the decode loop, which rate it with the phase-1 gain curve
+       (the same steps for every size: the checks' own tokens come from other text). The loop's verify can
+       cost a different multiple of a plain step than the cost curve's: on a 2-core Zen 4 VM the slope of a
+       q8 target's curve doubled within half an hour (a busy neighbour on the shared cores), and a budget
+       priced on the curve measured at start-up settled on 4-node trees at 0.86-0.93x of AR where 2 nodes
+       gave 1.10x (session 64);
        then the next smaller size is checked the same way, as long as its phase-1 gain over its verify cost
        alone (no draft time: the best it could do) beats every rate so far, because a proposer told a smaller
        cap drafts less (fewer beams, fewer head passes) and phase 1 charged it the full-size draft time. The
@@ -296,10 +301,17 @@ class NodeBudget:
             standard errors of the mean over the fit's steps still beats plain steps (`_settle`), so a gain within
             the noise of a few dozen steps of one text (a refit: 16) does not turn drafting on; 0: the mean
             decides. The choice among drafted sizes is the means'.
+        loop_verify: price each checked cap with the verify time phase 2 measured in the decode loop (where the
+            decoder reports it) instead of the cost curve's; False: the curve alone (a synthetic curve in a
+            test, whose seconds-long verifies no loop reproduces).
         refit_on_call: a decode call (a new prompt: new text) starts a refit at its first step when the budget
-            is settled on no drafting or on 2 nodes and at least `refit_steps` steps have passed since, instead
-            of waiting out the gap: whether drafting pays depends on the text (prompt lookup pays on a turn that
-            quotes the previous one), and a 128-token answer is shorter than the gap.
+            is settled on no drafting and at least `refit_steps` steps have passed since, instead of waiting
+            out the gap: whether drafting pays depends on the text (prompt lookup pays on a turn that quotes
+            the previous one), and a 128-token answer is shorter than the gap. Not on 2 nodes (session 59 did
+            that too): there a refit at every prompt drafted 16 probe steps of 8-node trees and 16 checks per
+            128-token answer, and cost the copy-gate ReDrafter 12-14% on a 2-core Zen 4 against refitting on
+            the timer and on drift alone (session 64); a step at 2 nodes still sees a drift up (its mean tokens
+            can rise 20% above the fit's expectation while that is under 1.67).
     """
 
     cost: CostCurve
@@ -318,13 +330,16 @@ class NodeBudget:
     trim_slowest: bool = True
     confidence: float = 1.0
     refit_on_call: bool = True
+    loop_verify: bool = True
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
         default_factory=list
     )  # phase 1, per step: accepted+1 with the first b nodes
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
-    checks: list[tuple[float, int]] = field(default_factory=list)  # phase 2: (draft ms, tokens)
+    checks: list[tuple[float, int, float | None]] = field(default_factory=list)  # phase 2: (draft ms, tokens, verify ms)
+    # phase 2: typical verify ms in the decode loop at each checked cap (where the decoder reports it)
+    verified: dict[int, float] = field(default_factory=dict)
     # phase 2: tokens per ms at each checked cap (phase 1's gain there over its verify cost + the measured draft)
     measured: dict[int, float] = field(default_factory=dict)
     refits: int = 0  # refits started so far
@@ -395,8 +410,8 @@ class NodeBudget:
         """Call at the start of every decode call with the proposer's `spec.max_depth`: bounds every fit's
         probe by `could_pay` and returns the node cap the proposer drafts at now (`Proposer.fit_budget`): the
         cap once settled, else phase 1's probe size (`refit_cap`). When no size could pay, an unsettled budget
-        settles on no drafting for good (no refits: `off_for_good`). A budget settled on no drafting or on 2
-        nodes refits at this call's first step (`refit_on_call`)."""
+        settles on no drafting for good (no refits: `off_for_good`). A budget settled on no drafting refits at
+        this call's first step (`refit_on_call`)."""
         self._payable = self.could_pay(max_depth)
         if self._payable == 1 and not self.settled:  # (a settled budget, e.g. `fixed`, keeps its cap)
             self.cap, self.settled, self.refit_gap = 1, True, 0
@@ -407,14 +422,14 @@ class NodeBudget:
                     f"of depth <= {max_depth} could pay for its verify",
                     flush=True,
                 )
-        if self.refit_on_call and self._timed and self._since >= self.refit_steps:
+        if self.refit_on_call and self._timed and self.cap == 1 and self._since >= self.refit_steps:
             self._due = True  # new text: a refit at this call's first step
         return self.cap if self.cap is not None else self.refit_cap()
 
     @property
     def _timed(self) -> bool:
-        """Settled on no drafting or one draft node, with refits on: refitted on a timer (`tick`) and on a new
-        call (`start`, `refit_on_call`), not only on drift."""
+        """Settled on no drafting or one draft node, with refits on: refitted on a timer (`tick`), and with no
+        drafting on a new call (`start`, `refit_on_call`), not only on drift."""
         return self.settled and self.cap is not None and self.cap <= 2 and self.refit_gap > 0
 
     def tick(self) -> bool:
@@ -427,7 +442,7 @@ class NodeBudget:
         self._since += 1
         if not self._due and (not self._timed or self._since <= (self._gap or self.refit_gap)):
             return False
-        self.cap, self.settled, self.measured, self.checks = None, False, {}, []
+        self.cap, self.settled, self.measured, self.checks, self.verified = None, False, {}, [], {}
         self._left, self.refits, self._due, self._check_tokens = self.refit_steps, self.refits + 1, False, {}
         return True
 
@@ -459,11 +474,19 @@ class NodeBudget:
         cap = self.cap if self.cap is not None else self.refit_cap()
         return None if cap >= FULL else cap
 
-    def observe(self, draft_s: float, accepted: int, prefix_accept: list[int] | None = None) -> None:
+    def observe(
+        self,
+        draft_s: float,
+        accepted: int,
+        prefix_accept: list[int] | None = None,
+        verify_s: float | None = None,
+    ) -> None:
         """One drafted greedy step (call it for every one, settled or not): the proposer's time and the tokens
         the step emitted (accepted + 1); in phase 1 also `prefix_accept[b-1]` = tokens the first b nodes alone
-        would have given. Once settled, only the drift test reads the tokens. (The nodes verified are not
-        needed: phase 2 prices every size on phase 1's trees.)"""
+        would have given; `verify_s`: the step's verify (forward and acceptance rule), read in phase 2, where a
+        checked cap is priced with it instead of the cost curve when every check step reported one. Once
+        settled, only the drift test reads the tokens. (The nodes verified are not needed: phase 2 prices
+        every size on phase 1's trees.)"""
         if self.settled:
             if self.cap == 1 or self.drift_window <= 0 or self.refit_gap <= 0:
                 return
@@ -484,10 +507,13 @@ class NodeBudget:
                 if self.check_steps <= 0:
                     self._settle({})
             return
-        self.checks.append((draft_s * 1e3, accepted))
+        self.checks.append((draft_s * 1e3, accepted, None if verify_s is None else verify_s * 1e3))
         if len(self.checks) >= self.check_steps:
             k = len(self.checks)
             draft = typical_ms([c[0] for c in self.checks], self.trim_slowest)
+            loop = [c[2] for c in self.checks if c[2] is not None]
+            if self.loop_verify and len(loop) == k:  # this cap's verify as the loop pays it
+                self.verified[self.cap] = typical_ms(loop, self.trim_slowest)
             self._check_tokens[self.cap] = sum(c[1] for c in self.checks) / k  # the drift test's expectation
             self.measured[self.cap] = self.rates([draft])[self.cap]  # phase 1's gain, this draft time
             self.checks = []
@@ -541,7 +567,8 @@ class NodeBudget:
     def rates(self, draft_ms: list[float], confidence: float = 0.0) -> dict[int, float]:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
         phase-1 gain curve and the typical draft time of `draft_ms` (`typical_ms`); a drafted size's gain is the
-        steps' mean less `confidence` standard errors of it (0: the mean)."""
+        steps' mean less `confidence` standard errors of it (0: the mean). A size's verify time is the cost
+        curve's over phase 1's tree sizes, or the decode loop's where phase 2 measured it (`verified`)."""
         draft = typical_ms(draft_ms, self.trim_slowest)
         n = len(self.gains)
         out = {1: 1.0 / self.cost(1)}
@@ -550,6 +577,9 @@ class NodeBudget:
             gain = sum(tokens) / n
             if confidence > 0 and n > 1:  # the mean's standard error over these steps
                 gain -= confidence * (sum((t - gain) ** 2 for t in tokens) / (n - 1) / n) ** 0.5
-            ms = sum(self.cost(min(b, len(g))) for g in self.gains) / n + draft
+            verify = self.verified.get(b)
+            if verify is None:
+                verify = sum(self.cost(min(b, len(g))) for g in self.gains) / n
+            ms = verify + draft
             out[b] = gain / ms
         return out

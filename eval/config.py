@@ -52,7 +52,7 @@ class EvalConfig:
     node_budget_refit_scale: int = (
         4  # a refit drafts <= this x the settled cap, >= 4 nodes (0: full-size trees)
     )
-    node_budget_refit_on_call: bool = True  # a new prompt refits a budget settled on <= 2 nodes (new text)
+    node_budget_refit_on_call: bool = True  # a new prompt refits a budget settled on no drafting (new text)
     node_budget_confidence: float = 1.0  # draft only if the best size beats plain steps with its gain this many standard errors lower (0: mean)
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
     prefill_rows: int = (

@@ -500,7 +500,8 @@ class StaticDecoder:
                     fit = cast(NodeBudget, budget)
                     cap = fit.cap
                     gains = vals[2 + 2 * b : 2 + 2 * b + n] if cap is None else None
-                    fit.observe(t2 - t1, a, gains)
+                    # (the verify as this loop pays it: forward and rule, to the step's host read above)
+                    fit.observe(t2 - t1, a, gains, time.perf_counter() - t2)
                     if fit.cap != cap:  # a new cap: the proposer may draft less from now on
                         proposer.fit_budget(cast(int, fit.cap))
                 path_t = (

@@ -134,7 +134,7 @@ def throughput_rows(
             full-size trees; `eval.node_budget_refit_scale`).
         budget_confidence: drafting turns on only if the best size beats plain steps with its gain this many
             standard errors lower (`NodeBudget.confidence`, `eval.node_budget_confidence`).
-        budget_refit_on_call: a batched call refits a budget settled on <= 2 nodes (`NodeBudget.refit_on_call`).
+        budget_refit_on_call: a batched call refits a budget settled on no drafting (`NodeBudget.refit_on_call`).
         node_cap: every drafter's trees cut to this many nodes at every batch size, no fitting
             (`NodeBudget.fixed`; instead of `node_budget`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from

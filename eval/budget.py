@@ -337,7 +337,8 @@ class NodeBudget:
         default_factory=list
     )  # phase 1, per step: accepted+1 with the first b nodes
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
-    checks: list[tuple[float, int, float | None]] = field(default_factory=list)  # phase 2: (draft ms, tokens, verify ms)
+    # phase 2, per step: (draft ms, tokens, verify ms or None)
+    checks: list[tuple[float, int, float | None]] = field(default_factory=list)
     # phase 2: typical verify ms in the decode loop at each checked cap (where the decoder reports it)
     verified: dict[int, float] = field(default_factory=dict)
     # phase 2: tokens per ms at each checked cap (phase 1's gain there over its verify cost + the measured draft)

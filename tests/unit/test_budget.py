@@ -551,7 +551,7 @@ def test_a_new_call_refits_a_budget_settled_off():
     for _ in range(10):
         two.observe(0.001, 2, [1, 2, 2, 2, 2, 2, 2, 2])
     assert two.settled and two.cap == 2
-    for i in range(8):
+    for _ in range(8):
         assert not two.tick()
         two.observe(0.001, 2)  # as expected: no drift
     two.start(4)

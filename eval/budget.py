@@ -272,7 +272,11 @@ class NodeBudget:
        cost a different multiple of a plain step than the cost curve's: on a 2-core Zen 4 VM the slope of a
        q8 target's curve doubled within half an hour (a busy neighbour on the shared cores), and a budget
        priced on the curve measured at start-up settled on 4-node trees at 0.86-0.93x of AR where 2 nodes
-       gave 1.10x (session 64);
+       gave 1.10x (session 64). The checks' gain curves (the first b nodes of the trees drafted at the checked
+       cap) join phase 1's for every size up to that cap: phase 1's probe trees are not the trees a smaller
+       cap drafts (a ReDrafter's first 4 nodes of a 2-beam search against its one-beam chain), and a refit
+       that a drift up started probes a passage the drafter copies, so phase 1 alone rated 4-node trees at
+       2.15 tokens a step where they served 1.8-1.9 (session 64);
        then the next smaller size is checked the same way, as long as its phase-1 gain over its verify cost
        alone (no draft time: the best it could do) beats every rate so far, because a proposer told a smaller
        cap drafts less (fewer beams, fewer head passes) and phase 1 charged it the full-size draft time. The
@@ -339,6 +343,8 @@ class NodeBudget:
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
     # phase 2, per step: (draft ms, tokens, verify ms or None)
     checks: list[tuple[float, int, float | None]] = field(default_factory=list)
+    # phase 2, per step where the decoder reports it: (the checked cap, tokens the first b nodes gave)
+    check_gains: list[tuple[int, list[int]]] = field(default_factory=list)
     # phase 2: typical verify ms in the decode loop at each checked cap (where the decoder reports it)
     verified: dict[int, float] = field(default_factory=dict)
     # phase 2: tokens per ms at each checked cap (phase 1's gain there over its verify cost + the measured draft)
@@ -444,6 +450,7 @@ class NodeBudget:
         if not self._due and (not self._timed or self._since <= (self._gap or self.refit_gap)):
             return False
         self.cap, self.settled, self.measured, self.checks, self.verified = None, False, {}, [], {}
+        self.check_gains = []
         self._left, self.refits, self._due, self._check_tokens = self.refit_steps, self.refits + 1, False, {}
         return True
 
@@ -509,6 +516,8 @@ class NodeBudget:
                     self._settle({})
             return
         self.checks.append((draft_s * 1e3, accepted, None if verify_s is None else verify_s * 1e3))
+        if prefix_accept is not None:  # the checked cap's own trees: their gains rate every size up to it
+            self.check_gains.append((self.cap, prefix_accept))
         if len(self.checks) >= self.check_steps:
             k = len(self.checks)
             draft = typical_ms([c[0] for c in self.checks], self.trim_slowest)
@@ -567,20 +576,22 @@ class NodeBudget:
 
     def rates(self, draft_ms: list[float], confidence: float = 0.0) -> dict[int, float]:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
-        phase-1 gain curve and the typical draft time of `draft_ms` (`typical_ms`); a drafted size's gain is the
-        steps' mean less `confidence` standard errors of it (0: the mean). A size's verify time is the cost
+        gain curves of phase 1's steps and of phase 2's steps at caps >= b (`check_gains`), and the typical draft
+        time of `draft_ms` (`typical_ms`); a drafted size's gain is the steps' mean less `confidence` standard
+        errors of it (0: the mean). A size's verify time is the cost
         curve's over phase 1's tree sizes, or the decode loop's where phase 2 measured it (`verified`)."""
         draft = typical_ms(draft_ms, self.trim_slowest)
-        n = len(self.gains)
         out = {1: 1.0 / self.cost(1)}
         for b in self.sizes[1:]:
-            tokens = [g[min(b, len(g)) - 1] for g in self.gains]  # (n,) tokens the first b nodes gave
+            steps = self.gains + [g for cap, g in self.check_gains if cap >= b]  # trees of >= b nodes
+            n = len(steps)
+            tokens = [g[min(b, len(g)) - 1] for g in steps]  # (n,) tokens the first b nodes gave
             gain = sum(tokens) / n
             if confidence > 0 and n > 1:  # the mean's standard error over these steps
                 gain -= confidence * (sum((t - gain) ** 2 for t in tokens) / (n - 1) / n) ** 0.5
             verify = self.verified.get(b)
             if verify is None:
-                verify = sum(self.cost(min(b, len(g))) for g in self.gains) / n
+                verify = sum(self.cost(min(b, len(g))) for g in steps) / n
             ms = verify + draft
             out[b] = gain / ms
         return out

@@ -460,7 +460,7 @@ class StaticDecoder:
                 tree = single
             n = tree.num_nodes
             t2 = clock()
-            prefix = fitting and drafted and cast(NodeBudget, budget).cap is None  # the gain curve too
+            prefix = fitting and drafted  # the gain curve too (phase 1 and phase 2's checks)
             if greedy and self.graphs:  # the verification replays with the forward
                 logits, hidden, packed, inp = self._forward_verified(tree, layers, keep_last, prefix)
                 valid = inp.valid
@@ -499,7 +499,7 @@ class StaticDecoder:
                 if budget is not None and greedy and drafted:  # fitting, or the drift test once settled
                     fit = cast(NodeBudget, budget)
                     cap = fit.cap
-                    gains = vals[2 + 2 * b : 2 + 2 * b + n] if cap is None else None
+                    gains = vals[2 + 2 * b : 2 + 2 * b + n] if prefix else None
                     # (the verify as this loop pays it: forward and rule, to the step's host read above)
                     fit.observe(t2 - t1, a, gains, time.perf_counter() - t2)
                     if fit.cap != cap:  # a new cap: the proposer may draft less from now on

@@ -227,6 +227,38 @@ def test_phase_two_prices_a_checked_cap_with_the_loops_verify():
         assert b.settled and b.cap == 4 and not b.verified
 
 
+def test_phase_two_checks_join_the_gain_curve_up_to_their_cap():
+    """Phase 1's probe trees give 3 tokens with their first 4 nodes; the 4-node trees the checked cap really
+    drafts give 2 (a one-beam chain is not a 2-beam search's first beam). With the checks' own gain curves
+    (`prefix_accept` in phase 2) 4 nodes average 2.5 tokens over the 16 steps: 2.5 / 14 ms loses to 2 nodes'
+    2 / 10.5, which are checked and kept; without them phase 1's 3 / 14 keeps 4 nodes."""
+
+    def fit(report: bool) -> NodeBudget:
+        b = NodeBudget(
+            CostCurve({1: 10.0, 2: 10.5, 4: 14.0}),
+            fit_steps=8,
+            check_steps=8,
+            sizes=(1, 2, 4),
+            confidence=0.0,
+        )
+        for _ in range(8):
+            b.observe(0.0, 3, [1, 2, 3, 3])
+        assert b.cap == 4 and not b.settled
+        for _ in range(8):
+            b.observe(0.0, 2, [1, 2, 2, 2] if report else None)
+        if not b.settled:
+            assert b.cap == 2
+            for _ in range(8):
+                b.observe(0.0, 2, [1, 2] if report else None)
+        return b
+
+    joined = fit(True)
+    assert joined.settled and joined.cap == 2 and len(joined.check_gains) == 16
+    assert joined.measured[4] == pytest.approx(2.5 / 14.0) and joined.measured[2] == pytest.approx(2 / 10.5)
+    alone = fit(False)
+    assert alone.settled and alone.cap == 4 and not alone.check_gains
+
+
 def test_phase_two_walks_down_while_a_smaller_cap_could_pay():
     """A proposer told a smaller cap drafts less: phase 1 charged every size the full-size draft time (12 ms),
     so it keeps 8 nodes provisionally; at 8 the measured rate is 4 tok / 26 ms, 4 nodes could reach 3 / 12 ms

@@ -93,6 +93,10 @@ DEVICE = Rule(
     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
     "auto, cpu, cuda, cuda:N or mps",
 )
+NODE_BUDGET = Rule(  # a fitted budget, none, or a fixed node cap (`eval.cli.fixed_node_cap`)
+    lambda v: v in ("auto", "off") or (str(v).isdigit() and int(v) >= 1),
+    "auto, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
+)
 POSITIVE = at_least(1)  # counts where zero is meaningless
 COUNT = at_least(0)  # counts where zero means "off"
 FRACTION = within(0, 1)  # [0, 1)
@@ -343,7 +347,7 @@ EVAL: Table = {
     "adaptive_threshold": FRACTION,
     "decode_path": one_of("static", "dynamic"),
     "cuda_graphs": one_of("auto", "on", "off"),
-    "node_budget": one_of("off", "auto"),
+    "node_budget": NODE_BUDGET,
     "node_budget_refit": COUNT,
     "node_budget_refit_scale": COUNT,
     "node_budget_confidence": at_least(0),

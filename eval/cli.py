@@ -43,6 +43,13 @@ def _drafter_paths(cfg: DictConfig) -> list[str]:
     return []
 
 
+def fixed_node_cap(cfg: DictConfig) -> int | None:
+    """`eval.node_budget` as a fixed node cap (a count: every tree cut to that many nodes, no fitting), or None
+    for `auto` / `off`."""
+    value = str(cfg.eval.node_budget)
+    return int(value) if value.isdigit() else None
+
+
 def _spec(
     cfg: DictConfig,
     runner,
@@ -57,7 +64,8 @@ def _spec(
 ):
     """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name),
     `eval.fallback` adds the self-adaptive fallback (labelled `+fallback`; output unchanged), a cost curve
-    `cost` a fitted node budget (`eval.node_budget=auto`, the default; records carry `node_cap`)."""
+    `cost` a fitted node budget (`eval.node_budget=auto`, the default; records carry `node_cap`), a count in
+    `eval.node_budget` a fixed one (`NodeBudget.fixed`: every tree cut to that many nodes, no fitting)."""
     from specdraft.eval.budget import NodeBudget
 
     e = cfg.eval
@@ -70,6 +78,21 @@ def _spec(
         sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
     if e.fallback:
         name += "+fallback"
+    fixed = fixed_node_cap(cfg)
+    if fixed is not None and decoder is not None:
+        budget = NodeBudget.fixed(fixed, label=name)
+    elif cost is not None:
+        budget = NodeBudget(
+            cost,
+            label=name,
+            refit_gap=int(e.node_budget_refit),
+            refit_scale=int(e.node_budget_refit_scale),
+            confidence=float(e.node_budget_confidence),
+            refit_on_call=bool(e.node_budget_refit_on_call),
+            trim_slowest=decoder is not None and decoder.graphs,  # captures happen only under graphs
+        )
+    else:
+        budget = None
     return runner.spec_method(
         name,
         model,
@@ -80,17 +103,7 @@ def _spec(
         bool(e.profile),
         bool(e.fallback),
         decoder,
-        NodeBudget(
-            cost,
-            label=name,
-            refit_gap=int(e.node_budget_refit),
-            refit_scale=int(e.node_budget_refit_scale),
-            confidence=float(e.node_budget_confidence),
-            refit_on_call=bool(e.node_budget_refit_on_call),
-            trim_slowest=decoder is not None and decoder.graphs,  # captures happen only under graphs
-        )
-        if cost is not None
-        else None,
+        budget,
     )
 
 
@@ -124,9 +137,10 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
             # this machine? its speed and shape now
             recheck=lambda: decoder.measure_costs(RECHECK_SIZES, reps=5),
         )
-    elif e.node_budget == "auto":
+    elif e.node_budget != "off" and decoder is None:
         print(
-            "eval.node_budget=auto: not applied on eval.decode_path=dynamic (the reference path has no budget)"
+            f"eval.node_budget={e.node_budget}: not applied on eval.decode_path=dynamic (the reference path has "
+            "no budget)"
         )
     fingerprint = target_fingerprint(model, tokenizer)
     for path in _drafter_paths(cfg):
@@ -359,6 +373,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             predict_s=predict_s,
             reserve=reserve,
             node_budget=str(e.get("node_budget", "off")) == "auto",
+            node_cap=fixed_node_cap(cfg),  # eval.node_budget=N: every batched tree cut to N nodes too
             budget_refit=int(e.get("node_budget_refit", 128)),
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),
             budget_confidence=float(e.get("node_budget_confidence", 1.0)),

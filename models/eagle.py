@@ -55,6 +55,7 @@ from specdraft.models.eagle_loss import compute_loss  # feature smooth-L1 + soft
 from specdraft.models.family import FamilySpec
 from specdraft.models.hf_compat import cache_kwargs
 from specdraft.models.layers import (
+    check_draft_vocab,
     d2t_draft_ids,
     d2t_to_draft_ids,
     draft_vocab_ids,
@@ -106,9 +107,7 @@ class EagleDrafter(PreTrainedModel):
         self.layers = nn.ModuleList([layer])
         self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
         self.borrowed = Borrowed()
-        vd = int(config.draft_vocab_size or config.vocab_size)
-        if not 0 < vd <= config.vocab_size:
-            raise ValueError(f"draft_vocab_size={vd} must be in [1, vocab_size={config.vocab_size}]")
+        vd = check_draft_vocab(int(config.draft_vocab_size or config.vocab_size), config.vocab_size)
         self.reduced = vd < config.vocab_size
         if self.reduced:  # saved with the head; absent (the full vocabulary) in older exports
             self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id - draft id

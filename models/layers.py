@@ -46,6 +46,14 @@ def check_target_layers(layers: list[int], n_layers: int, distinct: bool = False
         raise ValueError(f"drafter.target_layers={layers}: {what} [0, {n_layers}] (0 = embeddings)")
 
 
+def check_draft_vocab(vd: int, vocab_size: int, field: str = "draft_vocab_size") -> int:
+    """`vd` if a draft vocabulary of that size fits the target's (1 <= Vd <= V), else a ValueError naming `field`
+    (a config key: `drafter.draft_vocab_size` from a training config, `draft_vocab_size` from an export's)."""
+    if not 0 < vd <= vocab_size:
+        raise ValueError(f"{field}={vd} must be in [1, vocab_size={vocab_size}]")
+    return vd
+
+
 def draft_vocab_ids(draft_vocab_size: int | None, vocab_size: int, token_counts: Tensor | None) -> Tensor:
     """The target ids of a reduced draft vocabulary (ReDrafter, EAGLE-3): the most frequent training labels.
 
@@ -57,9 +65,7 @@ def draft_vocab_ids(draft_vocab_size: int | None, vocab_size: int, token_counts:
     Returns:
         (Vd,) long, ascending (arange(V) for the full vocabulary).
     """
-    vd = int(draft_vocab_size or vocab_size)
-    if not 0 < vd <= vocab_size:
-        raise ValueError(f"drafter.draft_vocab_size={vd} must be in [1, vocab_size={vocab_size}]")
+    vd = check_draft_vocab(int(draft_vocab_size or vocab_size), vocab_size, "drafter.draft_vocab_size")
     if vd == vocab_size:
         return torch.arange(vocab_size)
     if token_counts is None:

@@ -39,7 +39,13 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from specdraft.models.family import FamilySpec
-from specdraft.models.layers import ResBlock, ZeroInitLinear, d2t_draft_ids, d2t_to_draft_ids
+from specdraft.models.layers import (
+    ResBlock,
+    ZeroInitLinear,
+    check_draft_vocab,
+    d2t_draft_ids,
+    d2t_to_draft_ids,
+)
 from specdraft.models.medusa_build import build  # fresh heads from the config group
 from specdraft.models.medusa_choices import teacher_forced_tree_accept
 from specdraft.models.medusa_copy import MedusaCopy, copy_ngram, mixed_head_logits
@@ -92,8 +98,7 @@ class Medusa(PreTrainedModel):
         super().__init__(config)
         h, v, vd = config.base_hidden_size, config.vocab_size, config.draft_vocab_size
         assert vd is not None  # set by MedusaConfig.__post_init__
-        if not 0 < vd <= v:
-            raise ValueError(f"draft_vocab_size={vd} must be in [1, vocab_size={v}]")
+        check_draft_vocab(vd, v)
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)], nn.Linear(h, vd, bias=False))
             for _ in range(config.draft_len)

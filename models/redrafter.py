@@ -49,6 +49,7 @@ from specdraft.models.family import FamilySpec
 from specdraft.models.layers import (
     ResBlock,
     ZeroInitLinear,
+    check_draft_vocab,
     d2t_draft_ids,
     d2t_to_draft_ids,
 )
@@ -71,8 +72,7 @@ class ReDrafter(PreTrainedModel):
         e, x, vd = config.embed_dim, config.exit_dim, config.draft_vocab_size
         assert e is not None and x is not None and vd is not None  # set by ReDrafterConfig.__post_init__
         h = feature_dim(config)  # H * (1 + m): h_t and the m extra target layers
-        if not 0 < vd <= config.vocab_size:
-            raise ValueError(f"draft_vocab_size={vd} must be in [1, vocab_size={config.vocab_size}]")
+        check_draft_vocab(vd, config.vocab_size)
         if config.rnn:
             self.rnn_u = nn.Linear(e, e, bias=True)  # U s + b
             self.rnn_w = nn.Linear(e, e, bias=False)  # W e

@@ -46,7 +46,7 @@ def _drafter_paths(cfg: DictConfig) -> list[str]:
 def fixed_node_cap(cfg: DictConfig) -> int | None:
     """`eval.node_budget` as a fixed node cap (a count: every tree cut to that many nodes, no fitting), or None
     for `auto` / `off`."""
-    value = str(cfg.eval.node_budget)
+    value = str(cfg.eval.get("node_budget", "auto"))
     return int(value) if value.isdigit() else None
 
 

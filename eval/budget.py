@@ -267,8 +267,9 @@ class NodeBudget:
        best cap b >= 2
        becomes provisional (`cap`), and the proposer is told (`Proposer.fit_budget`), so it may draft less;
     2. `check_steps` drafted steps at that cap measure the draft time it really has, and, where the decoder
-       reports it, the verify time it really has in the decode loop, which rate it with the phase-1 gain curve
-       (the same steps for every size: the checks' own tokens come from other text). The loop's verify can
+       reports it, the verify time it really has in the decode loop, which rate it with the gain curves of
+       phase 1 and of the checks (the same steps for every size up to the checked cap: comparing the checks'
+       own tokens with phase 1's would compare two stretches of text). The loop's verify can
        cost a different multiple of a plain step than the cost curve's: on a 2-core Zen 4 VM the slope of a
        q8 target's curve doubled within half an hour (a busy neighbour on the shared cores), and a budget
        priced on the curve measured at start-up settled on 4-node trees at 0.86-0.93x of AR where 2 nodes
@@ -494,7 +495,7 @@ class NodeBudget:
         would have given; `verify_s`: the step's verify (forward and acceptance rule), read in phase 2, where a
         checked cap is priced with it instead of the cost curve when every check step reported one. Once
         settled, only the drift test reads the tokens. (The nodes verified are not needed: phase 2 prices
-        every size on phase 1's trees.)"""
+        every size on the gain curves of phase 1's trees and of its own.)"""
         if self.settled:
             if self.cap == 1 or self.drift_window <= 0 or self.refit_gap <= 0:
                 return
@@ -578,8 +579,8 @@ class NodeBudget:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
         gain curves of phase 1's steps and of phase 2's steps at caps >= b (`check_gains`), and the typical draft
         time of `draft_ms` (`typical_ms`); a drafted size's gain is the steps' mean less `confidence` standard
-        errors of it (0: the mean). A size's verify time is the cost
-        curve's over phase 1's tree sizes, or the decode loop's where phase 2 measured it (`verified`)."""
+        errors of it (0: the mean). A size's verify time is the cost curve's over those steps' tree sizes, or
+        the decode loop's where phase 2 measured it (`verified`)."""
         draft = typical_ms(draft_ms, self.trim_slowest)
         out = {1: 1.0 / self.cost(1)}
         for b in self.sizes[1:]:

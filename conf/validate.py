@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft.conf.schema import DRAFTER_SCHEMAS, BaseModelConfig, DataConfig, RootConfig
 from specdraft.distill.config import DistillConfig
 from specdraft.distill.features import FEATURE_DTYPES
-from specdraft.eval.config import EvalConfig
+from specdraft.eval.config import EvalConfig, fixed_node_cap
 from specdraft.hardware import DTYPES
 from specdraft.train.config import (
     Eagle3Schema,
@@ -93,8 +93,8 @@ DEVICE = Rule(
     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
     "auto, cpu, cuda, cuda:N or mps",
 )
-NODE_BUDGET = Rule(  # a fitted budget, none, or a fixed node cap (`eval.cli.fixed_node_cap`)
-    lambda v: v in ("auto", "off") or (str(v).isdigit() and int(v) >= 1),
+NODE_BUDGET = Rule(  # a fitted budget, none, or a fixed node cap (`eval.config.fixed_node_cap`)
+    lambda v: v in ("auto", "off") or (fixed_node_cap(v) or 0) >= 1,
     "auto, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
 )
 POSITIVE = at_least(1)  # counts where zero is meaningless

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.validate import validate_config
+from specdraft.eval.config import fixed_node_cap
 from specdraft.eval.graphs import capture_failures, report_captures
 from specdraft.hardware import host_info, log_environment, resolve_placement
 from specdraft.utils import atomic_write_json, seed_everything
@@ -41,13 +42,6 @@ def _drafter_paths(cfg: DictConfig) -> list[str]:
         return [str(export)]
     print(f"WARNING: eval.drafters is empty and {export} holds no drafter: running the baselines only")
     return []
-
-
-def fixed_node_cap(cfg: DictConfig) -> int | None:
-    """`eval.node_budget` as a fixed node cap (a count: every tree cut to that many nodes, no fitting), or None
-    for `auto` / `off`."""
-    value = str(cfg.eval.get("node_budget", "auto"))
-    return int(value) if value.isdigit() else None
 
 
 def _spec(
@@ -78,7 +72,7 @@ def _spec(
         sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
     if e.fallback:
         name += "+fallback"
-    fixed = fixed_node_cap(cfg)
+    fixed = fixed_node_cap(e.get("node_budget", "auto"))
     if fixed is not None and decoder is not None:
         budget = NodeBudget.fixed(fixed, label=name)
     elif cost is not None:
@@ -373,7 +367,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             predict_s=predict_s,
             reserve=reserve,
             node_budget=str(e.get("node_budget", "off")) == "auto",
-            node_cap=fixed_node_cap(cfg),  # eval.node_budget=N: every batched tree cut to N nodes too
+            node_cap=fixed_node_cap(e.get("node_budget", "auto")),  # eval.node_budget=N: every batched tree cut to N nodes too
             budget_refit=int(e.get("node_budget_refit", 128)),
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),
             budget_confidence=float(e.get("node_budget_confidence", 1.0)),

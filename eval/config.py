@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def fixed_node_cap(node_budget: Any) -> int | None:
+    """`eval.node_budget` as a fixed node cap (a count: every tree cut to that many nodes, no fitting; 0 is read
+    as 0 and refused by the validator), or None for `auto` / `off` / anything not a count."""
+    value = str(node_budget)
+    return int(value) if value.isdigit() else None
 
 
 @dataclass

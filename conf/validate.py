@@ -260,6 +260,8 @@ TRAIN: Table = {
     "eval_batches": POSITIVE,
     "eval_replay_rows": COUNT,
     "eval_replay_tokens": POSITIVE,
+    "eval_bench_rows": COUNT,
+    "eval_bench": NON_EMPTY,
     "ckpt_every": POSITIVE,
     "keep_last": COUNT,
     "resume": ANY,

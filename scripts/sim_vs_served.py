@@ -81,6 +81,63 @@ def logged_replay(path: Path) -> float | None:
     return float(found[-1]) if found else None
 
 
+def serve_rows(
+    dec: Any, tok: Any, prop: Any, rows: list[dict[str, Any]], max_new_tokens: int, stop: set[int]
+) -> tuple[list[int], int, int]:
+    """The static decoder from each row's prompt: (accepted drafts per step over all rows, rows whose served
+    output equals the row's greedy tokens, tokens emitted)."""
+    from specdraft.train.evaluate import greedy_span
+
+    accepted, same, emitted = [], 0, 0
+    for row in rows:
+        span = greedy_span(row["loss_mask"])
+        if span is None:
+            continue
+        start, end = span  # ids[:start]: the templated prompt; ids[start:end]: greedy tokens
+        ids = torch.tensor(row["input_ids"][:end], dtype=torch.long)
+        new = min(max_new_tokens, end - start)  # data.max_length or retokenisation may cut it
+        out, stats = dec.speculative_generate(tok, ids[:start], prop, new, stop_ids=stop)
+        accepted += stats.accepted
+        emitted += len(out)
+        same += out == ids[start : start + len(out)].tolist()  # row == the served greedy output
+    return accepted, same, emitted
+
+
+def recorded_split(path: Path) -> tuple[float, int] | None:
+    """(data.val_fraction, data.seed) the training run of an export or checkpoint split its rows with: the
+    export's `training_summary.split`, a checkpoint's config; None where not recorded (exports before it was)."""
+    if (path / "config.json").is_file():
+        split = (json.loads((path / "config.json").read_text()).get("training_summary") or {}).get("split")
+        return None if not split else (float(split["val_fraction"]), int(split["seed"]))
+    meta = path / "meta.json"
+    if meta.is_file():
+        data = json.loads(meta.read_text())["config"].get("data") or {}
+        if "val_fraction" in data:
+            return float(data["val_fraction"]), int(data.get("seed", 0))
+    return None
+
+
+def held_out_split(paths: list[Path], val_fraction: float | None, seed: int | None) -> tuple[float, int]:
+    """The split whose held-out rows are scored: the flags where given, else what the runs recorded (they must
+    agree), else 0.05 and seed 0 (`data.val_fraction`, `data.seed` defaults), said in one line.
+
+    Raises:
+        ValueError: the runs recorded different splits and no flag settles it.
+    """
+    recorded = {s for s in (recorded_split(p) for p in paths) if s is not None}
+    if len(recorded) > 1 and (val_fraction is None or seed is None):
+        raise ValueError(
+            f"the exports were trained with different held-out splits {sorted(recorded)}: compare exports of one "
+            "split, or pass --val-fraction and --seed"
+        )
+    known = next(iter(recorded)) if recorded else None
+    if known is None and (val_fraction is None or seed is None):
+        print("the exports did not record their split: data.val_fraction 0.05 and data.seed 0 unless given")
+    vf = val_fraction if val_fraction is not None else (known[0] if known else 0.05)
+    sd = seed if seed is not None else (known[1] if known else 0)
+    return vf, sd
+
+
 def chain_sim(
     drafter: Any, target: Any, rows: Any, feats: Any, pad_id: int, counts: Tensor
 ) -> tuple[float, float | None, float | None]:
@@ -116,8 +173,15 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--prompts", type=int, default=8, help="held-out conversations (at most all of them)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--val-fraction", type=float, default=0.05, help="data.val_fraction of the training runs")
-    p.add_argument("--seed", type=int, default=0, help="data.seed of the training runs")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="data.val_fraction of the training runs (default: what the exports recorded, else 0.05)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="data.seed of the training runs (default: as recorded, else 0)"
+    )
     p.add_argument(
         "--split",
         default="val",
@@ -128,6 +192,12 @@ def main() -> None:
         "--allow-incomplete",
         action="store_true",
         help="read a distilled set whose run has not finished (its complete shards; train.allow_incomplete_data)",
+    )
+    p.add_argument(
+        "--bench",
+        default=None,
+        help="also on this benchmark's first turns (mt_bench, alpaca_eval or a file; --prompts of them, one per "
+        "category in turn) answered by the target: simulated (what train.eval_bench_rows logs) vs served",
     )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the rows and the machine info to this JSON file")
@@ -147,7 +217,7 @@ def main() -> None:
     from specdraft.eval.static_decode import make_decoder
     from specdraft.models.base_llm import load_target, target_fingerprint
     from specdraft.models.hub import load_drafter
-    from specdraft.train.evaluate import greedy_span, pearson, replay_estimate
+    from specdraft.train.evaluate import pearson, replay_estimate
     from specdraft.utils import atomic_write_json
 
     target, tok = load_target(SimpleNamespace(name_or_path=a.target, dtype=a.dtype, device="cpu"))
@@ -156,7 +226,8 @@ def main() -> None:
     assert dec is not None
     stop = default_stop_ids(tok, target)
     ds, manifest = load_distilled(a.data, allow_incomplete=a.allow_incomplete)
-    train_idx, val_idx = split_indices(list(ds["id"]), a.val_fraction, a.seed)
+    val_fraction, seed = held_out_split([Path(e) for e in a.exports], a.val_fraction, a.seed)
+    train_idx, val_idx = split_indices(list(ds["id"]), val_fraction, seed)
     counts = label_counts(ds.select(train_idx), int(fingerprint["vocab_size"]))
     pool = ds.select(val_idx if a.split == "val" else train_idx)
     picked = pool.select(
@@ -164,6 +235,11 @@ def main() -> None:
     )  # the rows decoded (and scored by the chain metric)
     rows = [picked[i] for i in range(len(picked))]
     print(f"{len(val_idx)} held-out rows of {len(ds)} in {a.data}; using {len(rows)} {a.split} rows")
+    probe: list[dict[str, Any]] = []
+    if a.bench:  # the benchmark's first turns answered by this target (train/bench_probe.py)
+        from specdraft.train.bench_probe import bench_rows
+
+        probe = bench_rows(target, tok, a.bench, a.prompts, a.max_new_tokens, stop, progress=True)
 
     results = []
     with tempfile.TemporaryDirectory(prefix="sim_vs_served_") as scratch:
@@ -175,20 +251,21 @@ def main() -> None:
             # simulated: the replay `train.eval_replay_rows` logs during training, on the same rows
             replay = replay_estimate(drafter, target, rows, a.max_new_tokens, stop)
             sim, sim_steps = replay["eval/replay_accept_len"], int(replay["eval/replay_steps"])
-            served_acc, same, emitted = [], 0, 0
-            for row in rows:
-                span = greedy_span(row["loss_mask"])
-                if span is None:
-                    continue
-                start, end = span  # ids[:start]: the templated prompt; ids[start:end]: greedy tokens
-                ids = torch.tensor(row["input_ids"][:end], dtype=torch.long)
-                new = min(a.max_new_tokens, end - start)  # data.max_length or retokenisation may cut it
-                out, stats = dec.speculative_generate(tok, ids[:start], prop, new, stop_ids=stop)
-                served_acc += stats.accepted
-                emitted += len(out)
-                same += out == ids[start : start + len(out)].tolist()  # row == the served greedy output
+            served_acc, same, emitted = serve_rows(dec, tok, prop, rows, a.max_new_tokens, stop)
             t_sim_served = time.perf_counter() - t0
             served = 1.0 + sum(served_acc) / max(len(served_acc), 1)
+            bench: dict[str, Any] = {}
+            if probe:  # the same on the benchmark's prompts (train.eval_bench_rows logs the simulated side)
+                b_replay = replay_estimate(
+                    drafter, target, probe, a.max_new_tokens, stop, "eval/bench_replay"
+                )
+                b_acc, b_same, _ = serve_rows(dec, tok, prop, probe, a.max_new_tokens, stop)
+                b_served = 1.0 + sum(b_acc) / max(len(b_acc), 1)
+                bench = dict(
+                    bench_simulated=b_replay["eval/bench_replay_accept_len"], bench_served=b_served,
+                    bench_ratio=b_replay["eval/bench_replay_accept_len"] / b_served,
+                    held_out_over_bench=served / b_served, bench_rows_equal_served=f"{b_same}/{len(probe)}",
+                )  # fmt: skip
             chain, tree, walk = chain_sim(
                 drafter, target, picked, manifest.get("features"), int(tok.pad_token_id), counts
             )
@@ -203,7 +280,7 @@ def main() -> None:
                     logged_ratio=None if logged is None else logged / served,
                     sim_steps=sim_steps, served_steps=len(served_acc),
                     served_tokens=emitted,
-                    rows_equal_served=f"{same}/{len(rows)}", seconds=round(t_sim_served, 1),
+                    rows_equal_served=f"{same}/{len(rows)}", seconds=round(t_sim_served, 1), **bench,
                 )
             )  # fmt: skip
             print(json.dumps(results[-1]))
@@ -247,6 +324,13 @@ def main() -> None:
         f"sim): Pearson {corr_train:.3f}, worst |ratio - 1| = {worst_train:.3f}; with it, the run logs the "
         "simulated column (eval/replay_accept_len)"
     )
+    if probe:
+        for r in results:
+            print(
+                f"{r['export']}: on {len(probe)} {a.bench} first turns simulated {r['bench_simulated']:.3f}, served "
+                f"{r['bench_served']:.3f} (ratio {r['bench_ratio']:.3f}, rows = served {r['bench_rows_equal_served']});"
+                f" held-out served / {a.bench} served = {r['held_out_over_bench']:.3f}"
+            )
     logged = [r for r in results if r["logged_replay"] is not None]
     corr_logged = pearson([r["logged_replay"] for r in logged], [r["served"] for r in logged])
     if logged:

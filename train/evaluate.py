@@ -342,6 +342,7 @@ def replay_estimate(
     rows: list[dict[str, Any]],
     max_new_tokens: int,
     stop_ids: set[int] | frozenset[int] = frozenset(),
+    prefix: str = "eval/replay",
 ) -> dict[str, float]:
     """Tokens/step the decoder would serve on `rows`, simulated with the drafter's own proposer (`replay_decode`).
 
@@ -359,9 +360,11 @@ def replay_estimate(
         rows: distilled rows: `input_ids` (L,), `loss_mask` (L,) whose first 1 is the first response token.
         max_new_tokens: tokens decoded per row (at most its response).
         stop_ids: tokens that end generation (`eval.decode.default_stop_ids`).
+        prefix: the metrics' name prefix (`eval/bench_replay` for `train.bench_probe`'s rows).
 
     Returns:
-        `eval/replay_accept_len` (1 + mean accepted drafts per step) and `eval/replay_steps` (steps replayed).
+        `eval/replay_accept_len` (1 + mean accepted drafts per step) and `eval/replay_steps` (steps replayed),
+        under `prefix`.
     """
     from specdraft.eval.proposers import make_proposer
 
@@ -385,8 +388,8 @@ def replay_estimate(
     finally:
         model.train(was_training)
     return {
-        "eval/replay_accept_len": 1.0 + sum(accepted) / max(len(accepted), 1),
-        "eval/replay_steps": float(len(accepted)),
+        f"{prefix}_accept_len": 1.0 + sum(accepted) / max(len(accepted), 1),
+        f"{prefix}_steps": float(len(accepted)),
     }
 
 

@@ -233,10 +233,35 @@ def train(cfg: DictConfig) -> Path:
     opts, eval_opts = loss_options(cfg), loss_options(cfg, eval_mode=True)
     need_logits = "kl" in cfg.train.loss
     stop_ids: set[int] = set()
-    if replay_rows:
+    probe_rows: list[
+        dict[str, Any]
+    ] = []  # the benchmark's prompts answered by the target (train/bench_probe.py)
+    if replay_rows or cfg.train.eval_bench_rows:
         from specdraft.eval.decode import default_stop_ids  # the decoder's stop rule for the replay
 
         stop_ids = default_stop_ids(tokenizer, target)
+    if cfg.train.eval_bench_rows:
+        from specdraft.train.bench_probe import bench_rows
+
+        n_probe, bench = int(cfg.train.eval_bench_rows), str(cfg.train.eval_bench)
+        if main:
+            log.info(
+                "benchmark probe: %d %s first turns answered by the target (cached in the run dir)",
+                n_probe,
+                bench,
+            )
+        probe_rows = bench_rows(
+            target,
+            tokenizer,
+            bench,
+            n_probe,
+            int(cfg.train.eval_replay_tokens),
+            stop_ids,
+            run_dir / "bench_rows.json",
+            fingerprint,
+            write=main,
+            progress=main,
+        )
     train_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
     val_feats = TargetFeatures(target, cfg.train.cache_target_features, layers)
     bar = _progress(cfg, main, step)
@@ -261,6 +286,17 @@ def train(cfg: DictConfig) -> Path:
             metrics.update(
                 replay_estimate(
                     acc.unwrap_model(model), target, replay_rows, cfg.train.eval_replay_tokens, stop_ids
+                )
+            )
+        if probe_rows:  # the same on the benchmark's own prompts: what the speedup table would see
+            metrics.update(
+                replay_estimate(
+                    acc.unwrap_model(model),
+                    target,
+                    probe_rows,
+                    cfg.train.eval_replay_tokens,
+                    stop_ids,
+                    prefix="eval/bench_replay",
                 )
             )
         logger.log(metrics, at)
@@ -347,6 +383,7 @@ def train(cfg: DictConfig) -> Path:
         "stopped_by": stopped,  # max_steps | max_minutes (train.resume=true goes on towards max_steps)
         "wall_time_s": round(time.time() - t0, 1),
         "data": data_info,
+        "split": {"val_fraction": float(cfg.data.val_fraction), "seed": int(cfg.data.seed)},  # held-out rows
         "final_eval": last_eval,
         "target": fingerprint,
         "processes": acc.num_processes,

@@ -4,6 +4,7 @@ before training starts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,36 @@ def test_raw_conversations_are_refused_before_training(assets: Path) -> None:
         in proc.stderr
     )
     assert not (assets / "runs" / "raw" / "checkpoints").exists()
+
+
+def test_the_benchmark_probe_is_logged_and_cached(assets: Path) -> None:
+    """`train.eval_bench_rows`: MT-Bench first turns answered by the target, replayed at each evaluation; the
+    answers are cached in the run dir with their key, and the logged value is the export's replay on them."""
+    from specdraft.train.bench_probe import bench_rows
+
+    proc = run_tiny_train(
+        REPO, assets, assets / "runs", "probe", f"train.data_dir={assets / 'distilled'}",
+        "train.max_steps=4", "train.eval_every=4", "train.eval_batches=1", "train.ckpt_every=4",
+        "train.eval_bench_rows=3", "train.eval_replay_tokens=12", "optim.lr=1e-2", "optim.warmup_steps=1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = assets / "runs" / "probe"
+    evals = [r for r in read_metrics(run) if "eval/bench_replay_accept_len" in r]
+    assert [r["step"] for r in evals] == [4]
+    assert not any("eval/replay_accept_len" in r for r in read_metrics(run))  # the held-out replay stays off
+
+    target = tiny_llama()
+    tok = AutoTokenizer.from_pretrained(assets / "target")
+    stop = default_stop_ids(tok, target)
+    torch.set_num_threads(1)
+    cache = run / "bench_rows.json"
+    held = json.loads(cache.read_text())
+    fresh = bench_rows(target, tok, "mt_bench", 3, 12, stop)  # generated again, no cache
+    assert held["rows"] == fresh and len(fresh) == 3
+    assert held["bench"] == "mt_bench" and len(held["key"]) == 16  # (the key: tests/unit/test_bench_probe.py)
+    drafter = load_drafter(str(run / "export"), target=target)
+    est = replay_estimate(drafter, target, fresh, 12, stop, prefix="eval/bench_replay")
+    assert est["eval/bench_replay_steps"] == evals[-1]["eval/bench_replay_steps"] > 0
+    assert est["eval/bench_replay_accept_len"] == pytest.approx(
+        evals[-1]["eval/bench_replay_accept_len"], abs=1e-9
+    )

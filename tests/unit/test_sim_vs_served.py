@@ -104,3 +104,33 @@ def test_logged_replay_is_read_for_exports_and_checkpoints(tmp_path) -> None:
     assert mod.logged_replay(run / "checkpoints" / "step-00000015") is None  # no eval at that step
     (run / "export" / "config.json").write_text(json.dumps({"training_summary": {"final_eval": {}}}))
     assert mod.logged_replay(run / "export") is None
+
+
+def test_the_held_out_split_is_the_one_the_runs_recorded(tmp_path, capsys) -> None:
+    """Held-out rows are those the exports never trained on: the split an export recorded (or a checkpoint's
+    config) unless the flags say otherwise; runs of different splits are refused; unrecorded ones say the
+    default they get."""
+    import json
+    from pathlib import Path
+
+    from specdraft.testing import load_script
+
+    mod = load_script(Path(__file__).resolve().parents[2] / "scripts" / "sim_vs_served.py")
+    a, b, old, ckpt = (tmp_path / n for n in ("a", "b", "old", "ckpt"))
+    for d in (a, b, old, ckpt):
+        d.mkdir()
+    (a / "config.json").write_text(
+        json.dumps({"training_summary": {"split": {"val_fraction": 0.04, "seed": 0}}})
+    )
+    (b / "config.json").write_text(
+        json.dumps({"training_summary": {"split": {"val_fraction": 0.1, "seed": 3}}})
+    )
+    (old / "config.json").write_text(json.dumps({"training_summary": {}}))
+    (ckpt / "meta.json").write_text(json.dumps({"config": {"data": {"val_fraction": 0.04, "seed": 0}}}))
+    assert mod.held_out_split([a, ckpt, old], None, None) == (0.04, 0)
+    assert mod.held_out_split([a], 0.2, None) == (0.2, 0)
+    with pytest.raises(ValueError, match="different held-out splits"):
+        mod.held_out_split([a, b], None, None)
+    assert mod.held_out_split([a, b], 0.04, 0) == (0.04, 0)
+    assert mod.held_out_split([old], None, None) == (0.05, 0)
+    assert "did not record their split" in capsys.readouterr().out

@@ -497,6 +497,7 @@ def _fmt(metrics: dict[str, float]) -> str:
         "eval/tree_accept_len",
         "eval/tree_walk_len",
         "eval/replay_accept_len",
+        "eval/bench_replay_accept_len",
     )
     return ", ".join(f"{k[5:]}={metrics[k]:.3f}" for k in keys if k in metrics)
 

@@ -94,6 +94,7 @@ def test_the_benchmark_probe_is_logged_and_cached(assets: Path) -> None:
     evals = [r for r in read_metrics(run) if "eval/bench_replay_accept_len" in r]
     assert [r["step"] for r in evals] == [4]
     assert not any("eval/replay_accept_len" in r for r in read_metrics(run))  # the held-out replay stays off
+    assert "bench_replay_accept_len=" in (run / "train.log").read_text()
 
     target = tiny_llama()
     tok = AutoTokenizer.from_pretrained(assets / "target")

@@ -3,8 +3,8 @@
 Held-out distilled rows come from the training prompts' distribution; served speedups are measured on MT-Bench.
 The two can be far apart: a ReDrafter with the copy gate replayed 3.04 tokens/step on 8 held-out ShareGPT rows
 and served 3.17 on them, but served 2.26 on 8 MT-Bench first turns (one per category; 1.84 on 8 "writing" ones)
-with the same trees (docs/experiments.md, session 65). `train.eval_bench_rows=N` therefore also replays the drafter on N benchmark questions (one per
-category in turn, `data.benchmarks.round_robin`): at the start of training the frozen target answers each
+with the same trees (docs/experiments.md, session 65). `train.eval_bench_rows=N` therefore also replays the
+drafter on N benchmark questions (one per category in turn, `data.benchmarks.round_robin`): at the start of training the frozen target answers each
 question's first turn greedily (`eval.decode.ar_generate`, the decoder's own AR), and every evaluation logs
 `eval/bench_replay_accept_len` and `eval/bench_replay_steps` from `train.evaluate.replay_estimate` on those rows.
 Only the prompts are the benchmark's; nothing trains on them.

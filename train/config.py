@@ -65,9 +65,7 @@ class TrainConfig:
     eval_replay_rows: int = 0  # held-out rows decoded by the drafter's own proposer at each eval (0: off)
     eval_replay_tokens: int = 64  # tokens replayed per row (at most its response)
     eval_bench_rows: int = 0  # also replay on N benchmark first turns answered by the target (0: off)
-    eval_bench: str = (
-        "mt_bench"  # the benchmark of eval_bench_rows: mt_bench | alpaca_eval | a .jsonl/.json file
-    )
+    eval_bench: str = "mt_bench"  # eval_bench_rows' benchmark: mt_bench | alpaca_eval | a .jsonl/.json file
     ckpt_every: int = 100  # training-state checkpoint every M steps
     keep_last: int = 2  # checkpoints kept (0: all)
     resume: bool = False  # continue from the newest checkpoint (false: move an earlier run's records to *.N)

@@ -233,9 +233,8 @@ def train(cfg: DictConfig) -> Path:
     opts, eval_opts = loss_options(cfg), loss_options(cfg, eval_mode=True)
     need_logits = "kl" in cfg.train.loss
     stop_ids: set[int] = set()
-    probe_rows: list[
-        dict[str, Any]
-    ] = []  # the benchmark's prompts answered by the target (train/bench_probe.py)
+    # the benchmark's prompts answered by the target (train/bench_probe.py)
+    probe_rows: list[dict[str, Any]] = []
     if replay_rows or cfg.train.eval_bench_rows:
         from specdraft.eval.decode import default_stop_ids  # the decoder's stop rule for the replay
 

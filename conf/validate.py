@@ -353,6 +353,7 @@ EVAL: Table = {
     "node_budget_refit": COUNT,
     "node_budget_refit_scale": COUNT,
     "node_budget_confidence": at_least(0),
+    "node_budget_memory": at_least(0),
     "node_budget_refit_on_call": ANY,
     "linear_layout": one_of("auto", "transposed", "native", "packed", "panel"),
     "batch_sizes": each(POSITIVE),

@@ -27,7 +27,8 @@ unchanged whatever the budget.
 The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
 final. A refit drafts `refit_steps` steps at a probe size again, the gain curve becomes the newest `fit_steps`
-drafted steps, and the cap is settled anew. The probe is `refit_scale` times the cap settled before (at least
+drafted steps (with `memory`, the newest `memory` probe steps of every fit so far, each rating the sizes up to its
+own probe: one refit's passage then no longer outweighs the prompts before it), and the cap is settled anew. The probe is `refit_scale` times the cap settled before (at least
 `probe_floor`, 4 nodes): a full-size refit of a 64-node Medusa tree costs 2.3 target steps a step on a 2-core CPU,
 and at a cap of 4 nodes sizes past 16 are never chosen anyway. The first fit probes the largest size whose verify
 costs at most two one-token steps (at least 4; full-size trees on a flat GPU curve). A fit that settles on its
@@ -309,6 +310,11 @@ class NodeBudget:
         loop_verify: price each checked cap with the verify time phase 2 measured in the decode loop (where the
             decoder reports it) instead of the cost curve's; False: the curve alone (a synthetic curve in a
             test, whose seconds-long verifies no loop reproduces).
+        memory: phase-1 steps whose gain curves rate the caps, over every fit so far (the newest
+            `max(fit_steps, memory)`, the prompts before included), each rating only the sizes up to the cap it
+            was drafted at; 0: the newest `fit_steps` (a refit's 16 steps and the 32 before them). A refit that
+            meets a passage the drafter copies then moves the cap only if the passage outweighs the text seen
+            before (see `docs/experiments.md`, session 66).
         refit_on_call: a decode call (a new prompt: new text) starts a refit at its first step when the budget
             is settled on no drafting and at least `refit_steps` steps have passed since, instead of waiting
             out the gap: whether drafting pays depends on the text (prompt lookup pays on a turn that quotes
@@ -336,12 +342,14 @@ class NodeBudget:
     confidence: float = 1.0
     refit_on_call: bool = True
     loop_verify: bool = True
+    memory: int = 0
     cap: int | None = None  # None in phase 1; then the (provisional, later settled) cap
     settled: bool = False
     gains: list[list[int]] = field(
         default_factory=list
     )  # phase 1, per step: accepted+1 with the first b nodes
     draft_ms: list[float] = field(default_factory=list)  # phase 1, per step: proposer time
+    probes: list[int] = field(default_factory=list)  # phase 1, per step: the cap its tree was cut to
     # phase 2, per step: (draft ms, tokens, verify ms or None)
     checks: list[tuple[float, int, float | None]] = field(default_factory=list)
     # phase 2, per step where the decoder reports it: (the checked cap, tokens the first b nodes gave)
@@ -389,7 +397,9 @@ class NodeBudget:
         fitted = other.cap is not None or bool(other.history)
         if not fitted or len(other.gains) < self.fit_steps or self.gains or self.cap is not None:
             return
-        self.gains = [list(g) for g in other.gains[-self.fit_steps :]]
+        keep = max(self.fit_steps, self.memory)
+        self.gains = [list(g) for g in other.gains[-keep:]]
+        self.probes = other._probes()[-keep:]
         self.draft_ms = list(other.draft_ms[-self.fit_steps :])
         self._provisional(self.rates(self.draft_ms))
         self._left = 0
@@ -507,11 +517,13 @@ class NodeBudget:
             return
         if self.cap is None:
             assert prefix_accept is not None, "phase 1 needs the gain curve of the step"
+            self.probes = self._probes() + [self.refit_cap()]
             self.gains.append(prefix_accept)
             self.draft_ms.append(draft_s * 1e3)
             self._left = (self.fit_steps if self._left < 0 else self._left) - 1
-            if self._left <= 0:  # the curve: the newest `fit_steps` full-size steps
-                del self.gains[: -self.fit_steps], self.draft_ms[: -self.fit_steps]
+            if self._left <= 0:  # the curve: the newest `fit_steps` (or `memory`) probe steps
+                keep = max(self.fit_steps, self.memory)
+                del self.gains[:-keep], self.probes[:-keep], self.draft_ms[: -self.fit_steps]
                 self._provisional(self.rates(self.draft_ms))
                 if self.check_steps <= 0:
                     self._settle({})
@@ -575,6 +587,12 @@ class NodeBudget:
                 flush=True,
             )
 
+    def _probes(self) -> list[int]:
+        """The cap each step of `gains` was drafted at, one per step (`FULL` for steps set without one)."""
+        if not self.gains:
+            return []
+        return [FULL] * (len(self.gains) - len(self.probes)) + self.probes[-len(self.gains) :]
+
     def rates(self, draft_ms: list[float], confidence: float = 0.0) -> dict[int, float]:
         """Expected tokens per ms for each candidate cap (b = 1: plain target steps, no draft time), from the
         gain curves of phase 1's steps and of phase 2's steps at caps >= b (`check_gains`), and the typical draft
@@ -583,9 +601,13 @@ class NodeBudget:
         the decode loop's where phase 2 measured it (`verified`)."""
         draft = typical_ms(draft_ms, self.trim_slowest)
         out = {1: 1.0 / self.cost(1)}
+        probes = self._probes()
         for b in self.sizes[1:]:
-            steps = self.gains + [g for cap, g in self.check_gains if cap >= b]  # trees of >= b nodes
+            pooled = [g for g, p in zip(self.gains, probes) if p >= b] if self.memory > 0 else self.gains
+            steps = pooled + [g for cap, g in self.check_gains if cap >= b]  # trees of >= b nodes
             n = len(steps)
+            if n == 0:  # (`memory`: no step drafted this many nodes)
+                continue
             tokens = [g[min(b, len(g)) - 1] for g in steps]  # (n,) tokens the first b nodes gave
             gain = sum(tokens) / n
             if confidence > 0 and n > 1:  # the mean's standard error over these steps

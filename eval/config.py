@@ -62,6 +62,7 @@ class EvalConfig:
     )
     node_budget_refit_on_call: bool = True  # a new prompt refits a budget settled on no drafting (new text)
     node_budget_confidence: float = 1.0  # draft only if the best size beats plain steps with its gain this many standard errors lower (0: mean)
+    node_budget_memory: int = 192  # probe steps of all fits so far that rate the caps (0: the newest 48)
     batch_sizes: list[int] = field(default_factory=list)  # throughput table at these batch sizes ([]: off)
     prefill_rows: int = (
         0  # throughput: admitted rows prefilled per forward (0: auto, all on CUDA, 1 on a CPU)

@@ -100,6 +100,7 @@ def throughput_rows(
     budget_refit_scale: int = 4,
     budget_confidence: float = 1.0,
     budget_refit_on_call: bool = True,
+    budget_memory: int = 0,
     cuda_graphs: str = "auto",
     node_cap: int | None = None,
     prefill_rows: int = 0,
@@ -135,6 +136,7 @@ def throughput_rows(
         budget_confidence: drafting turns on only if the best size beats plain steps with its gain this many
             standard errors lower (`NodeBudget.confidence`, `eval.node_budget_confidence`).
         budget_refit_on_call: a batched call refits a budget settled on no drafting (`NodeBudget.refit_on_call`).
+        budget_memory: probe steps over every fit that rate the caps (`NodeBudget.memory`, `eval.node_budget_memory`).
         node_cap: every drafter's trees cut to this many nodes at every batch size, no fitting
             (`NodeBudget.fixed`; instead of `node_budget`).
         sample: temperature / top_k / top_p / seed to sample every row (None: greedy); each call draws from
@@ -206,6 +208,7 @@ def throughput_rows(
                     refit_scale=budget_refit_scale,
                     confidence=budget_confidence,
                     refit_on_call=budget_refit_on_call,
+                    memory=budget_memory,
                     trim_slowest=dec.graphs,  # captures happen only under graphs
                 )
                 if name in fitted:  # its gain curve from the previous batch size

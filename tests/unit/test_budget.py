@@ -853,8 +853,9 @@ def test_phase_one_drafts_no_tree_larger_than_could_pay(static):
 
 
 def test_eval_node_budget_confidence_reaches_every_fitted_budget():
-    """`eval.node_budget_confidence` (default 1) is the confidence of the budget evaluate.py builds per method, and
-    `eval.node_budget_refit_on_call` (default true) its `refit_on_call`."""
+    """`eval.node_budget_confidence` (default 1) is the confidence of the budget evaluate.py builds per method,
+    `eval.node_budget_refit_on_call` (default true) its `refit_on_call` and `eval.node_budget_memory` (default
+    192) its `memory`."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -863,10 +864,53 @@ def test_eval_node_budget_confidence_reaches_every_fitted_budget():
     from specdraft.eval.config import EvalConfig
 
     assert EvalConfig().node_budget_confidence == 1.0 and EvalConfig().node_budget_refit_on_call is True
+    assert EvalConfig().node_budget_memory == 192
     runner = SimpleNamespace(spec_method=lambda *args: args[-1])  # the method's budget
-    for z, on in ((0.0, True), (2.5, False)):
+    for z, on, memory in ((0.0, True, 0), (2.5, False, 192)):
         e = dict(acceptance="greedy", fallback=False, profile=False, node_budget_refit=128)
         e.update(node_budget_refit_scale=4, node_budget_confidence=z, node_budget_refit_on_call=on)
-        cfg = OmegaConf.create({"eval": e})
+        cfg = OmegaConf.create({"eval": {**e, "node_budget_memory": memory}})
         budget = _spec(cfg, runner, "m", None, None, None, set(), {}, None, cost=CostCurve({1: 1.0}))
         assert isinstance(budget, NodeBudget) and budget.confidence == z and budget.refit_on_call is on
+        assert budget.memory == memory
+
+
+def test_memory_keeps_a_refit_on_a_copied_passage_from_moving_the_cap():
+    """`memory`: a refit rates the caps on the probe steps of every fit so far, not only the newest `fit_steps`,
+    so four steps of a passage the drafter copies (4 tokens from 4 nodes) do not outweigh the eight steps of
+    ordinary text before them (2 tokens whatever the size); without it the refit moves the cap to 4."""
+    costs = {1: 10.0, 2: 11.0, 4: 16.0, 8: 24.0}
+    ordinary, copied = [1, 2, 2, 2, 2, 2, 2, 2], [1, 2, 3, 4, 5, 5, 5, 5]
+    caps = {}
+    for memory in (0, 32):
+        budget = _budget(
+            costs, fit_steps=8, check_steps=0, refit_gap=5, refit_steps=4, probe_floor=8, memory=memory
+        )
+        for _ in range(8):
+            budget.observe(0.001, 2, ordinary)
+        assert budget.settled and budget.cap == 2  # 2 / 12 ms against 2 / 17 at 4 nodes
+        while not budget.tick():  # settled on one draft node: refitted on the timer
+            pass
+        for _ in range(4):
+            budget.observe(0.001, 4, copied)
+        assert budget.settled and budget.refits == 1
+        caps[memory] = budget.cap
+        assert len(budget.gains) == len(budget.probes) == (8 if memory == 0 else 12)
+    # newest 8 steps: 4 ordinary + 4 copied, 3 tokens / 17 ms at 4 nodes; all 12: 2.67 / 17 < 2 / 12
+    assert caps == {0: 4, 32: 2}
+
+
+def test_memory_rates_a_size_only_on_steps_drafted_that_large():
+    """With `memory`, a size is rated on the pooled steps whose trees were cut to at least that many nodes (a
+    4-node probe's step says nothing of 8 nodes), and the checks' steps at caps that large; without it every
+    kept step counts, cut to its own size."""
+    costs = {1: 10.0, 2: 11.0, 4: 16.0, 8: 24.0}
+    budget = _budget(costs, fit_steps=4, check_steps=0, memory=16)
+    budget.gains = [[1, 2, 2, 2]] * 4 + [[1, 2, 3, 3, 4, 4, 4, 5]] * 4
+    budget.probes = [4] * 4 + [8] * 4
+    rates = budget.rates([1.0], 0.0)
+    assert rates[8] == pytest.approx(5 / (24 + 1))  # the 8-node probes alone
+    assert rates[4] == pytest.approx((2 + 3) / 2 / (16 + 1))  # every step
+    budget.memory = 0
+    assert budget.rates([1.0], 0.0)[8] == pytest.approx((2 + 5) / 2 / ((16 + 24) / 2 + 1))
+    assert _budget(costs, memory=8).rates([1.0]) == {1: 0.1}  # no step yet: only plain steps are rated

@@ -27,12 +27,12 @@ unchanged whatever the budget.
 The gain depends on the text as much as on the drafter: prompt lookup gains little while a model writes
 prose and a lot while it extracts or edits (MT-Bench's first questions are writing ones). So the fit is not
 final. A refit drafts `refit_steps` steps at a probe size again, the gain curve becomes the newest `fit_steps`
-drafted steps (with `memory`, the newest `memory` probe steps of every fit so far, each rating the sizes up to its
-own probe: one refit's passage then no longer outweighs the prompts before it), and the cap is settled anew. The probe is `refit_scale` times the cap settled before (at least
-`probe_floor`, 4 nodes): a full-size refit of a 64-node Medusa tree costs 2.3 target steps a step on a 2-core CPU,
-and at a cap of 4 nodes sizes past 16 are never chosen anyway. The first fit probes the largest size whose verify
-costs at most two one-token steps (at least 4; full-size trees on a flat GPU curve). A fit that settles on its
-probe size is refitted at once, `refit_scale` times further, so large trees are probed only while they keep
+drafted steps (with `memory`, the newest `memory` probe steps of every fit so far, each rating the sizes up to
+its own probe: one refit's passage then no longer outweighs the prompts before it), and the cap is settled anew.
+The probe is `refit_scale` times the cap settled before (at least `probe_floor`, 4 nodes): a full-size refit
+of a 64-node Medusa tree costs 2.3 target steps a step on a 2-core CPU, and at a cap of 4 nodes sizes past 16
+are never chosen anyway. The first fit probes the largest size whose verify costs at most two one-token steps
+(at least 4; full-size trees on a flat GPU curve). A fit that settles on its probe size is refitted at once, `refit_scale` times further, so large trees are probed only while they keep
 winning. (A floor of 8 made every first fit on a 2-core CPU in fp32 draft 48 steps of 8-node trees at 2.3-2.4
 one-token steps each, and every refit after "no drafting" 16 more: 1-9% of a 10-prompt run, Session 47.)
 

@@ -82,7 +82,7 @@ def _spec(
             refit_gap=int(e.node_budget_refit),
             refit_scale=int(e.node_budget_refit_scale),
             confidence=float(e.node_budget_confidence),
-            memory=int(e.get("node_budget_memory", 0)),
+            memory=int(e.get("node_budget_memory", 192)),
             refit_on_call=bool(e.node_budget_refit_on_call),
             trim_slowest=decoder is not None and decoder.graphs,  # captures happen only under graphs
         )
@@ -373,7 +373,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),
             budget_confidence=float(e.get("node_budget_confidence", 1.0)),
             budget_refit_on_call=bool(e.get("node_budget_refit_on_call", True)),
-            budget_memory=int(e.get("node_budget_memory", 0)),
+            budget_memory=int(e.get("node_budget_memory", 192)),
             cuda_graphs=str(e.cuda_graphs),
             prefill_rows=int(e.get("prefill_rows", 0) or 0),
             refill_rows=int(e.get("refill_rows", 0) or 0),

@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         "settled cap, >= 8 nodes; 0: full-size trees)",
     )
     p.add_argument(
+        "--budget-memory",
+        type=int,
+        default=192,
+        help="with --budget: eval.node_budget_memory (probe steps of every fit that rate the caps; 0: the newest 48)",
+    )
+    p.add_argument(
         "--float-heads",
         action="store_true",
         help="draft with the drafters' own vocabulary heads (default on CPU: int8 copies, as evaluate.py's "
@@ -228,7 +234,14 @@ def main(argv: list[str] | None = None) -> None:
                 [(r, x) for r in a.budget_refit for x in (scales if r else scales[:1])] if a.budget else []
             )
             for refit, scale in combos:
-                b = NodeBudget(c, label=name, refit_gap=refit, refit_scale=scale, trim_slowest=d.graphs)
+                b = NodeBudget(
+                    c,
+                    label=name,
+                    refit_gap=refit,
+                    refit_scale=scale,
+                    trim_slowest=d.graphs,
+                    memory=a.budget_memory,
+                )
                 prop = new_proposer()
                 what = [f"refit {refit}"] if len(a.budget_refit) > 1 else []
                 what += (

@@ -32,9 +32,10 @@ its own probe: one refit's passage then no longer outweighs the prompts before i
 The probe is `refit_scale` times the cap settled before (at least `probe_floor`, 4 nodes): a full-size refit
 of a 64-node Medusa tree costs 2.3 target steps a step on a 2-core CPU, and at a cap of 4 nodes sizes past 16
 are never chosen anyway. The first fit probes the largest size whose verify costs at most two one-token steps
-(at least 4; full-size trees on a flat GPU curve). A fit that settles on its probe size is refitted at once, `refit_scale` times further, so large trees are probed only while they keep
-winning. (A floor of 8 made every first fit on a 2-core CPU in fp32 draft 48 steps of 8-node trees at 2.3-2.4
-one-token steps each, and every refit after "no drafting" 16 more: 1-9% of a 10-prompt run, Session 47.)
+(at least 4; full-size trees on a flat GPU curve). A fit that settles on its probe size is refitted at once,
+`refit_scale` times further, so large trees are probed only while they keep winning. (A floor of 8 made every
+first fit on a 2-core CPU in fp32 draft 48 steps of 8-node trees at 2.3-2.4 one-token steps each, and every
+refit after "no drafting" 16 more: 1-9% of a 10-prompt run, Session 47.)
 
 No fit, first or refit, drafts past the largest size that could pay at all (`could_pay`): a step verifying b
 nodes gives at most 1 + min(D, b - 1) tokens (D the proposer's declared `max_depth`: every node of its deepest

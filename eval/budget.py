@@ -518,7 +518,7 @@ class NodeBudget:
             return
         if self.cap is None:
             assert prefix_accept is not None, "phase 1 needs the gain curve of the step"
-            self.probes = self._probes() + [self.refit_cap()]
+            self.probes.append(self.refit_cap())  # (`_probes` aligns it with `gains` from the newest end)
             self.gains.append(prefix_accept)
             self.draft_ms.append(draft_s * 1e3)
             self._left = (self.fit_steps if self._left < 0 else self._left) - 1

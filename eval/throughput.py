@@ -100,7 +100,7 @@ def throughput_rows(
     budget_refit_scale: int = 4,
     budget_confidence: float = 1.0,
     budget_refit_on_call: bool = True,
-    budget_memory: int = 0,
+    budget_memory: int = 192,
     cuda_graphs: str = "auto",
     node_cap: int | None = None,
     prefill_rows: int = 0,

@@ -145,6 +145,12 @@ def main(argv: list[str] | None = None) -> None:
         help="fit a node budget per (batch size, drafter) (eval.node_budget=auto)",
     )
     p.add_argument(
+        "--budget-memory",
+        type=int,
+        default=192,
+        help="with --budget: eval.node_budget_memory (probe steps of every fit that rate the caps; 0: the newest 48)",
+    )
+    p.add_argument(
         "--cap",
         type=int,
         default=None,
@@ -206,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--refill-rows {a.refill_rows}: use 0 (auto) or a row count >= 1")
     if a.prefill_rows < 0:
         p.error(f"--prefill-rows {a.prefill_rows}: use 0 (auto) or a row count >= 1")
+    if a.budget_memory < 0:
+        p.error(
+            f"--budget-memory {a.budget_memory}: expected a step count >= 0 (0: the newest fit's steps only)"
+        )
     if a.cap is not None and (a.budget or a.cap < 1):
         p.error("--cap takes a node count >= 1 and replaces --budget")
     probs = [_probability(p, v) for v in a.min_prob]  # None: auto
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
             model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
             schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
             node_budget=a.budget, cuda_graphs=a.graphs, node_cap=a.cap, prefill_rows=a.prefill_rows,
-            phases=a.phases, refill_rows=a.refill_rows,
+            phases=a.phases, refill_rows=a.refill_rows, budget_memory=a.budget_memory,
         )  # fmt: skip
         for r in rows:
             r["repeat"] = rep

@@ -116,9 +116,14 @@ def test_throughput_rows_fifo_length_oracle(tmp_path) -> None:
         throughput_rows(model, "toy", prompts, [("ar", None)], [1], 4, set(), schedulers=("length",))
 
 
-def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("memory", [0, 192])
+def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(
+    tmp_path, monkeypatch, memory
+) -> None:
     """With node budgets, a method's budget at the second batch size starts from the first one's gains
-    (`NodeBudget.warm_start`: no full-size phase 1 again) and outputs stay batch-1 AR's."""
+    (`NodeBudget.warm_start`: no full-size phase 1 again) and outputs stay batch-1 AR's. Memory 0 carries the
+    newest fit's 48 steps; memory 192 (the default, as `eval.node_budget_memory`) every probe step batch 1 drafted,
+    up to 192."""
     from specdraft.eval.budget import NodeBudget
 
     monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path))
@@ -134,11 +139,14 @@ def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(tmp_pa
     prompts = random_prompts([4, 9, 6, 3, 5, 7])
     rows = throughput_rows(
         model, "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [1, 2], 24, set(),
-        log=lambda _: None, node_budget=True,
+        log=lambda _: None, node_budget=True, budget_memory=memory,
     )  # fmt: skip
     assert all(r["identical"] == len(prompts) for r in rows)
     assert len(starts) == 1 and starts[0][0] >= 48  # batch 1 fitted (a refit may be under way)
-    assert starts[0][1] == 48  # the batch-2 budget began with batch 1's newest 48-step gain curve
+    if memory == 0:
+        assert starts[0][1] == 48  # the batch-2 budget began with batch 1's newest 48-step gain curve
+    else:
+        assert starts[0][1] == min(starts[0][0], memory) > 48  # ... with every probe step batch 1 drafted
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["ar", "lookup"])

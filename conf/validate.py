@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.schema import DRAFTER_SCHEMAS, BaseModelConfig, DataConfig, RootConfig
+from specdraft.data.features import FEATURE_DTYPES
 from specdraft.distill.config import DistillConfig
-from specdraft.distill.features import FEATURE_DTYPES
 from specdraft.eval.config import EvalConfig, fixed_node_cap
 from specdraft.hardware import DTYPES
 from specdraft.train.config import (

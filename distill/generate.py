@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from specdraft.distill.features import FeatureSpec, feature_tensors
+from specdraft.data.features import FeatureSpec
+from specdraft.distill.features import feature_tensors
 from specdraft.distill.slack_cache import SlackLayer, slack_cache
 from specdraft.models.base_llm import TargetOutput, fast_supported, forward_with_hidden, lm_logits
 from specdraft.models.hf_compat import cache_kwargs, returned_cache

@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 
 from specdraft.conf.validate import validate_config
 from specdraft.data.conversations import load_conversations
+from specdraft.data.features import FeatureSpec
 from specdraft.distill.features import (
-    FeatureSpec,
     capture_wanted,
     check_disk_budget,
     compute_features,

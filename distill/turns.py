@@ -25,8 +25,9 @@ import torch
 
 from specdraft.data.chat import prompt_ids, render, tokenize_conversation
 from specdraft.data.conversations import Conversation
+from specdraft.data.features import FeatureSpec
 from specdraft.distill.continuations import greedy_continuations, positions_to_compute
-from specdraft.distill.features import FeatureSpec, pack_features
+from specdraft.distill.features import pack_features
 from specdraft.distill.generate import Captured, GenerationSettings, TailFn, generate_batched
 
 if TYPE_CHECKING:

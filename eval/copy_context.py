@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdraft.models.copy_lookup import NgramIndex
+from specdraft.data.ngrams import NgramIndex
 
 
 class CopyContext:

@@ -38,7 +38,7 @@ from specdraft.eval.tree import DraftTree
 from specdraft.models.layers import CopyCache, weights_key
 
 if TYPE_CHECKING:
-    from specdraft.models.copy_lookup import NgramIndex
+    from specdraft.data.ngrams import NgramIndex
 
 
 def unsupported(drafter: nn.Module) -> str | None:

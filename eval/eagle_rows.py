@@ -34,10 +34,10 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specdraft.data.ngrams import NgramIndex
 from specdraft.eval.eagle_tree import host_lookups
 from specdraft.eval.tree import DraftTree
 from specdraft.models.attention import varying_shape_sdpa
-from specdraft.models.copy_lookup import NgramIndex
 
 if TYPE_CHECKING:
     from specdraft.eval.eagle_tree import EagleTreeProposer

@@ -41,13 +41,14 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from specdraft.data.ngrams import NO_CANDIDATE, NgramIndex
 from specdraft.eval.copy_context import CopyContext
 from specdraft.eval.eagle_chain import ChainLog, EagleChain, make_chain
 from specdraft.eval.eagle_static import StaticHeadState, fixed_ancestors
 from specdraft.eval.kv import rollback
 from specdraft.eval.tree import DraftTree, ProposerSpec
 from specdraft.models.attention import varying_shape_sdpa
-from specdraft.models.copy_lookup import NO_CANDIDATE, NgramIndex, lookup_fixed_rows
+from specdraft.models.copy_lookup import lookup_fixed_rows
 from specdraft.models.eagle_common import DraftBlock, causal_tree_mask
 from specdraft.models.eagle_copy import mixed_log_probs
 from specdraft.models.registry import spec_of

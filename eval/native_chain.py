@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
+from specdraft.data.ngrams import NO_CANDIDATE
 from specdraft.eval.tree import DraftTree, chain_topology
-from specdraft.models.copy_lookup import NO_CANDIDATE
 from specdraft.models.layers import ResBlock
 
 if TYPE_CHECKING:
-    from specdraft.models.copy_lookup import NgramIndex
+    from specdraft.data.ngrams import NgramIndex
     from specdraft.models.redrafter import ReDrafter
 
 

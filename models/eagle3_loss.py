@@ -2,7 +2,7 @@
 
 The head is unrolled S steps from the fused target layers; step i's draft-vocabulary distribution imitates the
 target's at position t + 1 + i by soft cross-entropy, weighted `ttt_decay`^i; with `loss` containing "lk" the
-S-step chain also gets `train.losses.expected_accept_loss`.
+S-step chain also gets `models.losses.expected_accept_loss`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from specdraft.models.eagle_common import chain_labels, next_tokens, select_positions, soft_cross_entropy
 from specdraft.models.eagle_copy import mixed_logits
 from specdraft.models.layers import d2t_to_draft_ids, scatter_to_vocab
+from specdraft.models.losses import expected_accept_loss
 
 if TYPE_CHECKING:
     from specdraft.models.eagle3 import Eagle3Drafter
@@ -32,7 +33,7 @@ def compute_loss(
             copy gate also `copy_ids`, `copy_len` (B, L, D) (the collator adds them: `FAMILY.copy_ngram`).
         target_out: `TargetOutput` with `hidden` (B, L, H) and `layers` (B, L, m, H) of `config.target_layers`.
         opts: `draft_len` (S), `max_positions`, `generator`; `loss` containing "lk" adds `lk_weight` *
-            `train.losses.expected_accept_loss` over the S unroll steps (draft-vocabulary labels; a label outside
+            `models.losses.expected_accept_loss` over the S unroll steps (draft-vocabulary labels; a label outside
             the draft vocabulary ends the chain); the ce/kl parts and `kl_*` do not apply to EAGLE-3.
 
     Returns:
@@ -40,8 +41,6 @@ def compute_loss(
         aux["targets"] (N, S'); S' = S in eval mode, 1 in training (metrics of slot 0 only); and
         aux["step_losses"] (S,) the detached soft CE of every unroll step (loss = sum_i ttt_decay^i * step i).
     """
-    from specdraft.train.losses import expected_accept_loss
-
     opts = opts or {}
     inner = cast("Eagle3Drafter", getattr(model, "module", model))
     lk = "lk" in str(opts.get("loss", "ce"))

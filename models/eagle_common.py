@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, DynamicCache, PreTrainedModel
 
+from specdraft.data.ngrams import follows_own_text
 from specdraft.models.attention import use_gqa_sdpa
-from specdraft.models.teacher_forced import follows_own_text
 
 if TYPE_CHECKING:
     from specdraft.models.eagle import EagleDrafter

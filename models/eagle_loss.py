@@ -2,7 +2,7 @@
 
 smooth-L1 between the head's predicted feature f̂_{t+1} and the target's f_{t+1}, times `feature_weight`, plus the
 soft cross-entropy of the next token through the target's LM head, times `token_weight`; with `loss` containing
-"lk" the D-step chain also gets `train.losses.expected_accept_loss`. In eval mode the head is unrolled for D metric
+"lk" the D-step chain also gets `models.losses.expected_accept_loss`. In eval mode the head is unrolled for D metric
 slots, scored as the decoder drafts (draft vocabulary, copy gate).
 """
 
@@ -22,6 +22,7 @@ from specdraft.models.eagle_common import (
 )
 from specdraft.models.eagle_copy import mixed_logits
 from specdraft.models.layers import scatter_to_vocab
+from specdraft.models.losses import expected_accept_loss
 
 if TYPE_CHECKING:
     from specdraft.models.eagle import EagleDrafter
@@ -39,14 +40,12 @@ def compute_loss(
             slot's distribution is mixed with its candidate (`models/eagle_copy.py`).
         target_out: `TargetOutput` with `hidden` (B, L, H).
         opts: `draft_len`, `max_positions`, `generator`; `loss` containing "lk" adds `lk_weight` *
-            `train.losses.expected_accept_loss` over the D-step unroll (trained through every step); the
+            `models.losses.expected_accept_loss` over the D-step unroll (trained through every step); the
             ce/kl parts and `kl_*` do not apply to EAGLE.
 
     Returns:
         (loss, aux) with aux["logits"] (N, S, V) detached (S = 1 in training, D in eval) and aux["targets"] (N, S).
     """
-    from specdraft.train.losses import expected_accept_loss
-
     opts = opts or {}
     inner = cast("EagleDrafter", getattr(model, "module", model))
     cfg = inner.config

@@ -14,7 +14,7 @@ T = TypeVar("T")
 
 
 def rows_per_chunk(rows: int | None, logits: Tensor) -> int:
-    """Rows of (R, V) `logits` per chunk for the chunked passes over logits (`train.losses.distill_loss`,
+    """Rows of (R, V) `logits` per chunk for the chunked passes over logits (`models.losses.distill_loss`,
     `copy_lookup.mix_logits`): `rows` when given, else ~1M logits on CPU (they stay in cache; the fastest here for
     V = 16,384) and ~16M on an accelerator (where each chunk is a few kernel launches)."""
     if rows is None:

@@ -213,7 +213,7 @@ class Medusa(PreTrainedModel):
                 condition on tokens).
             targets: (B, L, D) ignored except for D, the number of heads run (None: all K).
             copy: with a copy gate, each slot's lookup candidate and match length, (B, L, D) each
-                (`copy_lookup.slot_candidates`); the logits are then those of the mixtures.
+                (`data.ngrams.slot_candidates`); the logits are then those of the mixtures.
 
         Returns:
             logits: (B, L, D, Vd) over the draft vocabulary.

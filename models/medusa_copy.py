@@ -17,7 +17,7 @@ the child of rank r under a node is the r-th token of that node's mixture (`mixt
 the candidate moved to its rank in the mixture), so the trees of two parents differ only where their candidates do.
 
 Training reads the candidates of the row's own text (slot k at position t: the lookup after x_0 .. x_{t+1+k},
-`copy_lookup.slot_candidates` through `data.collate.Collator` with the family's declared `copy_ngram`), which is
+`data.ngrams.slot_candidates` through `data.collate.Collator` with the family's declared `copy_ngram`), which is
 the decode-time candidate of the node whose path follows the text. The gate starts at lam = 1/2 on every
 candidate; warm-started from plain heads (`train.init_from`) every other tensor is copied.
 """

@@ -245,7 +245,7 @@ class ReDrafter(PreTrainedModel):
                 optionally `row`, `rank` (L,): with B = 1, position i belongs to row `row[i]` of the context and is
                 query `rank[i]` of that row's mask (`PrefixAttention.forward`).
             copy: copy gate only (`copy_ngram` > 0): the lookup candidates (B, L, D) target ids (-1: none) and
-                match lengths (B, L, D) of every slot (`copy_lookup.slot_candidates`).
+                match lengths (B, L, D) of every slot (`data.ngrams.slot_candidates`).
 
         Returns:
             logits: (B, L, D, Vd) over the draft vocabulary (Vd = V unless `draft_vocab_size` is set).

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from specdraft.models.copy_lookup import NgramIndex
+    from specdraft.data.ngrams import NgramIndex
     from specdraft.models.redrafter import ReDrafter
 
 

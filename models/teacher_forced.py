@@ -11,23 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specdraft.data.ngrams import follows_own_text
 from specdraft.models.base_llm import teacher_topk
 from specdraft.models.layers import scatter_to_vocab
-
-
-def follows_own_text(text: Tensor, root: Tensor, targets: Tensor) -> Tensor:
-    """Whether each draft slot's inputs so far are the row's own text (labels that are greedy continuations of
-    other text, `distill.regenerate=false`, leave it).
-
-    Args:
-        text: (..., D) the row's token at t+1+k, the position whose token slot k is fed last.
-        root: (...) the root x_{t+1}; targets: (..., D) the labels (slot k is fed root, targets[..., :k]).
-
-    Returns:
-        (..., D) bool: text[..., i] == fed[..., i] for every i <= k.
-    """
-    fed = torch.cat([root[..., None], targets[..., :-1]], dim=-1)  # (..., D) newest input of slot k
-    return (text == fed).long().cumprod(-1).bool()
+from specdraft.models.losses import distill_loss, expected_accept_loss
 
 
 def compute_loss(
@@ -49,8 +36,6 @@ def compute_loss(
         (loss, aux) with aux["logits"] (N, D, V) detached and aux["targets"] (N, D) target ids for metrics; with a
         reduced draft vocabulary in training mode, (N, D, Vd) and draft ids (-1 outside it) instead (cheaper).
     """
-    from specdraft.train.losses import distill_loss, expected_accept_loss
-
     opts = opts or {}
     d = int(opts.get("draft_len") or batch["targets"].shape[-1])
     sel = batch["pos_mask"].nonzero()  # (N, 2) (b, t) pairs

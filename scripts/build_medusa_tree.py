@@ -26,12 +26,13 @@ from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader
 
 from specdraft.conf.schema import register_configs
-from specdraft.data.collate import Collator, RowDataset, distilled_rows, raw_rows
+from specdraft.data.collate import Collator, RowDataset, raw_rows
 from specdraft.eval.medusa_tree import build_tree, measure_rank_accuracies
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.hub import load_drafter
 from specdraft.models.medusa_choices import check_tree
 from specdraft.models.registry import spec_of
+from specdraft.train.rows import distilled_rows
 from specdraft.utils import atomic_write_json
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from specdraft.models.base_llm import TargetOutput, forward_with_hidden
 from specdraft.models.family import FamilySpec
-from specdraft.train.losses import (
+from specdraft.models.losses import (
     IGNORE_INDEX,
     per_slot_ce,
     simulated_acceptance_length,

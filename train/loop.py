@@ -28,18 +28,18 @@ from specdraft.data.collate import (
     EpochSampler,
     RowDataset,
     cached_layers_cover,
-    distilled_rows,
     label_counts,
     raw_rows,
 )
 from specdraft.hardware import log_environment, mixed_precision_for, resolve_device, resolve_placement
 from specdraft.models.base_llm import load_target, target_fingerprint
 from specdraft.models.hub import export_drafter, push_to_hub, warm_start
+from specdraft.models.losses import per_slot_accuracy, topk_hits
 from specdraft.models.registry import family_spec
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.evaluate import TargetFeatures, evaluate, replay_estimate
 from specdraft.train.logging import make_logger, truncate_metrics
-from specdraft.train.losses import per_slot_accuracy, topk_hits
+from specdraft.train.rows import distilled_rows
 from specdraft.utils import atomic_write_json, seed_everything
 
 log = logging.getLogger(__name__)
@@ -464,7 +464,7 @@ def _autocast_only(acc: Accelerator, model: torch.nn.Module) -> None:
     """Drop the fp32 copy accelerate's native AMP makes of the outputs (forward = fp32(autocast(forward))).
 
     For families whose loss takes bf16/fp16 outputs and computes in fp32 itself (`low_precision_outputs`:
-    ReDrafter, Medusa via `train.losses.distill_loss`, as under DeepSpeed, whose outputs are never converted),
+    ReDrafter, Medusa via `models.losses.distill_loss`, as under DeepSpeed, whose outputs are never converted),
     copying (N, D, V) logits to fp32 and their gradient back costs ~15% of a CPU step and changes no value.
     """
     inner = getattr(model, "module", model)

@@ -18,8 +18,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from specdraft.conf.schema import register_configs
+from specdraft.data.features import decode_features
 from specdraft.distill import run as run_mod
-from specdraft.distill.features import decode_features
 from specdraft.distill.run import distill
 from specdraft.distill.shards import DistillMismatchError, load_distilled
 from specdraft.testing import tiny_llama, tiny_tokenizer

@@ -119,8 +119,9 @@ def test_distilled_dataset_rows_features_and_guard(tmp_path):
     import pytest
     from omegaconf import OmegaConf
 
-    from specdraft.data.collate import distilled_rows, raw_rows
+    from specdraft.data.collate import raw_rows
     from specdraft.distill.shards import FORMAT_VERSION, row_features, write_manifest, write_shard
+    from specdraft.train.rows import distilled_rows
 
     spec = {"hidden": True, "layers": [], "topk": 0, "dtype": "bf16", "hidden_size": 4}
     rows = []
@@ -175,7 +176,8 @@ def test_cached_intermediate_layers_replace_the_online_target():
     """EAGLE-3 reads distill/'s cached `hidden_layers` (any cached superset, any order) instead of running the
     target; what it gets equals the online forward up to the bf16 storage rounding."""
     from specdraft.data.collate import cached_layers_cover
-    from specdraft.distill.features import FeatureSpec, compute_features
+    from specdraft.data.features import FeatureSpec
+    from specdraft.distill.features import compute_features
     from specdraft.testing import tiny_llama
     from specdraft.train.evaluate import TargetFeatures
 

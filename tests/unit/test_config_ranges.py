@@ -185,7 +185,7 @@ def test_values_in_range_pass(override: str) -> None:
 
 def test_choices_match_the_code_that_uses_them() -> None:
     """The tables name choices without importing torch; they must agree with the code that maps them."""
-    from specdraft.distill.features import FEATURE_DTYPES
+    from specdraft.data.features import FEATURE_DTYPES
     from specdraft.hardware import DTYPES
 
     assert set(validate.DTYPE_NAMES) == {"auto", *DTYPES}

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.data.ngrams import ngram_candidates
 from specdraft.eval.copy_context import CopyContext, commit_rows
-from specdraft.models.copy_lookup import lookup_fixed_rows, ngram_candidates
+from specdraft.models.copy_lookup import lookup_fixed_rows
 
 CPU = torch.device("cpu")
 

@@ -19,16 +19,10 @@ from hydra import compose, initialize_config_dir
 
 from specdraft.conf.schema import register_configs
 from specdraft.data.conversations import Conversation
+from specdraft.data.features import FEATURE_DTYPES, FeatureSpec, decode_features
 from specdraft.distill import generate as generate_mod
 from specdraft.distill import turns
-from specdraft.distill.features import (
-    FEATURE_DTYPES,
-    FeatureSpec,
-    capture_wanted,
-    compute_features,
-    decode_features,
-    feature_tensors,
-)
+from specdraft.distill.features import capture_wanted, compute_features, feature_tensors
 from specdraft.distill.generate import Captured, Generation, GenerationSettings, generate_batched
 from specdraft.distill.run import distill
 from specdraft.distill.shards import load_distilled

@@ -1,4 +1,4 @@
-"""Cached features (distill/features.py): packing round trip, batching/padding, disk budget refusal."""
+"""Cached features (data/features.py, distill/features.py): packing round trip, batching/padding, disk budget refusal."""
 
 from __future__ import annotations
 
@@ -7,13 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdraft.distill.features import (
-    FeatureSpec,
-    check_disk_budget,
-    compute_features,
-    decode_features,
-    make_spec,
-)
+from specdraft.data.features import FeatureSpec, decode_features
+from specdraft.distill.features import check_disk_budget, compute_features, make_spec
 from specdraft.models.base_llm import forward_with_hidden
 from specdraft.testing import tiny_llama
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+from specdraft.data.ngrams import NgramIndex
 from specdraft.eval import eagle_chain
 from specdraft.eval.budget import FULL, NodeBudget
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.eagle_tree import EagleTreeProposer
 from specdraft.eval.proposers import make_proposer
 from specdraft.eval.static_decode import StaticDecoder
-from specdraft.models.copy_lookup import NgramIndex
 from specdraft.testing import on_int8_grid, tiny_proposer, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import torch
 
 from specdraft.data.collate import Collator
+from specdraft.data.ngrams import ngram_candidates
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.eagle_tree import EagleTreeProposer
 from specdraft.models import eagle, eagle3
 from specdraft.models.base_llm import forward_with_hidden
-from specdraft.models.copy_lookup import ngram_candidates
 from specdraft.models.eagle_copy import gate, mixed_log_probs
 from specdraft.models.registry import spec_of
 from specdraft.testing import saved_without, tiny_llama

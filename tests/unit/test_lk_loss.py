@@ -1,4 +1,4 @@
-"""The acceptance-aware (LK) loss `train.losses.expected_accept_loss`: golden value, brute force, chain ends, and
+"""The acceptance-aware (LK) loss `models.losses.expected_accept_loss`: golden value, brute force, chain ends, and
 its `train.loss=ce+lk` wiring in every family (ReDrafter, Medusa, EAGLE-1, EAGLE-3). CPU only."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from specdraft.data.collate import Collator
 from specdraft.models import eagle, eagle3
 from specdraft.models.base_llm import forward_with_hidden
 from specdraft.models.eagle_common import chain_labels
+from specdraft.models.losses import expected_accept_loss, label_logprobs
 from specdraft.models.medusa import Medusa, MedusaConfig
 from specdraft.models.medusa import compute_loss as medusa_loss
 from specdraft.models.redrafter import ReDrafter, ReDrafterConfig
 from specdraft.models.redrafter import compute_loss as redrafter_loss
 from specdraft.testing import tiny_llama
-from specdraft.train.losses import expected_accept_loss, label_logprobs
 
 L2, L3 = math.log(2.0), math.log(3.0)
 # (N=2, K=3, V=3). softmax([ln2, 0, 0]) = (1/2, 1/4, 1/4); softmax([0, 0, 0]) = 1/3 each;

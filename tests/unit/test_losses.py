@@ -1,4 +1,4 @@
-"""Golden values for train/losses.py, computed by hand in the comments."""
+"""Golden values for models/losses.py, computed by hand in the comments."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdraft.train.losses import (
+from specdraft.models.losses import (
     chain_acceptance_length,
     distill_loss,
     multi_position_ce,

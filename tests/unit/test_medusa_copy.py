@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from specdraft.data.ngrams import NgramIndex
 from specdraft.eval import medusa_native
 from specdraft.eval.budget import NodeBudget
 from specdraft.eval.decode import ar_generate
@@ -17,7 +18,7 @@ from specdraft.eval.medusa_tree import MedusaProposer, measure_rank_accuracies, 
 from specdraft.eval.proposers import make_proposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import medusa
-from specdraft.models.copy_lookup import NgramIndex, mix_log_probs, mix_logits
+from specdraft.models.copy_lookup import mix_log_probs, mix_logits
 from specdraft.models.medusa_copy import mixture_ranks
 from specdraft.testing import jitter, saved_without, tiny_llama
 

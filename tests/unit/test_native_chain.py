@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdraft.data.ngrams import NgramIndex
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.native_chain import NativeChain, rows_int8, unsupported
 from specdraft.eval.proposers import ReDrafterProposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import qdot, redrafter
 from specdraft.models.base_llm import target_fingerprint
-from specdraft.models.copy_lookup import NgramIndex
 from specdraft.models.panel_linear import panel_available
 from specdraft.testing import tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema

@@ -9,21 +9,14 @@ import pytest
 import torch
 
 from specdraft.data.collate import Collator
+from specdraft.data.ngrams import NO_CANDIDATE, NgramIndex, ngram_candidates, slot_candidates
 from specdraft.eval.decode import ar_generate, speculative_generate
 from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import ReDrafterProposer
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
-from specdraft.models.copy_lookup import (
-    NO_CANDIDATE,
-    NgramIndex,
-    lookup_fixed_rows,
-    mix_log_probs,
-    mix_logits,
-    ngram_candidates,
-    slot_candidates,
-)
+from specdraft.models.copy_lookup import lookup_fixed_rows, mix_log_probs, mix_logits
 from specdraft.models.redrafter import ReDrafter
 from specdraft.models.redrafter_beam import beam_search, beam_search_fixed_rows
 from specdraft.testing import tiny_llama, tiny_tokenizer

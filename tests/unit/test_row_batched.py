@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
+from specdraft.data.ngrams import NgramIndex
 from specdraft.eval.batch_decode import BatchDecoder
 from specdraft.eval.decode import RowBatchedProposer, ar_generate
 from specdraft.eval.hybrid import LookupBranch
 from specdraft.eval.proposers import ReDrafterProposer
 from specdraft.eval.tree import PAD, pack_beams
 from specdraft.models import redrafter_beam
-from specdraft.models.copy_lookup import NgramIndex
 from specdraft.testing import random_prompts, tiny_proposer, tiny_proposer_factory, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

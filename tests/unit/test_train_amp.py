@@ -10,10 +10,10 @@ from accelerate.state import AcceleratorState, GradientState
 
 from specdraft.models import redrafter
 from specdraft.models.base_llm import target_fingerprint
+from specdraft.models.losses import distill_loss
 from specdraft.testing import tiny_llama, tiny_tokenizer
 from specdraft.train.config import ReDrafterSchema
 from specdraft.train.loop import _autocast_only
-from specdraft.train.losses import distill_loss
 
 
 @pytest.fixture

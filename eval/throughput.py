@@ -131,7 +131,7 @@ def throughput_rows(
             from the second batch size on it starts from the previous one's gain curve (`NodeBudget.warm_start`).
         budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
             refits at all; `eval.node_budget_refit`).
-        budget_refit_scale: a refit drafts trees of at most this many times the settled cap, >= 8 nodes (0:
+        budget_refit_scale: a refit drafts trees of at most this many times the settled cap, >= 4 nodes (0:
             full-size trees; `eval.node_budget_refit_scale`).
         budget_confidence: drafting turns on only if the best size beats plain steps with its gain this many
             standard errors lower (`NodeBudget.confidence`, `eval.node_budget_confidence`).

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[4],
         help="with --budget: rows per value of eval.node_budget_refit_scale too (refits draft <= this x the "
-        "settled cap, >= 8 nodes; 0: full-size trees)",
+        "settled cap, >= 4 nodes; 0: full-size trees)",
     )
     p.add_argument(
         "--budget-memory",

@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -239,6 +239,58 @@ class CostCurve:
         return CostCurve(ms)
 
 
+class CapPolicy(Protocol):
+    """What a decoder asks of a node budget (`NodeBudget`, fitted; `bandit_budget.BanditBudget`, learnt per step):
+    `start` at each decode call, `tick` before each greedy step (True: tell the proposer `refit_cap()`),
+    `observe` after each drafted greedy step, and the cap (`cap`: 1 = a plain step) and size (`drafting_cap`)
+    the step's tree is cut to."""
+
+    @property
+    def cap(self) -> int | None: ...  # None while a fit's phase 1 runs
+    @property
+    def settled(self) -> bool: ...  # False while the decoder must report gain curves (phase 1 and checks)
+    @property
+    def off_for_good(self) -> bool: ...  # drafting is off and stays off: skipped positions need not be kept
+    @property
+    def drafting_cap(self) -> int | None: ...  # the size trees are cut to (None: whole trees)
+    @property
+    def sizes(self) -> tuple[int, ...]: ...  # candidate caps
+    @property
+    def refits(self) -> int: ...  # records: refits (fitted) or cap changes (bandit) so far
+    @property
+    def gains(self) -> list[list[int]]: ...  # records: the probe steps that rate the caps (bandit: none)
+
+    def start(self, max_depth: int) -> int: ...
+    def tick(self) -> bool: ...
+    def refit_cap(self) -> int: ...
+    def observe(
+        self,
+        draft_s: float,
+        accepted: int,
+        prefix_accept: list[int] | None = None,
+        verify_s: float | None = None,
+    ) -> None: ...
+
+
+def payable_size(cost: CostCurve, sizes: tuple[int, ...], max_depth: int) -> int:
+    """The largest of `sizes` that could beat plain steps on `cost`: b nodes give at most 1 + min(max_depth,
+    b - 1) tokens a step (every node of the deepest path accepted, drafting free), so b could pay only if its
+    verify costs less than that many one-token verifies. `FULL` when `max_depth` is 0 (undeclared), the curve
+    has one point (no bound) or the largest size could; 1 when no size > 1 could (never draft here).
+
+    Args:
+        cost: the verify cost curve; sizes: the candidate caps; max_depth: the proposer's deepest draft node
+            (`ProposerSpec.max_depth`).
+    """
+    if max_depth <= 0 or len(cost.ms) < 2:  # (a `fixed` budget's curve has one point)
+        return FULL
+    one = cost(1)
+    ok = [b for b in sizes if b > 1 and (1 + min(max_depth, b - 1)) * one > cost(b)]
+    if not ok:
+        return 1
+    return FULL if max(ok) == max(sizes) else max(ok)
+
+
 def marginal_min_prob(curve: CostCurve) -> float:
     """The drafter probability a tree node needs to pay for its place in the verify on this cost curve.
 
@@ -408,22 +460,8 @@ class NodeBudget:
             self._settle({})
 
     def could_pay(self, max_depth: int) -> int:
-        """The largest candidate size that could beat plain steps on this cost curve: b nodes give at most
-        1 + min(max_depth, b - 1) tokens a step (every node of the deepest path accepted, drafting free), so b
-        could pay only if its verify costs less than that many one-token verifies. `FULL` when `max_depth` is 0
-        (undeclared) or the curve has one point (no bound), or when the largest size could; 1 when no size > 1
-        could (never draft here).
-
-        Args:
-            max_depth: the proposer's deepest draft node (`ProposerSpec.max_depth`).
-        """
-        if max_depth <= 0 or len(self.cost.ms) < 2:  # (a `fixed` budget's curve has one point)
-            return FULL
-        one = self.cost(1)
-        ok = [b for b in self.sizes if b > 1 and (1 + min(max_depth, b - 1)) * one > self.cost(b)]
-        if not ok:
-            return 1
-        return FULL if max(ok) == max(self.sizes) else max(ok)
+        """`payable_size` on this budget's curve and sizes, for a proposer of depth `max_depth`."""
+        return payable_size(self.cost, self.sizes, max_depth)
 
     def start(self, max_depth: int) -> int:
         """Call at the start of every decode call with the proposer's `spec.max_depth`: bounds every fit's

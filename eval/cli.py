@@ -59,8 +59,10 @@ def _spec(
     """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name),
     `eval.fallback` adds the self-adaptive fallback (labelled `+fallback`; output unchanged), a cost curve
     `cost` a fitted node budget (`eval.node_budget=auto`, the default; records carry `node_cap`), a count in
-    `eval.node_budget` a fixed one (`NodeBudget.fixed`: every tree cut to that many nodes, no fitting)."""
-    from specdraft.eval.budget import NodeBudget
+    `eval.node_budget` a fixed one (`NodeBudget.fixed`: every tree cut to that many nodes, no fitting), `bandit`
+    a cap chosen per step from the loop's measured tokens per second (`BanditBudget`)."""
+    from specdraft.eval.bandit_budget import BanditBudget
+    from specdraft.eval.budget import CapPolicy, NodeBudget
 
     e = cfg.eval
     if e.acceptance == "typical":  # Medusa typical acceptance: LOSSY, labelled in every table
@@ -73,8 +75,11 @@ def _spec(
     if e.fallback:
         name += "+fallback"
     fixed = fixed_node_cap(e.get("node_budget", "auto"))
+    budget: CapPolicy | None
     if fixed is not None and decoder is not None:
         budget = NodeBudget.fixed(fixed, label=name)
+    elif cost is not None and e.get("node_budget") == "bandit":
+        budget = BanditBudget(cost, label=name, seed=int(e.seed))
     elif cost is not None:
         budget = NodeBudget(
             cost,
@@ -125,7 +130,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     )  # the batched decoders' (throughput)
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
     cost = None
-    if e.node_budget == "auto" and decoder is not None:  # verify cost per node count here (cached)
+    if e.node_budget in ("auto", "bandit") and decoder is not None:  # verify cost per node count (cached)
         cost = CostCurve.load_or_measure(
             machine_key(model, decoder.path_name()),
             decoder.measure_costs,
@@ -367,7 +372,8 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             predicted=predicted,
             predict_s=predict_s,
             reserve=reserve,
-            node_budget=str(e.get("node_budget", "off")) == "auto",
+            # (the batched table fits `NodeBudget`s for `bandit` too: the bandit is single-prompt only)
+            node_budget=str(e.get("node_budget", "off")) in ("auto", "bandit"),
             node_cap=fixed_node_cap(e.get("node_budget", "auto")),  # eval.node_budget=N: every batched tree cut to N nodes too
             budget_refit=int(e.get("node_budget_refit", 128)),
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),

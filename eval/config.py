@@ -55,7 +55,7 @@ class EvalConfig:
     decode_path: str = "static"  # static (preallocated cache, one host sync/step) | dynamic (pre-0.2 path)
     cuda_graphs: str = "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify (single and batched) as CUDA graphs
     linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: panel on x86 AVX2 CPUs with a C compiler, else packed on Intel+MKL, else transposed) | transposed | native | packed | panel
-    node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | off | N: every tree cut to N nodes
+    node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | bandit: a cap per step from measured tok/s | off | N: every tree cut to N nodes
     node_budget_refit: int = 128  # steps after settling on no drafting before a refit (0: no refits at all)
     node_budget_refit_scale: int = (
         4  # a refit drafts <= this x the settled cap, >= 4 nodes (0: full-size trees)

@@ -24,7 +24,7 @@ import torch
 
 from specdraft.data.benchmarks import BenchmarkItem
 from specdraft.data.chat import prompt_ids as chat_prompt_ids
-from specdraft.eval.budget import FULL, NodeBudget
+from specdraft.eval.budget import FULL, CapPolicy, NodeBudget
 from specdraft.eval.decode import ar_generate, model_device, speculative_generate, sync_device, target_forward
 from specdraft.eval.fallback import FallbackController
 from specdraft.eval.kv import new_cache
@@ -64,7 +64,7 @@ def spec_method(
     profile: bool,
     fallback: bool = False,
     decoder: StaticDecoder | None = None,
-    budget: NodeBudget | None = None,
+    budget: CapPolicy | None = None,
 ) -> Method:
     """Our tree speculative decoder with `proposer` (and a `FallbackController` when `fallback`), on the
     static path of `decoder` or, without one, the dynamic path of `decode.py`; `budget` (static path only)
@@ -120,7 +120,7 @@ def precapture(
     decoder: StaticDecoder,
     tokenizer: Any,
     proposer: Any,
-    budget: NodeBudget,
+    budget: CapPolicy,
     stop_ids: set[int],
     ids: list[int],
     max_new: int,

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdraft.eval.budget import SIZES, NodeBudget, time_round_robin
+from specdraft.eval.budget import SIZES, CapPolicy, time_round_robin
 from specdraft.eval.decode import (
     DecodeStats,
     Proposer,
@@ -392,13 +392,14 @@ class StaticDecoder:
         profile: bool = False,
         verify_fn: VerifyFn | None = None,
         fallback: FallbackController | None = None,
-        budget: NodeBudget | None = None,
+        budget: CapPolicy | None = None,
     ) -> tuple[list[int], DecodeStats]:
         """Tree speculative decoding on this path; same contract and output as `decode.speculative_generate`.
 
         Args: as `decode.speculative_generate` (the model is the decoder's), plus
-            budget: a `NodeBudget` that, once fitted (greedy steps only), cuts every tree to its first `cap`
-                nodes, or stops drafting when `cap == 1`; its state carries over calls.
+            budget: a node budget (`budget.CapPolicy`: a fitted `NodeBudget`, or a `BanditBudget` choosing each
+                step's cap) that cuts every greedy step's tree to its first `drafting_cap` nodes, or takes a
+                plain step when `cap == 1`; its state carries over calls.
 
         Returns:
             tokens: the new tokens; stats (accepted drafts per step, tree sizes, phase timings).
@@ -497,7 +498,7 @@ class StaticDecoder:
                 b = logits.shape[0]
                 a, bonus = vals[0], vals[1]
                 if budget is not None and greedy and drafted:  # fitting, or the drift test once settled
-                    fit = cast(NodeBudget, budget)
+                    fit = budget
                     cap = fit.cap
                     gains = vals[2 + 2 * b : 2 + 2 * b + n] if prefix else None
                     # (the verify as this loop pays it: forward and rule, to the step's host read above)

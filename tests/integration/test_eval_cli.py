@@ -281,6 +281,26 @@ def test_a_fixed_node_cap(assets, tmp_path, monkeypatch):
             evaluate(bad)
 
 
+def test_a_bandit_node_budget(assets, tmp_path, monkeypatch, capsys):
+    """`eval.node_budget=bandit`: a cap per step chosen from the loop's measured tokens per second
+    (`BanditBudget`), its arms bounded by the measured cost curve; the output is AR's and no probe steps are
+    recorded."""
+    monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path / "cache"))
+    GlobalHydra.instance().clear()
+    register_configs()
+    args = [f"eval.benches=[{assets / 'mini_mt.jsonl'}]", "eval.limit=1", "eval.check_lossless=true",
+            "eval.node_budget=bandit"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=_overrides(assets, tmp_path / "out", *args))
+    res = json.loads(evaluate(cfg).read_text())
+    spec = next(s for s in res["summary"] if s["method"] == "redrafter:drafter")
+    assert spec["identical"] + spec["near_tie_divergences"] == spec["total"] == 2
+    assert len(list(tmp_path.glob("cache/*.json"))) == 1  # the curve bounds the arms
+    assert "bandit over caps [1, " in capsys.readouterr().out
+    recs = [r for r in res["records"] if r["kind"] == "spec"]
+    assert recs and all(r["budget_fit_steps"] == 0 and r["node_cap"] >= 1 for r in recs)
+
+
 def test_throughput_table_against_batch_size(assets, tmp_path, capsys):
     """`eval.batch_sizes`: batched AR and the drafter at B = 1 and 2, outputs equal to batch-1 AR, a plot;
     `eval.batch_min_prob=auto` adds the ReDrafter with its trees pruned at each batch size's break-even

@@ -1,0 +1,161 @@
+"""A node budget learnt from the decode loop's own steps (`eval.node_budget=bandit`): each candidate cap is an arm
+of a discounted Thompson-sampling bandit whose reward is the tokens a step emitted per second of that step.
+
+`NodeBudget` (`eval.node_budget=auto`) models every cap from probe steps of large trees: the first b nodes of a
+probe tree and the verify cost curve. On a machine where extra nodes are dear that model is biased (a capped
+proposer drafts other trees than a probe's first nodes; a probe that meets a copied passage rates large caps
+high), and the probes themselves cost: on a 2-core Zen 4 the fitted budget served 1.06x where a fixed 2-node cap
+served 1.12x (docs/experiments.md, session 66). Here nothing is modelled: a step at cap b is timed from one
+`tick` to the next (draft, verify, acceptance rule, commit: all of it), its tokens are what it emitted (1 for a
+plain step), and the next step's cap is the arm whose sampled rate is highest. Older steps weigh `discount` less
+per step (the text moves on: a passage the drafter copies favours larger caps while it lasts). A step at a cap
+b > 1 on which the proposer did not draft (`eval.fallback` skipped it) is not scored. The output never changes,
+only how much is drafted and verified. The single-prompt decoder only (the batched throughput table keeps
+`NodeBudget`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdraft.eval.budget import SIZES, CostCurve, payable_size
+
+TIME_FLOOR = 0.05  # relative standard deviation assumed at least for a step's time (a few samples say little)
+TOKEN_FLOOR = 0.25  # the same for its tokens (variance floor, tokens^2)
+
+
+@dataclass
+class BanditBudget:
+    """Chooses each greedy step's node cap among `sizes` (1 = a plain target step) by discounted Thompson
+    sampling on tokens per second; the same calls as `NodeBudget` (`start`, `tick`, `observe`, `refit_cap`,
+    `drafting_cap`) so the decoder drives either.
+
+    Args:
+        cost: the target's verify cost curve: bounds the arms by the largest size that could pay at all
+            (`budget.payable_size`); its values never price an arm.
+        label: the method's name, for the line printed at the first call ("" = silent).
+        sizes: candidate caps.
+        discount: weight of a step's record per later scored step, in (0, 1] (0.997: about the newest 330).
+        explore: scored steps every arm gets, smallest arm first, before sampling takes over.
+        seed: the sampler's seed (the output does not depend on it, only the caps).
+        clock: seconds now (tests drive a simulated one).
+    """
+
+    cost: CostCurve
+    label: str = ""
+    sizes: tuple[int, ...] = SIZES
+    discount: float = 0.997
+    explore: int = 2
+    seed: int = 0
+    clock: Callable[[], float] = time.perf_counter
+    cap: int = 1  # the arm of the step under way
+    settled: bool = True  # never in a fitting phase: the decoder computes no gain curves for it
+    off_for_good: bool = False  # any arm may be played again
+    refits: int = 0  # times the proposer was told a new cap
+    gains: list[list[int]] = field(default_factory=list)  # (none: there are no probe steps)
+    plays: dict[int, int] = field(default_factory=dict)  # scored steps per arm
+    arms: list[int] = field(default_factory=list)  # the candidate caps of this proposer (`start`)
+    _stats: dict[int, list[float]] = field(default_factory=dict)  # arm -> discounted [w, tok, tok^2, s, s^2]
+    _pending: tuple[int, float] | None = None  # (arm, tick time) of the step under way
+    _tokens: int | None = None  # tokens the step under way emitted (`observe`); None: not drafted
+    _told: int | None = None  # the cap the proposer drafts at
+    _rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.discount <= 1.0:
+            raise ValueError(f"BanditBudget: discount={self.discount} must be in (0, 1]")
+        self._rng.seed(self.seed)
+
+    def start(self, max_depth: int) -> int:
+        """Call at the start of every decode call: sets the arms (sizes up to the largest that could pay for a
+        proposer of depth `max_depth`), drops the step under way (the time since spans a prefill) and returns
+        the cap the proposer drafts at now."""
+        bound = payable_size(self.cost, self.sizes, max_depth)
+        arms = [b for b in self.sizes if b == 1 or b <= bound]
+        if arms != self.arms:
+            self.arms = arms
+            for b in arms:
+                self._stats.setdefault(b, [0.0] * 5)
+                self.plays.setdefault(b, 0)
+            if self.label:
+                print(f"[node budget] {self.label}: bandit over caps {arms} (1: plain steps)", flush=True)
+        self._pending, self._tokens = None, None
+        if self._told is None:
+            self._told = max(arms)
+            self.cap = self._told
+        return self._told
+
+    def tick(self) -> bool:
+        """Call before every greedy decode step: scores the step before (its tokens over the time since the
+        last tick) and picks this step's cap. True when the proposer must be told a new cap
+        (`fit_budget(refit_cap())`)."""
+        now = self.clock()
+        if self._pending is not None:
+            arm, t0 = self._pending
+            if arm == 1 or self._tokens is not None:
+                self._score(arm, 1 if arm == 1 else int(self._tokens or 1), now - t0)
+        self.cap = self._choose()
+        self._pending, self._tokens = (self.cap, now), None
+        if self.cap > 1 and self.cap != self._told:
+            self._told = self.cap
+            self.refits += 1
+            return True
+        return False
+
+    def refit_cap(self) -> int:
+        """The cap the proposer is told after `tick` returned True."""
+        return self.cap
+
+    @property
+    def drafting_cap(self) -> int:
+        """The size this step's tree is cut to."""
+        return self.cap
+
+    def observe(
+        self,
+        draft_s: float,
+        accepted: int,
+        prefix_accept: list[int] | None = None,
+        verify_s: float | None = None,
+    ) -> None:
+        """A drafted greedy step: `accepted` = the tokens it emitted (accepted nodes, root included); the time
+        comes from `tick`, so `draft_s`, `prefix_accept` and `verify_s` are not needed."""
+        self._tokens = int(accepted)
+
+    def rate(self, arm: int) -> float:
+        """The arm's discounted mean tokens per second (0 before any scored step)."""
+        w, tok, _, s, _ = self._stats.get(arm, [0.0] * 5)
+        return tok / s if w > 0 and s > 0 else 0.0
+
+    def _score(self, arm: int, tokens: int, seconds: float) -> None:
+        """Record one step of `arm`; every record so far weighs `discount` less."""
+        for st in self._stats.values():
+            for i in range(5):
+                st[i] *= self.discount
+        st = self._stats[arm]
+        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, seconds * seconds)):
+            st[i] += v
+        self.plays[arm] += 1
+
+    def _choose(self) -> int:
+        """The smallest arm with fewer than `explore` scored steps, else the arm with the highest sampled rate:
+        mean tokens and mean seconds each drawn from a normal around the discounted mean with the variance of
+        that mean (floored: `TOKEN_FLOOR`, `TIME_FLOOR`), their ratio compared."""
+        fresh = [b for b in self.arms if self.plays[b] < self.explore]
+        if fresh:
+            return fresh[0]
+        best, pick = float("-inf"), self.arms[0]
+        for b in self.arms:
+            w, tok, tok2, s, s2 = self._stats[b]
+            mt, ms = tok / w, s / w
+            vt = max(tok2 / w - mt * mt, TOKEN_FLOOR) / w
+            vs = max(s2 / w - ms * ms, (TIME_FLOOR * ms) ** 2) / w
+            draw_t = self._rng.gauss(mt, vt**0.5)
+            draw_s = max(self._rng.gauss(ms, vs**0.5), 0.1 * ms)
+            r = draw_t / draw_s
+            if r > best:
+                best, pick = r, b
+        return pick

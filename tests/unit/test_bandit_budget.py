@@ -1,0 +1,127 @@
+"""The per-step bandit node budget (eval/bandit_budget.py, `eval.node_budget=bandit`): it settles on the cap with
+the most tokens per second of a simulated machine, follows a change of the best cap, scores plain steps as one
+token and skips what it cannot score, and decoding under it equals AR."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdraft.eval.bandit_budget import BanditBudget
+from specdraft.eval.budget import CostCurve
+from specdraft.eval.decode import ar_generate
+from specdraft.eval.static_decode import StaticDecoder
+from specdraft.testing import OracleBeamProposer, tiny_llama
+
+FLAT = CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})  # no size is ruled out by the bound
+
+
+class Machine:
+    """A simulated decode loop: cap b takes `ms[b]` ms a step and accepts each of its b - 1 chained drafts with
+    probability `p[b]` while the previous one was accepted (a plain step, b = 1: one token)."""
+
+    def __init__(self, ms: dict[int, float], p: dict[int, float], seed: int = 0) -> None:
+        self.ms, self.p, self.now, self.rng = ms, p, 0.0, random.Random(seed)
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self, budget: BanditBudget) -> int:
+        """One decode step as the decoder drives it: tick, (draft, verify, observe), time passes."""
+        budget.tick()
+        b = budget.cap
+        tokens = 1
+        while tokens < b and self.rng.random() < self.p[b]:
+            tokens += 1
+        if b > 1:
+            budget.observe(0.0, tokens)
+        self.now += self.ms[b] * 1e-3
+        return b
+
+
+def run(machine: Machine, budget: BanditBudget, steps: int) -> list[int]:
+    """`steps` steps in calls of 100 (each call starts with `start`, as the decoder's); the caps played."""
+    caps = []
+    for i in range(steps):
+        if i % 100 == 0:
+            budget.start(max_depth=7)
+            machine.now += 0.05  # a prefill between calls: never scored
+        caps.append(machine.step(budget))
+    return caps
+
+
+def test_the_bandit_settles_on_the_cap_with_the_most_tokens_per_second():
+    """Rates (tokens/ms): plain 0.250, 2 nodes 0.318, 4 nodes 0.276, 8 nodes 0.186: mostly 2, rarely 8."""
+    m = Machine({1: 4.0, 2: 4.9, 4: 6.5, 8: 11.0}, {2: 0.56, 4: 0.5, 8: 0.5})
+    budget = BanditBudget(FLAT, sizes=(1, 2, 4, 8), clock=m.clock)
+    caps = run(m, budget, 3000)
+    late = caps[1000:]
+    assert late.count(2) > 0.7 * len(late)
+    assert late.count(8) < 0.05 * len(late)
+    assert max(budget.arms, key=budget.rate) == 2
+
+
+def test_the_bandit_follows_a_change_of_the_best_cap():
+    """The text turns repetitive (8-node chains accepted 95% of the time): the played cap follows within a few
+    hundred steps, since older steps weigh less (`discount`)."""
+    m = Machine({1: 4.0, 2: 4.9, 4: 6.5, 8: 11.0}, {2: 0.56, 4: 0.5, 8: 0.5})
+    budget = BanditBudget(FLAT, sizes=(1, 2, 4, 8), clock=m.clock)
+    run(m, budget, 1500)
+    m.p = {2: 0.95, 4: 0.95, 8: 0.95}  # rates now: 2 nodes 0.40, 4 nodes 0.56, 8 nodes 0.61
+    caps = run(m, budget, 2000)
+    late = caps[1000:]
+    assert late.count(8) + late.count(4) > 0.7 * len(late)
+
+
+def test_plain_steps_score_one_token_and_unscored_steps_are_skipped():
+    """A plain step (cap 1) scores one token over its time; a step at cap > 1 with no `observe` (the fallback
+    skipped drafting) is not scored; `start` drops the step under way (its time spans a prefill)."""
+    t = [0.0]
+    budget = BanditBudget(FLAT, sizes=(1, 2), explore=1, clock=lambda: t[0])
+    budget.start(max_depth=3)
+    budget.tick()
+    assert budget.cap == 1  # the smallest unexplored arm first
+    t[0] += 0.004
+    budget.tick()  # scores cap 1: 1 token / 4 ms
+    assert budget.plays == {1: 1, 2: 0} and budget.rate(1) == pytest.approx(250.0)
+    assert budget.cap == 2 and budget.refits == 0  # (the proposer already drafts at 2: `start` told it)
+    t[0] += 0.005
+    budget.tick()  # cap 2 with no observe: not scored
+    assert budget.plays[2] == 0
+    budget.observe(0.001, 2)
+    t[0] += 10.0
+    budget.start(max_depth=3)  # a new call: the 10 s since are not cap 2's
+    assert budget.plays[2] == 0
+    budget.tick()
+    budget.observe(0.001, 2)
+    t[0] += 0.005
+    budget.tick()
+    assert budget.plays[2] == 1 and budget.rate(2) == pytest.approx(400.0)
+
+
+def test_arms_stop_at_the_largest_size_that_could_pay():
+    """On a steep curve (8 nodes cost 6 one-token steps) a depth-3 proposer never plays 8 nodes."""
+    budget = BanditBudget(CostCurve({1: 1.0, 2: 1.2, 4: 2.0, 8: 6.0}), sizes=(1, 2, 4, 8))
+    budget.start(max_depth=3)
+    assert budget.arms == [1, 2, 4]
+    with pytest.raises(ValueError, match="discount"):
+        BanditBudget(FLAT, discount=0.0)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_decoding_under_the_bandit_equals_ar(static):
+    """Every cap the bandit plays, plain steps included, leaves the output AR's (fp64, mixed prompt lengths)."""
+    model = tiny_llama(num_layers=2, dtype=torch.float64)
+    dec = StaticDecoder(model, 64, static=static)
+    budget = BanditBudget(FLAT, sizes=(1, 2, 4, 8), explore=3)
+    played: set[int] = set()
+    for prompt_len in (3, 11, 7, 5):
+        prompt = torch.randint(5, 128, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+        ref, _ = ar_generate(model, None, prompt, 30, stop_ids=set())
+        proposer = OracleBeamProposer(ref, prompt_len, vocab=128)
+        out, stats = dec.speculative_generate(None, prompt, proposer, 30, stop_ids=set(), budget=budget)
+        assert out == ref
+        played |= set(stats.tree_sizes)
+    assert {1, 2} <= played and all(budget.plays[b] >= 3 for b in budget.arms)

@@ -94,8 +94,8 @@ DEVICE = Rule(
     "auto, cpu, cuda, cuda:N or mps",
 )
 NODE_BUDGET = Rule(  # a fitted budget, none, or a fixed node cap (`eval.config.fixed_node_cap`)
-    lambda v: v in ("auto", "bandit", "off") or (fixed_node_cap(v) or 0) >= 1,
-    "auto, bandit, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
+    lambda v: v in ("auto", "bandit", "fit", "off") or (fixed_node_cap(v) or 0) >= 1,
+    "auto, bandit, fit, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
 )
 POSITIVE = at_least(1)  # counts where zero is meaningless
 COUNT = at_least(0)  # counts where zero means "off"

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.validate import validate_config
-from specdraft.eval.config import fixed_node_cap
+from specdraft.eval.config import budget_kind, fixed_node_cap
 from specdraft.eval.graphs import capture_failures, report_captures
 from specdraft.hardware import host_info, log_environment, resolve_placement
 from specdraft.utils import atomic_write_json, seed_everything
@@ -58,11 +58,13 @@ def _spec(
 ):
     """A speculative method; `eval.acceptance=typical` swaps in Medusa's LOSSY rule (labelled in the name),
     `eval.fallback` adds the self-adaptive fallback (labelled `+fallback`; output unchanged), a cost curve
-    `cost` a fitted node budget (`eval.node_budget=auto`, the default; records carry `node_cap`), a count in
-    `eval.node_budget` a fixed one (`NodeBudget.fixed`: every tree cut to that many nodes, no fitting), `bandit`
-    a cap chosen per step from the loop's measured tokens per second (`BanditBudget`)."""
+    `cost` a node budget (records carry `node_cap`): `eval.node_budget=fit` the fitted one (`NodeBudget`),
+    `bandit` a cap chosen per step from the loop's measured tokens per second (`BanditBudget`), `auto` (the
+    default) the bandit on a CPU and the fitted one elsewhere (`budget_kind`); a count a fixed cap
+    (`NodeBudget.fixed`: every tree cut to that many nodes, no fitting)."""
     from specdraft.eval.bandit_budget import BanditBudget
     from specdraft.eval.budget import CapPolicy, NodeBudget
+    from specdraft.eval.decode import model_device
 
     e = cfg.eval
     if e.acceptance == "typical":  # Medusa typical acceptance: LOSSY, labelled in every table
@@ -75,10 +77,12 @@ def _spec(
     if e.fallback:
         name += "+fallback"
     fixed = fixed_node_cap(e.get("node_budget", "auto"))
+    setting = str(e.get("node_budget", "auto"))
+    kind = budget_kind(setting, model_device(model).type if setting == "auto" else "")
     budget: CapPolicy | None
     if fixed is not None and decoder is not None:
         budget = NodeBudget.fixed(fixed, label=name)
-    elif cost is not None and e.get("node_budget") == "bandit":
+    elif cost is not None and kind == "bandit":
         budget = BanditBudget(cost, label=name, seed=int(e.seed))
     elif cost is not None:
         budget = NodeBudget(
@@ -130,7 +134,9 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     )  # the batched decoders' (throughput)
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
     cost = None
-    if e.node_budget in ("auto", "bandit") and decoder is not None:  # verify cost per node count (cached)
+    if (
+        e.node_budget in ("auto", "bandit", "fit") and decoder is not None
+    ):  # verify cost per node count (cached)
         cost = CostCurve.load_or_measure(
             machine_key(model, decoder.path_name()),
             decoder.measure_costs,
@@ -372,8 +378,8 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             predicted=predicted,
             predict_s=predict_s,
             reserve=reserve,
-            # (the batched table fits `NodeBudget`s for `bandit` too: the bandit is single-prompt only)
-            node_budget=str(e.get("node_budget", "off")) in ("auto", "bandit"),
+            # (the batched table fits `NodeBudget`s for `auto` and `bandit` too: the bandit is single-prompt only)
+            node_budget=str(e.get("node_budget", "off")) in ("auto", "bandit", "fit"),
             node_cap=fixed_node_cap(e.get("node_budget", "auto")),  # eval.node_budget=N: every batched tree cut to N nodes too
             budget_refit=int(e.get("node_budget_refit", 128)),
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),

@@ -13,6 +13,18 @@ def fixed_node_cap(node_budget: Any) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def budget_kind(node_budget: Any, device_type: str) -> str:
+    """What `eval.node_budget` runs for a single-prompt decoder on `device_type`: `bandit` (a cap per step from the
+    loop's measured tokens per second), `fit` (the fitted `NodeBudget`), `off` or `fixed` (a count). `auto` is the
+    bandit on a CPU, where it served 1.03-1.06x faster than the fitted budget in 12 of 12 alternated runs on a 2-core
+    Zen 4 (docs/experiments.md, session 67), and the fitted budget elsewhere (a GPU: the bandit is unmeasured
+    there)."""
+    value = str(node_budget)
+    if value == "auto":
+        return "bandit" if device_type == "cpu" else "fit"
+    return "fixed" if value.isdigit() else value
+
+
 @dataclass
 class EvalConfig:
     """Speculative decoding benchmark settings."""
@@ -55,7 +67,7 @@ class EvalConfig:
     decode_path: str = "static"  # static (preallocated cache, one host sync/step) | dynamic (pre-0.2 path)
     cuda_graphs: str = "auto"  # auto (on when the target is on CUDA) | on | off: fixed-shape verify (single and batched) as CUDA graphs
     linear_layout: str = "auto"  # target Linear weights: auto (CPU fp32: panel on x86 AVX2 CPUs with a C compiler, else packed on Intel+MKL, else transposed) | transposed | native | packed | panel
-    node_budget: str = "auto"  # auto: cap trees at the size that pays on this machine (cost curve) | bandit: a cap per step from measured tok/s | off | N: every tree cut to N nodes
+    node_budget: str = "auto"  # auto: bandit on a CPU, fit on a GPU | bandit: a cap per step from measured tok/s | fit: fitted on the cost curve | off | N: every tree cut to N nodes
     node_budget_refit: int = 128  # steps after settling on no drafting before a refit (0: no refits at all)
     node_budget_refit_scale: int = (
         4  # a refit drafts <= this x the settled cap, >= 4 nodes (0: full-size trees)

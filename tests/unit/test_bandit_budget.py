@@ -11,6 +11,7 @@ import torch
 
 from specdraft.eval.bandit_budget import BanditBudget
 from specdraft.eval.budget import CostCurve
+from specdraft.eval.config import budget_kind
 from specdraft.eval.decode import ar_generate
 from specdraft.eval.static_decode import StaticDecoder
 from specdraft.testing import OracleBeamProposer, tiny_llama
@@ -125,3 +126,8 @@ def test_decoding_under_the_bandit_equals_ar(static):
         assert out == ref
         played |= set(stats.tree_sizes)
     assert {1, 2} <= played and all(budget.plays[b] >= 3 for b in budget.arms)
+
+
+def test_auto_is_the_bandit_on_a_cpu_and_the_fitted_budget_elsewhere():
+    assert budget_kind("auto", "cpu") == "bandit" and budget_kind("auto", "cuda") == "fit"
+    assert [budget_kind(v, "cpu") for v in ("fit", "bandit", "off", "2")] == ["fit", "bandit", "off", "fixed"]

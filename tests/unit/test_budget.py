@@ -853,7 +853,8 @@ def test_phase_one_drafts_no_tree_larger_than_could_pay(static):
 
 
 def test_eval_node_budget_confidence_reaches_every_fitted_budget():
-    """`eval.node_budget_confidence` (default 1) is the confidence of the budget evaluate.py builds per method,
+    """`eval.node_budget_confidence` (default 1) is the confidence of the fitted budget (`eval.node_budget=fit`, and
+    `auto` on a GPU) evaluate.py builds per method,
     `eval.node_budget_refit_on_call` (default true) its `refit_on_call` and `eval.node_budget_memory` (default
     192) its `memory`."""
     from types import SimpleNamespace
@@ -867,7 +868,7 @@ def test_eval_node_budget_confidence_reaches_every_fitted_budget():
     assert EvalConfig().node_budget_memory == 192
     runner = SimpleNamespace(spec_method=lambda *args: args[-1])  # the method's budget
     for z, on, memory in ((0.0, True, 0), (2.5, False, 192)):
-        e = dict(acceptance="greedy", fallback=False, profile=False, node_budget_refit=128)
+        e = dict(acceptance="greedy", fallback=False, profile=False, node_budget="fit", node_budget_refit=128)
         e.update(node_budget_refit_scale=4, node_budget_confidence=z, node_budget_refit_on_call=on)
         cfg = OmegaConf.create({"eval": {**e, "node_budget_memory": memory}})
         budget = _spec(cfg, runner, "m", None, None, None, set(), {}, None, cost=CostCurve({1: 1.0}))

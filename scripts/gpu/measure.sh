@@ -25,6 +25,10 @@ timeout ${T4:-40} python3 scripts/gpu/draft_timing.py $D > $OUT/draft_timing.log
 timeout ${T5:-80} python3 evaluate.py conf=redrafter_smollm2_long output_root=/tmp/o base_model.device=cuda \
   eval.limit=2 eval.max_new_tokens=96 eval.out_dir=$OUT/eval "eval.drafters=[$(echo $D | tr ' ' ',')]" \
   'eval.baselines=[]' > $OUT/evaluate.log 2>&1; t evaluate $?
+# session 67: the per-step bandit budget (auto's choice on a CPU) against the fitted one above (auto on a GPU)
+timeout ${T6:-60} python3 evaluate.py conf=redrafter_smollm2_long output_root=/tmp/o base_model.device=cuda \
+  eval.limit=2 eval.max_new_tokens=96 eval.out_dir=$OUT/eval_bandit "eval.drafters=[$(echo $D | tr ' ' ',')]" \
+  'eval.baselines=[]' eval.node_budget=bandit > $OUT/evaluate_bandit.log 2>&1; t evaluate_bandit $?
 # ~64 MB come back per call: the logs in one archive and the first 4 15-MB parts of Medusa's bf16 export
 # (train_on_gpu.sh); the rest waits in /tmp/bf/parts for the next call: `cp /tmp/bf/parts/* $OUT/`
 tar -C $OUT -czf /tmp/measure.tgz . && find $OUT -mindepth 1 -delete && mv /tmp/measure.tgz $OUT/

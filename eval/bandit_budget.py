@@ -150,6 +150,8 @@ class BanditBudget:
         best, pick = float("-inf"), self.arms[0]
         for b in self.arms:
             w, tok, tok2, s, s2 = self._stats[b]
+            if w < 1e-6:  # not played for thousands of steps (its weight would underflow): play it again
+                return b
             mt, ms = tok / w, s / w
             vt = max(tok2 / w - mt * mt, TOKEN_FLOOR) / w
             vs = max(s2 / w - ms * ms, (TIME_FLOOR * ms) ** 2) / w

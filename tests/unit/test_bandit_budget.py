@@ -131,3 +131,22 @@ def test_decoding_under_the_bandit_equals_ar(static):
 def test_auto_is_the_bandit_on_a_cpu_and_the_fitted_budget_elsewhere():
     assert budget_kind("auto", "cpu") == "bandit" and budget_kind("auto", "cuda") == "fit"
     assert [budget_kind(v, "cpu") for v in ("fit", "bandit", "off", "2")] == ["fit", "bandit", "off", "fixed"]
+
+
+def test_an_arm_left_unplayed_for_long_is_played_again():
+    """Its discounted weight shrinks every scored step; before it could underflow the arm is played again."""
+    t = [0.0]
+    budget = BanditBudget(FLAT, sizes=(1, 2), explore=1, clock=lambda: t[0])
+    budget.start(max_depth=3)
+    for _ in range(4):  # both arms scored: cap 1 first, then cap 2 with its 2 tokens
+        budget.tick()
+        budget.observe(0.0, 2)
+        t[0] += 0.004
+    assert min(budget.plays.values()) >= 1
+    picks = []
+    for _ in range(20):  # (a draw from its widened posterior would pick it about half the time)
+        budget._stats[2] = [v * 1e-9 for v in budget._stats[2]]  # cap 2 last scored long ago
+        budget.tick()
+        picks.append(budget.cap)
+        t[0] += 0.004
+    assert picks == [2] * 20

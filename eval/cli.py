@@ -76,8 +76,8 @@ def _spec(
         sampling, name = {**sampling, "verify_fn": rule}, f"{name}+typical(LOSSY)"
     if e.fallback:
         name += "+fallback"
-    fixed = fixed_node_cap(e.get("node_budget", "auto"))
     setting = str(e.get("node_budget", "auto"))
+    fixed = fixed_node_cap(setting)
     kind = budget_kind(setting, model_device(model).type if setting == "auto" else "")
     budget: CapPolicy | None
     if fixed is not None and decoder is not None:

@@ -498,13 +498,12 @@ class StaticDecoder:
                 b = logits.shape[0]
                 a, bonus = vals[0], vals[1]
                 if budget is not None and greedy and drafted:  # fitting, or the drift test once settled
-                    fit = budget
-                    cap = fit.cap
+                    cap = budget.cap
                     gains = vals[2 + 2 * b : 2 + 2 * b + n] if prefix else None
                     # (the verify as this loop pays it: forward and rule, to the step's host read above)
-                    fit.observe(t2 - t1, a, gains, time.perf_counter() - t2)
-                    if fit.cap != cap:  # a new cap: the proposer may draft less from now on
-                        proposer.fit_budget(cast(int, fit.cap))
+                    budget.observe(t2 - t1, a, gains, time.perf_counter() - t2)
+                    if budget.cap != cap:  # a new cap: the proposer may draft less from now on
+                        proposer.fit_budget(cast(int, budget.cap))
                 path_t = (
                     packed[2 : 2 + b] if packed is not None else torch.tensor(vals[2 : 2 + b], device=device)
                 )  # (b,) padded path, device

@@ -12,6 +12,17 @@ per step (the text moves on: a passage the drafter copies favours larger caps wh
 b > 1 on which the proposer did not draft (`eval.fallback` skipped it) is not scored. The output never changes,
 only how much is drafted and verified. The single-prompt decoder only (the batched throughput table keeps
 `NodeBudget`).
+
+Two things keep the sampling from wasting steps on arms it cannot tell apart (session 68: replayed on the logged
+steps of a 2-core Zen 4 run, the bandit served 0.91x of its best arm's rate with tree prompt lookup; with both,
+alternated runs gave tree prompt lookup +2.9% in fp32 and +8.5% in q8 over the bandit before, the ReDrafter
+-0.2% / +1.3%: docs/experiments.md):
+  * arms past the proposer's own tree (`ProposerSpec.node_budget`) are one arm: a 10-token lookup chain (11
+    nodes) drafts the same tree at caps 16 and 32, which the bandit used to explore as two;
+  * an arm's rate is drawn around its ratio estimate (discounted tokens over discounted seconds) with the
+    delta-method variance of that ratio, which counts the covariance of a step's tokens and its time (a step
+    that verifies a long chain costs more and emits more); drawing tokens and seconds independently overstated
+    the spread of arms whose tree size varies from step to step.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from specdraft.eval.budget import SIZES, CostCurve, payable_size
 
 TIME_FLOOR = 0.05  # relative standard deviation assumed at least for a step's time (a few samples say little)
 TOKEN_FLOOR = 0.25  # the same for its tokens (variance floor, tokens^2)
+MOMENTS = 6  # discounted [weight, tokens, tokens^2, seconds, seconds^2, tokens x seconds] per arm
 
 
 @dataclass
@@ -58,7 +70,7 @@ class BanditBudget:
     gains: list[list[int]] = field(default_factory=list)  # (none: there are no probe steps)
     plays: dict[int, int] = field(default_factory=dict)  # scored steps per arm
     arms: list[int] = field(default_factory=list)  # the candidate caps of this proposer (`start`)
-    _stats: dict[int, list[float]] = field(default_factory=dict)  # arm -> discounted [w, tok, tok^2, s, s^2]
+    _stats: dict[int, list[float]] = field(default_factory=dict)  # arm -> discounted moments (`MOMENTS`)
     _pending: tuple[int, float] | None = None  # (arm, tick time) of the step under way
     _tokens: int | None = None  # tokens the step under way emitted (`observe`); None: not drafted
     _told: int | None = None  # the cap the proposer drafts at
@@ -69,21 +81,25 @@ class BanditBudget:
             raise ValueError(f"BanditBudget: discount={self.discount} must be in (0, 1]")
         self._rng.seed(self.seed)
 
-    def start(self, max_depth: int) -> int:
+    def start(self, max_depth: int, node_budget: int = 0) -> int:
         """Call at the start of every decode call: sets the arms (sizes up to the largest that could pay for a
-        proposer of depth `max_depth`), drops the step under way (the time since spans a prefill) and returns
-        the cap the proposer drafts at now."""
+        proposer of depth `max_depth`, and none past the first size that holds its whole tree of `node_budget`
+        nodes: larger caps draft the same tree; 0 = not declared), drops the step under way (the time since
+        spans a prefill) and returns the cap the proposer drafts at now."""
         bound = payable_size(self.cost, self.sizes, max_depth)
-        arms = [b for b in self.sizes if b == 1 or b <= bound]
+        whole = max(self.sizes)  # the first size that holds the whole tree
+        if node_budget > 0:
+            whole = min((b for b in self.sizes if b >= node_budget), default=whole)
+        arms = [b for b in self.sizes if b == 1 or b <= min(bound, whole)]
         if arms != self.arms:
             self.arms = arms
             for b in arms:
-                self._stats.setdefault(b, [0.0] * 5)
+                self._stats.setdefault(b, [0.0] * MOMENTS)
                 self.plays.setdefault(b, 0)
             if self.label:
                 print(f"[node budget] {self.label}: bandit over caps {arms} (1: plain steps)", flush=True)
         self._pending, self._tokens = None, None
-        if self._told is None:
+        if self._told is None or self._told not in arms:
             self._told = max(arms)
             self.cap = self._told
         return self._told
@@ -127,37 +143,40 @@ class BanditBudget:
 
     def rate(self, arm: int) -> float:
         """The arm's discounted mean tokens per second (0 before any scored step)."""
-        w, tok, _, s, _ = self._stats.get(arm, [0.0] * 5)
+        w, tok, _, s, _, _ = self._stats.get(arm, [0.0] * MOMENTS)
         return tok / s if w > 0 and s > 0 else 0.0
 
     def _score(self, arm: int, tokens: int, seconds: float) -> None:
         """Record one step of `arm`; every record so far weighs `discount` less."""
         for st in self._stats.values():
-            for i in range(5):
+            for i in range(MOMENTS):
                 st[i] *= self.discount
         st = self._stats[arm]
-        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, seconds * seconds)):
+        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, seconds * seconds, tokens * seconds)):
             st[i] += v
         self.plays[arm] += 1
 
     def _choose(self) -> int:
         """The smallest arm with fewer than `explore` scored steps, else the arm with the highest sampled rate:
-        mean tokens and mean seconds each drawn from a normal around the discounted mean with the variance of
-        that mean (floored: `TOKEN_FLOOR`, `TIME_FLOOR`), their ratio compared."""
+        r ~ N(t / s, var(t - r s) / (w s^2)) with t, s the arm's discounted mean tokens and seconds a step and w
+        its discounted weight (the delta-method variance of a ratio of means, covariance included; the
+        variances floored at `TOKEN_FLOOR` and `TIME_FLOOR`)."""
         fresh = [b for b in self.arms if self.plays[b] < self.explore]
         if fresh:
             return fresh[0]
         best, pick = float("-inf"), self.arms[0]
         for b in self.arms:
-            w, tok, tok2, s, s2 = self._stats[b]
+            w, tok, tok2, s, s2, ts = self._stats[b]
             if w < 1e-6:  # not played for thousands of steps (its weight would underflow): play it again
                 return b
             mt, ms = tok / w, s / w
-            vt = max(tok2 / w - mt * mt, TOKEN_FLOOR) / w
-            vs = max(s2 / w - ms * ms, (TIME_FLOOR * ms) ** 2) / w
-            draw_t = self._rng.gauss(mt, vt**0.5)
-            draw_s = max(self._rng.gauss(ms, vs**0.5), 0.1 * ms)
-            r = draw_t / draw_s
-            if r > best:
-                best, pick = r, b
+            r = mt / ms
+            vt = max(tok2 / w - mt * mt, TOKEN_FLOOR)
+            vs = max(s2 / w - ms * ms, (TIME_FLOOR * ms) ** 2)
+            cov = ts / w - mt * ms
+            # (floored: no arm's rate is known better than TIME_FLOOR relative from one step)
+            vr = max(vt - 2.0 * r * cov + r * r * vs, (TIME_FLOOR * mt) ** 2) / (w * ms * ms)
+            draw = self._rng.gauss(r, vr**0.5)
+            if draw > best:
+                best, pick = draw, b
         return pick

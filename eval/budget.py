@@ -260,7 +260,7 @@ class CapPolicy(Protocol):
     @property
     def gains(self) -> list[list[int]]: ...  # records: the probe steps that rate the caps (bandit: none)
 
-    def start(self, max_depth: int) -> int: ...
+    def start(self, max_depth: int, node_budget: int = 0) -> int: ...  # the proposer's spec
     def tick(self) -> bool: ...
     def refit_cap(self) -> int: ...
     def observe(
@@ -463,8 +463,9 @@ class NodeBudget:
         """`payable_size` on this budget's curve and sizes, for a proposer of depth `max_depth`."""
         return payable_size(self.cost, self.sizes, max_depth)
 
-    def start(self, max_depth: int) -> int:
-        """Call at the start of every decode call with the proposer's `spec.max_depth`: bounds every fit's
+    def start(self, max_depth: int, node_budget: int = 0) -> int:
+        """Call at the start of every decode call with the proposer's `spec.max_depth` (`node_budget` is not
+        needed here: sizes past a proposer's whole tree rate as its whole tree): bounds every fit's
         probe by `could_pay` and returns the node cap the proposer drafts at now (`Proposer.fit_budget`): the
         cap once settled, else phase 1's probe size (`refit_cap`). When no size could pay, an unsettled budget
         settles on no drafting for good (no refits: `off_for_good`). A budget settled on no drafting refits at

@@ -17,8 +17,9 @@ def budget_kind(node_budget: Any, device_type: str) -> str:
     """What `eval.node_budget` runs for a single-prompt decoder on `device_type`: `bandit` (a cap per step from the
     loop's measured tokens per second), `fit` (the fitted `NodeBudget`), `off` or `fixed` (a count). `auto` is the
     bandit on a CPU, where it was ahead of the fitted budget in 14 of 18 alternated pairs on a 2-core Zen 4 (the
-    trained drafter in 11 of 12, by 1-5% on average; tree prompt lookup behind in fp32; docs/experiments.md,
-    session 67), and the fitted budget elsewhere (a GPU: the bandit is unmeasured there)."""
+    trained drafter in 11 of 12, by 1-5% on average; tree prompt lookup behind in fp32 until session 68's arms
+    and draws lifted it 2.9%; docs/experiments.md, sessions 67-68), and the fitted budget elsewhere (a GPU: the
+    bandit is unmeasured there)."""
     value = str(node_budget)
     if value == "auto":
         return "bandit" if device_type == "cpu" else "fit"

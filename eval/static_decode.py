@@ -429,7 +429,7 @@ class StaticDecoder:
         valid: Tensor | None
         inp: _TreeInputs | None
         if budget is not None:  # its cap, or phase 1's probe (never past the largest size that could pay)
-            proposer.fit_budget(budget.start(proposer.spec.max_depth))
+            proposer.fit_budget(budget.start(proposer.spec.max_depth, proposer.spec.node_budget))
         held: list[tuple[Tensor, int]] = []  # plain steps' (hidden (1, H'), next token), for the next draft
         while not done:
             if budget is not None and greedy and budget.tick():  # a refit: trees of the probe size again

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft.conf.schema import DRAFTER_SCHEMAS, BaseModelConfig, DataConfig, RootConfig
 from specdraft.data.features import FEATURE_DTYPES
 from specdraft.distill.config import DistillConfig
-from specdraft.eval.config import EvalConfig, fixed_node_cap
+from specdraft.eval.config import CURVE_BUDGETS, EvalConfig, fixed_node_cap
 from specdraft.hardware import DTYPES
 from specdraft.train.config import (
     Eagle3Schema,
@@ -93,9 +93,11 @@ DEVICE = Rule(
     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
     "auto, cpu, cuda, cuda:N or mps",
 )
-NODE_BUDGET = Rule(  # a fitted budget, none, or a fixed node cap (`eval.config.fixed_node_cap`)
-    lambda v: v in ("auto", "bandit", "fit", "off") or (fixed_node_cap(v) or 0) >= 1,
-    "auto, bandit, fit, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
+NODE_BUDGET = (
+    Rule(  # a budget priced on the cost curve, none, or a fixed node cap (`eval.config.fixed_node_cap`)
+        lambda v: v in (*CURVE_BUDGETS, "off") or (fixed_node_cap(v) or 0) >= 1,
+        "auto, bandit, fit, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
+    )
 )
 POSITIVE = at_least(1)  # counts where zero is meaningless
 COUNT = at_least(0)  # counts where zero means "off"

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.conf.validate import validate_config
-from specdraft.eval.config import budget_kind, fixed_node_cap
+from specdraft.eval.config import CURVE_BUDGETS, budget_kind, fixed_node_cap
 from specdraft.eval.graphs import capture_failures, report_captures
 from specdraft.hardware import host_info, log_environment, resolve_placement
 from specdraft.utils import atomic_write_json, seed_everything
@@ -134,9 +134,7 @@ def _methods(cfg: DictConfig, model, tokenizer, stop_ids: set[int]) -> tuple[lis
     )  # the batched decoders' (throughput)
     methods = [runner.ar_method(model, tokenizer, stop_ids, sampling, decoder)]
     cost = None
-    if (
-        e.node_budget in ("auto", "bandit", "fit") and decoder is not None
-    ):  # verify cost per node count (cached)
+    if e.node_budget in CURVE_BUDGETS and decoder is not None:  # verify cost per node count (cached)
         cost = CostCurve.load_or_measure(
             machine_key(model, decoder.path_name()),
             decoder.measure_costs,
@@ -379,7 +377,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             predict_s=predict_s,
             reserve=reserve,
             # (the batched table fits `NodeBudget`s for `auto` and `bandit` too: the bandit is single-prompt only)
-            node_budget=str(e.get("node_budget", "off")) in ("auto", "bandit", "fit"),
+            node_budget=str(e.get("node_budget", "off")) in CURVE_BUDGETS,
             node_cap=fixed_node_cap(e.get("node_budget", "auto")),  # eval.node_budget=N: every batched tree cut to N nodes too
             budget_refit=int(e.get("node_budget_refit", 128)),
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),

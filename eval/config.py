@@ -13,6 +13,10 @@ def fixed_node_cap(node_budget: Any) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+# `eval.node_budget` settings that price caps on the measured verify cost curve (a fixed count and `off` do not)
+CURVE_BUDGETS = ("auto", "bandit", "fit")
+
+
 def budget_kind(node_budget: Any, device_type: str) -> str:
     """What `eval.node_budget` runs for a single-prompt decoder on `device_type`: `bandit` (a cap per step from the
     loop's measured tokens per second), `fit` (the fitted `NodeBudget`), `off` or `fixed` (a count). `auto` is the

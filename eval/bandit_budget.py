@@ -10,8 +10,9 @@ served 1.12x (docs/experiments.md, session 66). Here nothing is modelled: a step
 plain step), and the next step's cap is the arm whose sampled rate is highest. Older steps weigh `discount` less
 per step (the text moves on: a passage the drafter copies favours larger caps while it lasts). A step at a cap
 b > 1 on which the proposer did not draft (`eval.fallback` skipped it) is not scored. The output never changes,
-only how much is drafted and verified. The single-prompt decoder only (the batched throughput table keeps
-`NodeBudget`).
+only how much is drafted and verified. The batched decoder drives it the same way, one bandit per batch size:
+a step's tokens are every row's, a plain step's one per decoded request, and the time its refills spend
+prefilling is left out.
 
 Two things keep the sampling from wasting steps on arms it cannot tell apart (session 68: replayed on the logged
 steps of a 2-core Zen 4 run, the bandit served 0.91x of its best arm's rate with tree prompt lookup; with both,
@@ -71,7 +72,7 @@ class BanditBudget:
     plays: dict[int, int] = field(default_factory=dict)  # scored steps per arm
     arms: list[int] = field(default_factory=list)  # the candidate caps of this proposer (`start`)
     _stats: dict[int, list[float]] = field(default_factory=dict)  # arm -> discounted moments (`MOMENTS`)
-    _pending: tuple[int, float] | None = None  # (arm, tick time) of the step under way
+    _pending: tuple[int, float, int] | None = None  # (arm, tick time, rows) of the step under way
     _tokens: int | None = None  # tokens the step under way emitted (`observe`); None: not drafted
     _told: int | None = None  # the cap the proposer drafts at
     _rng: random.Random = field(default_factory=random.Random)
@@ -104,17 +105,25 @@ class BanditBudget:
             self.cap = self._told
         return self._told
 
-    def tick(self) -> bool:
+    def tick(self, rows: int = 1, exclude_s: float = 0.0) -> bool:
         """Call before every greedy decode step: scores the step before (its tokens over the time since the
-        last tick) and picks this step's cap. True when the proposer must be told a new cap
-        (`fit_budget(refit_cap())`)."""
+        last tick, less `exclude_s`) and picks this step's cap. True when the proposer must be told a new cap
+        (`fit_budget(refit_cap())`).
+
+        Args:
+            rows: requests the coming step decodes (the batched decoder: a plain step emits one token each).
+            exclude_s: seconds since the last tick spent outside decode steps (the batched decoder's refills:
+                prefilling admitted requests is paid alike at every cap).
+        """
         now = self.clock()
         if self._pending is not None:
-            arm, t0 = self._pending
+            arm, t0, plain = self._pending
             if arm == 1 or self._tokens is not None:
-                self._score(arm, 1 if arm == 1 else int(self._tokens or 1), now - t0)
+                self._score(
+                    arm, plain if arm == 1 else int(self._tokens or 1), max(now - t0 - exclude_s, 1e-9)
+                )
         self.cap = self._choose()
-        self._pending, self._tokens = (self.cap, now), None
+        self._pending, self._tokens = (self.cap, now, rows), None
         if self.cap > 1 and self.cap != self._told:
             self._told = self.cap
             self.refits += 1
@@ -137,9 +146,10 @@ class BanditBudget:
         prefix_accept: list[int] | None = None,
         verify_s: float | None = None,
     ) -> None:
-        """A drafted greedy step: `accepted` = the tokens it emitted (accepted nodes, root included); the time
-        comes from `tick`, so `draft_s`, `prefix_accept` and `verify_s` are not needed."""
-        self._tokens = int(accepted)
+        """A drafted greedy step's row: `accepted` = the tokens it emitted (accepted nodes, root included),
+        added up over the rows of a batched step (one call per row); the time comes from `tick`, so `draft_s`,
+        `prefix_accept` and `verify_s` are not needed."""
+        self._tokens = (self._tokens or 0) + int(accepted)
 
     def rate(self, arm: int) -> float:
         """The arm's discounted mean tokens per second (0 before any scored step)."""

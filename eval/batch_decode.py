@@ -52,6 +52,7 @@ from specdraft.eval.budget import (
     FULL,
     RECHECK_SIZES,
     SIZES,
+    CapPolicy,
     CostCurve,
     NodeBudget,
     machine_key,
@@ -473,7 +474,7 @@ class BatchDecoder:
         proposer_factory: Callable[[], Proposer] | None = None,
         on_step: Callable[[BatchDecoder], None] | None = None,
         order: list[int] | None = None,
-        budget: NodeBudget | None = None,
+        budget: CapPolicy | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -492,9 +493,11 @@ class BatchDecoder:
             on_step: called after every batched step's compaction (tests inspect the cache there).
             order: the order in which queued requests are admitted to free rows, a permutation of the request
                 indices (`eval.scheduler.schedule_order`); None: FIFO (arrival order). Outputs do not depend on it.
-            budget: one `NodeBudget` for all rows, fitted on this batch size's cost curve per row
-                (`row_cost_curve`): every row's tree is cut to its first `cap` nodes, or no row drafts when
-                `cap == 1`; its state carries over calls (fitted on greedy calls only). Outputs do not depend on it.
+            budget: one node budget for all rows (`budget.CapPolicy`): a `NodeBudget` fitted on this batch
+                size's cost curve per row (`row_cost_curve`), or a `BanditBudget` choosing each step's cap from
+                the batch's measured tokens per second; every row's tree is cut to its first `cap` nodes, or no
+                row drafts when `cap == 1`; its state carries over calls (greedy calls only). Outputs do not
+                depend on it.
             temperature, top_k, top_p: 0 = greedy; > 0 = sample every row from the target's warped
                 distribution (`verify.warp_probs`), losslessly, as `decode.speculative_generate` does.
             generator: RNG for sampling (on the model's device), shared by the rows in row order.
@@ -513,7 +516,8 @@ class BatchDecoder:
         )
         if len(budgets) != len(requests):
             raise ValueError(f"{len(budgets)} max_new_tokens for {len(requests)} requests")
-        if budget is not None and width is not None and not (budget.settled and budget.refit_gap <= 0):
+        fixed = isinstance(budget, NodeBudget) and budget.settled and budget.refit_gap <= 0
+        if budget is not None and width is not None and not fixed:
             raise ValueError(
                 "generate: a width policy takes a fixed node budget (NodeBudget.fixed), not a fitted one"
             )
@@ -536,7 +540,8 @@ class BatchDecoder:
         queue = deque(range(len(requests)) if order is None else order)
         sampling: Sampling | None = (temperature, top_k, top_p, generator) if temperature > 0 else None
         # the budget's cap, or its phase-1 probe (never past the largest size that could pay on this curve)
-        limit = budget.start(proposers[0].spec.max_depth) if budget is not None and proposers else FULL
+        spec = proposers[0].spec if proposers else None
+        limit = budget.start(spec.max_depth, spec.node_budget) if budget is not None and spec else FULL
         # the node cap the proposers draft at now: the budget's, or lower where the width policy left them
         drafting_at = min(limit, width.draft_nodes or FULL) if width is not None else limit
         if drafting_at < FULL:
@@ -563,6 +568,7 @@ class BatchDecoder:
 
         while True:
             lap("commit")  # the previous step's commit and bookkeeping (first: the call's set-up)
+            t_refill = time.perf_counter()  # (what refilling takes is no decode step's: `budget.tick`)
             # refill free rows, prefilled together, once `refill_rows` are free (or as many as are queued, or
             # no row is active); a request may finish at its first token
             while queue and (
@@ -598,8 +604,9 @@ class BatchDecoder:
             lap("prefill")
             if not active:
                 break
-            if budget is not None and proposers and sampling is None and budget.tick():  # a refit: probe size
-                self._fit_proposers(proposers, budget.refit_cap())
+            refill_s = time.perf_counter() - t_refill
+            if budget is not None and proposers and sampling is None and budget.tick(len(active), refill_s):
+                self._fit_proposers(proposers, budget.refit_cap())  # a refit's probe size, a bandit's new cap
             fitting = budget is not None and not budget.settled and bool(proposers) and sampling is None
             off = budget is not None and budget.cap == 1  # drafting does not pay at this batch size
             widths = width if width is not None and proposers and sampling is None else None
@@ -638,7 +645,7 @@ class BatchDecoder:
                 tokens[live], anc[live], depth[live], layers, keep_last, live, valid[live]
             )  # (R, b, V), (R, b, H'), R = hi - lo
             lap("verify")
-            gains = fitting and not off and cast(NodeBudget, budget).cap is None  # phase 1: the gain curves
+            gains = fitting and not off and budget is not None and budget.cap is None  # phase 1: gain curves
             # (B, 2 + 2b [+ b]): [a, bonus, path (b,), path tokens (b,) [, gains (b,)]]; rows outside
             # `live` (idle) accept nothing, with the identity path
             packed = torch.zeros(B, 2 + 2 * b + (b if gains else 0), dtype=torch.long, device=dev)
@@ -662,15 +669,15 @@ class BatchDecoder:
                     {r: vals[r][2 : 2 + accepted[r]] for r in trees},
                     {r: t.num_nodes for r, t in trees.items()},
                 )
-            if budget is not None and proposers and sampling is None and not off:  # fit or drift test
-                fit, prev_cap = cast(NodeBudget, budget), cast(NodeBudget, budget).cap
+            if budget is not None and proposers and sampling is None and not off:  # fit, drift test, bandit
+                prev_cap = budget.cap
                 for r in active:
                     n = trees[r].num_nodes
-                    fit.observe(
+                    budget.observe(
                         draft_s[r], accepted[r], vals[r][2 + 2 * b : 2 + 2 * b + n] if gains else None
                     )
-                if fit.cap != prev_cap:  # a new cap: the proposers may draft less from now on
-                    self._fit_proposers(proposers, cast(int, fit.cap))
+                if budget.cap != prev_cap:  # a new cap: the proposers may draft less from now on
+                    self._fit_proposers(proposers, cast(int, budget.cap))
             lap("accept")
             path_t = packed[:, 2 : 2 + b]  # (B, b) padded paths
             # path[a-1] == a-1 in every row (paths ascend from 0): nothing to move, known without a sync

@@ -261,7 +261,7 @@ class CapPolicy(Protocol):
     def gains(self) -> list[list[int]]: ...  # records: the probe steps that rate the caps (bandit: none)
 
     def start(self, max_depth: int, node_budget: int = 0) -> int: ...  # the proposer's spec
-    def tick(self) -> bool: ...
+    def tick(self, rows: int = 1, exclude_s: float = 0.0) -> bool: ...  # rows and refills of a batched step
     def refit_cap(self) -> int: ...
     def observe(
         self,
@@ -490,8 +490,9 @@ class NodeBudget:
         drafting on a new call (`start`, `refit_on_call`), not only on drift."""
         return self.settled and self.cap is not None and self.cap <= 2 and self.refit_gap > 0
 
-    def tick(self) -> bool:
-        """Call before every decode step. True when a refit starts (the drift test asked for one, or the gap
+    def tick(self, rows: int = 1, exclude_s: float = 0.0) -> bool:
+        """Call before every decode step (`rows` and `exclude_s` are for a budget that times steps: a fit counts
+        them). True when a refit starts (the drift test asked for one, or the gap
         after settling on no drafting or on 2 nodes has passed): phase 1 again, so the caller raises the
         proposer's cap to the probe size (`fit_budget(refit_cap())`) and drafts those trees, observing them
         with their gain curves, until the cap settles again."""

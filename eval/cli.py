@@ -308,6 +308,7 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
     """`eval.batch_sizes`: the batched throughput table over each benchmark's first turns (greedy, or sampled
     at `eval.temperature` > 0)."""
     from specdraft.data.benchmarks import first_turn_ids
+    from specdraft.eval.decode import model_device
     from specdraft.eval.throughput import (
         Factory,
         print_throughput,
@@ -376,8 +377,9 @@ def _throughput(cfg: DictConfig, benches: dict, methods: list, model, tokenizer,
             predicted=predicted,
             predict_s=predict_s,
             reserve=reserve,
-            # (the batched table fits `NodeBudget`s for `auto` and `bandit` too: the bandit is single-prompt only)
             node_budget=str(e.get("node_budget", "off")) in CURVE_BUDGETS,
+            # the same kind as the single-prompt rows: `auto` is a bandit per batch size on a CPU
+            bandit=budget_kind(e.get("node_budget", "off"), model_device(model).type) == "bandit",
             node_cap=fixed_node_cap(e.get("node_budget", "auto")),  # eval.node_budget=N: every batched tree cut to N nodes too
             budget_refit=int(e.get("node_budget_refit", 128)),
             budget_refit_scale=int(e.get("node_budget_refit_scale", 4)),

@@ -28,7 +28,7 @@ import torch
 
 from specdraft.eval.batch_decode import make_batch_decoder
 from specdraft.eval.batch_width import WidthPolicy
-from specdraft.eval.budget import NodeBudget
+from specdraft.eval.budget import CapPolicy
 from specdraft.eval.decode import Proposer
 from specdraft.eval.scheduler import first_fit_decreasing
 
@@ -95,7 +95,7 @@ def serve_grouped(
     stop_ids: set[int],
     proposer_factory: Callable[[], Proposer] | None = None,
     max_batch: int | None = None,
-    budget: NodeBudget | None = None,
+    budget: CapPolicy | None = None,
     sample: dict[str, Any] | None = None,
     cuda_graphs: str = "auto",
     width: WidthPolicy | None = None,
@@ -112,7 +112,7 @@ def serve_grouped(
         stop_ids: end tokens.
         proposer_factory: one proposer per row (None: AR).
         max_batch: most rows per group (None: no limit).
-        budget: a node budget shared by every group (fitted at one batch size, usually FIFO's: an
+        budget: a node budget shared by every group (fitted or learnt at one batch size, usually FIFO's: an
             approximation for groups of other sizes; outputs never depend on it).
         sample: `BatchDecoder.generate` sampling keywords; None: greedy. A resumed overflow continues from
             its emitted prefix, so its tokens still follow the target's distribution.

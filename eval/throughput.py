@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from specdraft.eval.bandit_budget import BanditBudget
 from specdraft.eval.batch_decode import (
     PHASES,
     BatchDecoder,
@@ -29,7 +30,7 @@ from specdraft.eval.batch_decode import (
     rows_budget_for,
 )
 from specdraft.eval.batch_width import WidthPolicy
-from specdraft.eval.budget import SIZES, CostCurve, NodeBudget, marginal_min_prob
+from specdraft.eval.budget import SIZES, CapPolicy, CostCurve, NodeBudget, marginal_min_prob
 from specdraft.eval.decode import Proposer
 from specdraft.eval.grouped import GroupedStats, add_call, serve_grouped
 from specdraft.eval.scheduler import SCHEDULERS, schedule_order
@@ -95,6 +96,7 @@ def throughput_rows(
     predict_s: float = 0.0,
     reserve: Sequence[int] | None = None,
     node_budget: bool = False,
+    bandit: bool = False,
     sample: dict[str, Any] | None = None,
     budget_refit: int = 128,
     budget_refit_scale: int = 4,
@@ -129,6 +131,9 @@ def throughput_rows(
         node_budget: fit a `NodeBudget` per (B, drafter) on B's measured per-row cost curve
             (`BatchDecoder.row_cost_curve`), shared by that drafter's scheduler runs at B (`eval.node_budget`);
             from the second batch size on it starts from the previous one's gain curve (`NodeBudget.warm_start`).
+        bandit: with `node_budget`, a `BanditBudget` per (B, drafter) instead: each batched step's cap chosen
+            from the measured tokens per second of that batch size (`eval.node_budget=bandit`, `auto` on a CPU);
+            B's cost curve only bounds its arms. Each batch size learns afresh.
         budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
             refits at all; `eval.node_budget_refit`).
         budget_refit_scale: a refit drafts trees of at most this many times the settled cap, >= 4 nodes (0:
@@ -190,7 +195,7 @@ def throughput_rows(
         dec.reserve(worst + max(cache_margin(f() if f is not None else None) for _, f, _ in made))
         for name, factory, setting in made:
             fifo_rate, measured = 0.0, None
-            budget: NodeBudget | None = None
+            budget: CapPolicy | None = None
             width: WidthPolicy | None = None
             if name in by_width:
                 assert curve is not None
@@ -200,6 +205,8 @@ def throughput_rows(
                 learnt[name] = width
             if node_cap is not None and factory:  # (a width policy chooses within the fixed cap)
                 budget = NodeBudget.fixed(node_cap)
+            elif curve and factory and node_budget and width is None and bandit:
+                budget = BanditBudget(curve, label=f"{name} at batch {b}")
             elif curve and factory and node_budget and width is None:
                 budget = NodeBudget(
                     curve,
@@ -310,7 +317,7 @@ def warm_up(
     max_new_tokens: int,
     stop_ids: set[int],
     factory: Callable[[], Proposer] | None,
-    budget: NodeBudget | None,
+    budget: CapPolicy | None,
     node_cap: int | None,
     widths: bool = False,
 ) -> None:
@@ -328,7 +335,7 @@ def warm_up(
         max_new_tokens: the timed calls' budget (warm-up budgets stay below it).
         stop_ids: end-of-generation tokens.
         factory: the method's proposer factory, the one its timed calls pass.
-        budget: the method's fitted node budget, if any; node_cap: its fixed cap, if any.
+        budget: the method's node budget (fitted or a bandit), if any; node_cap: its fixed cap, if any.
         widths: the method's timed calls choose a width per step (`batch_width.WidthPolicy`).
     """
     few = prompts[: dec.batch_size]
@@ -343,7 +350,7 @@ def warm_up(
         if widths:  # every padded width below the full tree's
             caps += sorted({rows_budget_for(n) for n in range(1, full)} - {rows_budget_for(full)})
         else:
-            caps += [c for c in cast(NodeBudget, budget).sizes if 1 < c < full]
+            caps += [c for c in cast(CapPolicy, budget).sizes if 1 < c < full]
     for cap in caps:
         dec.generate(few, lengths, stop_ids, factory, budget=None if cap is None else NodeBudget.fixed(cap))
 

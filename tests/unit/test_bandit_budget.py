@@ -102,6 +102,26 @@ def test_plain_steps_score_one_token_and_unscored_steps_are_skipped():
     assert budget.plays[2] == 1 and budget.rate(2) == pytest.approx(400.0)
 
 
+def test_a_batched_step_scores_every_row_and_leaves_refills_out():
+    """The batched decoder ticks with the rows the coming step decodes and the time its refills took: a plain
+    step of 4 rows scores 4 tokens, a drafted one the tokens its rows emitted (one `observe` per row), each over
+    its time less the prefill."""
+    t = [0.0]
+    budget = BanditBudget(FLAT, sizes=(1, 2), explore=1, clock=lambda: t[0])
+    budget.start(max_depth=3)
+    budget.tick(rows=4)
+    assert budget.cap == 1
+    t[0] += 0.010  # the plain step (4 ms), then a refill that prefilled for 6 ms
+    budget.tick(rows=4, exclude_s=0.006)
+    assert budget.rate(1) == pytest.approx(1000.0)  # 4 tokens / 4 ms
+    assert budget.cap == 2
+    for a in (3, 1, 2, 2):  # four rows' emitted tokens
+        budget.observe(0.0, a)
+    t[0] += 0.008
+    budget.tick(rows=4)
+    assert budget.plays[2] == 1 and budget.rate(2) == pytest.approx(1000.0)  # 8 tokens / 8 ms
+
+
 def test_arms_stop_at_the_largest_size_that_could_pay():
     """On a steep curve (8 nodes cost 6 one-token steps) a depth-3 proposer never plays 8 nodes."""
     budget = BanditBudget(CostCurve({1: 1.0, 2: 1.2, 4: 2.0, 8: 6.0}), sizes=(1, 2, 4, 8))

@@ -273,6 +273,37 @@ def test_batched_node_budget_fits_a_cap_and_keeps_outputs(ms, expect):
     assert max(sizes) <= budget.cap and (expect != 1 or set(sizes) == {1})
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_batched_bandit_budget_keeps_outputs_and_scores_every_row(shape, monkeypatch):
+    """One `BanditBudget` over 3 rows of oracle beams (prompts of mixed lengths, rows finishing at different
+    steps and refilled): every cap it plays, plain steps included, leaves each request its batch-1 AR output; a
+    plain step scores one token per decoded row, a drafted step every row's emitted tokens."""
+    from specdraft.eval.bandit_budget import BanditBudget
+    from specdraft.eval.budget import CostCurve
+
+    dev = _device(shape)
+    model = tiny_target("llama", dev)
+    prompts = random_prompts(LENGTHS)
+    stops, refs = _references(model, prompts, BUDGETS)
+    scored: list[tuple[int, int]] = []
+    real = BanditBudget._score
+
+    def spy(self: BanditBudget, arm: int, tokens: int, seconds: float) -> None:
+        scored.append((arm, tokens))
+        real(self, arm, tokens, seconds)
+
+    monkeypatch.setattr(BanditBudget, "_score", spy)
+    budget = BanditBudget(CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}), sizes=(1, 2, 4, 8), explore=4)
+    dec = _decoder(model, 3, shape)
+    for _ in range(2):  # the second call starts from what the first learnt
+        res = dec.generate(prompts, BUDGETS, stops, _factory("oracle", prompts, refs), budget=budget)
+        assert [t for t, _ in res] == refs
+    assert {arm for arm, _ in scored} == {1, 2, 4, 8}
+    plain = {t for arm, t in scored if arm == 1}
+    assert plain <= {1, 2, 3} and max(plain) == 3  # one token per decoded row (3 while every row decodes)
+    assert max(t for arm, t in scored if arm > 1) > 3  # oracle drafts: several tokens a row
+
+
 def test_batched_refit_brings_drafting_back():
     """Rows whose drafts never pay turn drafting off for the batch; in the next call the drafts are right, a
     refit sees it and drafting resumes (each row's proposer gets the positions committed while it was off);

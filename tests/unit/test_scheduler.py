@@ -149,6 +149,22 @@ def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(
         assert starts[0][1] == min(starts[0][0], memory) > 48  # ... with every probe step batch 1 drafted
 
 
+def test_throughput_bandit_budgets_learn_per_batch_size(tmp_path, monkeypatch, capsys) -> None:
+    """`bandit=True` (`eval.node_budget=auto` on a CPU): a `BanditBudget` per (batch size, drafter) instead of a
+    fitted budget, its arms bounded by that batch size's cost curve; outputs stay batch-1 AR's."""
+    monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path))
+    model = tiny_target()
+    prompts = random_prompts([4, 9, 6, 3, 5, 7])
+    rows = throughput_rows(
+        model, "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [1, 2], 24, set(),
+        log=lambda _: None, node_budget=True, bandit=True,
+    )  # fmt: skip
+    assert all(r["identical"] == len(prompts) for r in rows)
+    out = capsys.readouterr().out
+    assert "lookup at batch 1: bandit over caps [1" in out and "lookup at batch 2: bandit over caps [1" in out
+    assert all(r["node_cap"] >= 1 for r in rows if r["method"] == "lookup")
+
+
 @pytest.mark.parametrize("spec", [False, True], ids=["ar", "lookup"])
 def test_grouped_serving_stays_in_budget_and_equals_batch1_ar_with_overflows(spec: bool) -> None:
     """Reserves [2, 2, 12, 2, 12, 3] against true lengths up to 12 (no stop tokens): the too-short reserves

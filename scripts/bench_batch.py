@@ -142,7 +142,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--budget",
         action="store_true",
-        help="fit a node budget per (batch size, drafter) (eval.node_budget=auto)",
+        help="a node budget per (batch size, drafter): fitted (eval.node_budget=fit; with --bandit a bandit)",
+    )
+    p.add_argument(
+        "--bandit",
+        action="store_true",
+        help="with --budget: a per-step bandit per (batch size, drafter) instead of a fitted budget "
+        "(eval.node_budget=bandit, auto on a CPU in evaluate.py)",
     )
     p.add_argument(
         "--budget-memory",
@@ -290,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = throughput_rows(
             model, Path(a.bench).stem, requests, methods, a.batch, a.max_new_tokens, stop,
             schedulers=a.scheduler, predicted=predicted, predict_s=predict_s, reserve=reserve,
-            node_budget=a.budget, cuda_graphs=a.graphs, node_cap=a.cap, prefill_rows=a.prefill_rows,
+            node_budget=a.budget, bandit=a.bandit, cuda_graphs=a.graphs, node_cap=a.cap, prefill_rows=a.prefill_rows,
             phases=a.phases, refill_rows=a.refill_rows, budget_memory=a.budget_memory,
         )  # fmt: skip
         for r in rows:

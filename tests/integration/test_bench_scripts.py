@@ -90,16 +90,19 @@ def test_bench_decode_lays_the_target_out_as_evaluate_does_by_default(
 
 
 def test_bench_batch(eval_assets: Path, tmp_path: Path, capsys) -> None:
+    """Every method at batch 1 and 2, outputs equal to batch-1 AR; `--budget --bandit`: a bandit node budget per
+    (batch size, drafter)."""
     out = tmp_path / "batch.json"
     _main("bench_batch")(
         [*_common(eval_assets, out), "--requests", "3", "--batch", "1", "2", "--max-new-tokens", "6",
-         "--lookup-branch", "3"]
+         "--lookup-branch", "3", "--budget", "--bandit"]
     )  # fmt: skip
     rows = _load(out)["rows"]
     methods = ("ar", "redrafter:drafter", "redrafter:drafter+lookup", "lookup:3")
     assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in methods for b in (1, 2)}
     assert all(r["identical"] == r["requests"] == 3 for r in rows)  # batched outputs equal batch-1 AR
-    assert "mini_mt" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mini_mt" in printed and "redrafter:drafter at batch 2: bandit over caps [1" in printed
 
 
 def test_bench_batch_phases_and_refill_rows(eval_assets: Path, tmp_path: Path, capsys) -> None:

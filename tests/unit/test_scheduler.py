@@ -7,6 +7,7 @@ FIFO's KV memory, and requests that outgrow their reserve resume losslessly."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -116,6 +117,18 @@ def test_throughput_rows_fifo_length_oracle(tmp_path) -> None:
         throughput_rows(model, "toy", prompts, [("ar", None)], [1], 4, set(), schedulers=("length",))
 
 
+def _lookup_rows_under_budgets(**kw: Any) -> list[dict[str, Any]]:
+    """The throughput table of AR and prompt lookup at batch 1 and 2 with node budgets (`throughput_rows`
+    keywords `kw`) over six toy prompts; every output equal to batch-1 AR's."""
+    prompts = random_prompts([4, 9, 6, 3, 5, 7])
+    rows = throughput_rows(
+        tiny_target(), "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [1, 2], 24,
+        set(), log=lambda _: None, node_budget=True, **kw,
+    )  # fmt: skip
+    assert all(r["identical"] == len(prompts) for r in rows)
+    return rows
+
+
 @pytest.mark.parametrize("memory", [0, 192])
 def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(
     tmp_path, monkeypatch, memory
@@ -135,13 +148,7 @@ def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(
         starts.append((len(other.gains), len(self.gains)))
 
     monkeypatch.setattr(NodeBudget, "warm_start", spy)
-    model = tiny_target()
-    prompts = random_prompts([4, 9, 6, 3, 5, 7])
-    rows = throughput_rows(
-        model, "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [1, 2], 24, set(),
-        log=lambda _: None, node_budget=True, budget_memory=memory,
-    )  # fmt: skip
-    assert all(r["identical"] == len(prompts) for r in rows)
+    _lookup_rows_under_budgets(budget_memory=memory)
     assert len(starts) == 1 and starts[0][0] >= 48  # batch 1 fitted (a refit may be under way)
     if memory == 0:
         assert starts[0][1] == 48  # the batch-2 budget began with batch 1's newest 48-step gain curve
@@ -153,13 +160,7 @@ def test_throughput_bandit_budgets_learn_per_batch_size(tmp_path, monkeypatch, c
     """`bandit=True` (`eval.node_budget=auto` on a CPU): a `BanditBudget` per (batch size, drafter) instead of a
     fitted budget, its arms bounded by that batch size's cost curve; outputs stay batch-1 AR's."""
     monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path))
-    model = tiny_target()
-    prompts = random_prompts([4, 9, 6, 3, 5, 7])
-    rows = throughput_rows(
-        model, "toy", prompts, [("ar", None), ("lookup", lambda: PromptLookupProposer(3))], [1, 2], 24, set(),
-        log=lambda _: None, node_budget=True, bandit=True,
-    )  # fmt: skip
-    assert all(r["identical"] == len(prompts) for r in rows)
+    rows = _lookup_rows_under_budgets(bandit=True)
     out = capsys.readouterr().out
     assert "lookup at batch 1: bandit over caps [1" in out and "lookup at batch 2: bandit over caps [1" in out
     assert all(r["node_cap"] >= 1 for r in rows if r["method"] == "lookup")

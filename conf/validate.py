@@ -93,11 +93,10 @@ DEVICE = Rule(
     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
     "auto, cpu, cuda, cuda:N or mps",
 )
-NODE_BUDGET = (
-    Rule(  # a budget priced on the cost curve, none, or a fixed node cap (`eval.config.fixed_node_cap`)
-        lambda v: v in (*CURVE_BUDGETS, "off") or (fixed_node_cap(v) or 0) >= 1,
-        "auto, bandit, fit, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
-    )
+# a budget priced on the cost curve, none, or a fixed node cap (`eval.config.fixed_node_cap`)
+NODE_BUDGET = Rule(
+    lambda v: v in (*CURVE_BUDGETS, "off") or (fixed_node_cap(v) or 0) >= 1,
+    "auto, bandit, fit, off or a node count >= 1 (every tree cut to that many nodes, no fitting)",
 )
 POSITIVE = at_least(1)  # counts where zero is meaningless
 COUNT = at_least(0)  # counts where zero means "off"

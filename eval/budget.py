@@ -491,7 +491,7 @@ class NodeBudget:
         return self.settled and self.cap is not None and self.cap <= 2 and self.refit_gap > 0
 
     def tick(self, rows: int = 1, exclude_s: float = 0.0) -> bool:
-        """Call before every decode step (`rows` and `exclude_s` are for a budget that times steps: a fit counts
+        """Call before every decode step (`rows` and `exclude_s` are for a budget that times steps; a fit ignores
         them). True when a refit starts (the drift test asked for one, or the gap
         after settling on no drafting or on 2 nodes has passed): phase 1 again, so the caller raises the
         proposer's cap to the probe size (`fit_budget(refit_cap())`) and drafts those trees, observing them

@@ -133,7 +133,10 @@ def throughput_rows(
             from the second batch size on it starts from the previous one's gain curve (`NodeBudget.warm_start`).
         bandit: with `node_budget`, a `BanditBudget` per (B, drafter) instead: each batched step's cap chosen
             from the measured tokens per second of that batch size (`eval.node_budget=bandit`, `auto` on a CPU);
-            B's cost curve only bounds its arms. Each batch size learns afresh.
+            B's cost curve only bounds its arms. Each batch size learns afresh; only batch 1 learns per context
+            (the step before a hit or a miss): a batched step's outcome mixes rows in and out of their streaks,
+            and each context explores every arm (session 69: 1.05-1.08 nodes a step at batch 16 with one bandit,
+            1.08-1.14 with contexts).
         budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
             refits at all; `eval.node_budget_refit`).
         budget_refit_scale: a refit drafts trees of at most this many times the settled cap, >= 4 nodes (0:
@@ -206,7 +209,7 @@ def throughput_rows(
             if node_cap is not None and factory:  # (a width policy chooses within the fixed cap)
                 budget = NodeBudget.fixed(node_cap)
             elif curve and factory and node_budget and width is None and bandit:
-                budget = BanditBudget(curve, label=f"{name} at batch {b}")
+                budget = BanditBudget(curve, label=f"{name} at batch {b}", contexts=b == 1)
             elif curve and factory and node_budget and width is None:
                 budget = NodeBudget(
                     curve,

@@ -158,11 +158,14 @@ def test_throughput_budgets_carry_their_gain_curve_to_the_next_batch_size(
 
 def test_throughput_bandit_budgets_learn_per_batch_size(tmp_path, monkeypatch, capsys) -> None:
     """`bandit=True` (`eval.node_budget=auto` on a CPU): a `BanditBudget` per (batch size, drafter) instead of a
-    fitted budget, its arms bounded by that batch size's cost curve; outputs stay batch-1 AR's."""
+    fitted budget, its arms bounded by that batch size's cost curve; only batch 1 learns per context (the step
+    before a hit or a miss); outputs stay batch-1 AR's."""
     monkeypatch.setenv("SPECDRAFT_COST_CURVES", str(tmp_path))
     rows = _lookup_rows_under_budgets(bandit=True)
-    out = capsys.readouterr().out
-    assert "lookup at batch 1: bandit over caps [1" in out and "lookup at batch 2: bandit over caps [1" in out
+    lines = capsys.readouterr().out.splitlines()
+    one = [x for x in lines if "lookup at batch 1: bandit over caps [1" in x]
+    two = [x for x in lines if "lookup at batch 2: bandit over caps [1" in x]
+    assert one and two and all("per context" in x for x in one) and not any("per context" in x for x in two)
     assert all(r["node_cap"] >= 1 for r in rows if r["method"] == "lookup")
 
 

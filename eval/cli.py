@@ -453,7 +453,8 @@ def evaluate(cfg: DictConfig) -> Path:
             gap,
         )
     summary, categories = summarize(records), summarize(records, by_category=True)
-    print_tables(summary, categories)
+    turns = summarize(records, by_turn=True)
+    print_tables(summary, categories, turns=turns)
     throughput = _throughput(cfg, benches, methods, model, tokenizer, stop_ids)
     out_dir = Path(e.out_dir or os.path.join(str(cfg.run_dir), "eval"))
     results = {
@@ -476,6 +477,7 @@ def evaluate(cfg: DictConfig) -> Path:
         "wall_time_s": time.time() - t0,
         "summary": summary,
         "categories": categories,
+        "turns": turns,
         "throughput": throughput,
         "records": records,
     }

@@ -27,9 +27,14 @@ def _rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def summarize(records: list[dict[str, Any]], by_category: bool = False) -> list[dict[str, Any]]:
-    """One summary record per bench x method (x category), in first-seen order."""
-    keys = ("bench", "category", "method") if by_category else ("bench", "method")
+def summarize(
+    records: list[dict[str, Any]], by_category: bool = False, by_turn: bool = False
+) -> list[dict[str, Any]]:
+    """One summary record per bench x method (x category, or x turn: MT-Bench's first and second turns), in
+    first-seen order."""
+    keys: tuple[str, ...] = ("bench", "method")
+    if by_category or by_turn:
+        keys = ("bench", "category" if by_category else "turn", "method")
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[tuple(r[k] for k in keys)].append(r)
@@ -78,8 +83,14 @@ def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_tables(summary: list[dict], categories: list[dict], console: Console | None = None) -> None:
-    """Rich tables: one per benchmark (all methods) and one per benchmark x category."""
+def print_tables(
+    summary: list[dict],
+    categories: list[dict],
+    console: Console | None = None,
+    turns: list[dict] | None = None,
+) -> None:
+    """Rich tables: one per benchmark (all methods) and one per benchmark x category, with a row per turn
+    below the categories where the benchmark has more than one (`turns`: `summarize(..., by_turn=True)`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -111,15 +122,28 @@ def print_tables(summary: list[dict], categories: list[dict], console: Console |
         cats = [c for c in categories if c["bench"] == bench and c["kind"] != "ar" and c["method"] != "hf_ar"]
         if not cats:
             continue
-        t = Table(title=f"{bench}: per category (speedup | tokens/step)")
         methods = list(dict.fromkeys(c["method"] for c in cats))
-        t.add_column("category")
+        by_turn = [c for c in turns or [] if c["bench"] == bench and c["method"] in methods]
+        groups = [
+            (cat, [c for c in cats if c["category"] == cat])
+            for cat in dict.fromkeys(c["category"] for c in cats)
+        ]
+        turn_rows = [
+            (f"turn {n}", [c for c in by_turn if c["turn"] == n])
+            for n in dict.fromkeys(c["turn"] for c in by_turn)
+        ]
+        turn_rows = turn_rows if len(turn_rows) > 1 else []
+        split = "category and turn" if turn_rows else "category"
+        t = Table(title=f"{bench}: per {split} (speedup | tokens/step)")
+        t.add_column(split.replace(" and ", " / "))
         for m in methods:
             t.add_column(m, justify="right")
-        for cat in dict.fromkeys(c["category"] for c in cats):
-            row = {c["method"]: c for c in cats if c["category"] == cat}
+        for i, (label, group) in enumerate(groups + turn_rows):
+            if i == len(groups):
+                t.add_section()  # the same methods split by turn instead
+            row = {c["method"]: c for c in group}
             t.add_row(
-                cat,
+                label,
                 *[
                     f"{_fmt(row[m]['speedup'], '.2f')}x | {_fmt(row[m]['tokens_per_step'], '.2f')}"
                     if m in row

@@ -55,6 +55,7 @@ def test_evaluate_writes_tables_json_and_plots(assets, tmp_path, capsys):
     path = evaluate(cfg)
     printed = capsys.readouterr().out
     assert "mini_mt: speedup over autoregressive decoding" in printed and f"results: {path}" in printed
+    assert "mini_mt: per category and turn" in printed and "mini_alpaca: per category (" in printed
 
     res = json.loads(path.read_text())
     methods = ["ar", "redrafter:drafter", "hf_ar", "hf_static", "prompt_lookup", "assisted"]
@@ -77,6 +78,21 @@ def test_evaluate_writes_tables_json_and_plots(assets, tmp_path, capsys):
     assert {r["category"] for r in res["records"] if r["bench"] == "mini_mt"} == {"writing", "math"}
     turns = {(r["id"], r["turn"]) for r in res["records"] if r["bench"] == "mini_mt"}
     assert len(turns) == 4  # MT-Bench: both turns asked
+    by_turn = {(s["bench"], s["turn"], s["method"]): s for s in res["turns"]}
+    assert set(by_turn) == {("mini_mt", t, m) for t in (1, 2) for m in methods} | {
+        ("mini_alpaca", 1, m) for m in methods
+    }
+    for t in (1, 2):  # each turn's records summed: its speedup is over AR on that turn only
+        recs = [r for r in res["records"] if r["bench"] == "mini_mt" and r["turn"] == t]
+        rate = {
+            m: sum(r["new_tokens"] for r in recs if r["method"] == m)
+            / sum(r["time_s"] for r in recs if r["method"] == m)
+            for m in ("ar", "redrafter:drafter")
+        }
+        turn = by_turn[("mini_mt", t, "redrafter:drafter")]
+        assert turn["prompts"] == 2 and turn["speedup"] == pytest.approx(
+            rate["redrafter:drafter"] / rate["ar"]
+        )
     t2 = next(r for r in res["records"] if r["turn"] == 2 and r["method"] == "ar")
     t1 = next(r for r in res["records"] if r["turn"] == 1 and r["method"] == "ar" and r["id"] == t2["id"])
     assert t2["prompt_tokens"] > t1["prompt_tokens"] + t1["new_tokens"] - 1  # turn 2 sees the first answer

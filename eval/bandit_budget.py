@@ -47,9 +47,9 @@ from specdraft.eval.budget import SIZES, CostCurve, payable_size
 TIME_FLOOR = 0.05  # relative standard deviation assumed at least for a step's time (a few samples say little)
 TOKEN_FLOOR = 0.25  # the same for its tokens (variance floor, tokens^2)
 MOMENTS = 6  # discounted [weight, tokens, tokens^2, seconds, seconds^2, tokens x seconds] per arm
-# the step before: plain or undrafted, one token a row, >= HIT tokens a row
+# the step before: plain or undrafted, one token a row, >= HIT_TOKENS tokens a row
 CONTEXTS = ("none", "miss", "hit")
-HIT = 1.5  # tokens a row (mean over a batched step's rows) from which a drafted step is a hit
+HIT_TOKENS = 1.5  # tokens a row (mean over a batched step's rows) from which a drafted step is a hit
 
 
 @dataclass
@@ -111,7 +111,7 @@ class BanditBudget:
         arms = [b for b in self.sizes if b == 1 or b <= min(bound, whole)]
         if arms != self.arms:
             self.arms = arms
-            for ctx in CONTEXTS if self.contexts else CONTEXTS[:1]:
+            for ctx in CONTEXTS if self.contexts else ("none",):
                 for b in arms:
                     self._stats.setdefault(ctx, {}).setdefault(b, [0.0] * MOMENTS)
                     self._plays.setdefault(ctx, {}).setdefault(b, 0)
@@ -122,7 +122,7 @@ class BanditBudget:
                 print(
                     f"[node budget] {self.label}: bandit over caps {arms} (1: plain steps){where}", flush=True
                 )
-        self._pending, self._tokens, self.context = None, None, CONTEXTS[0]
+        self._pending, self._tokens, self.context = None, None, "none"
         if self._told is None or self._told not in arms:
             self._told = max(arms)
             self.cap = self._told
@@ -139,14 +139,14 @@ class BanditBudget:
                 prefilling admitted requests is paid alike at every cap).
         """
         now = self.clock()
-        after = CONTEXTS[0]  # the context of the coming step
+        after = "none"  # the context of the coming step
         if self._pending is not None:
             arm, t0, plain = self._pending
             if arm == 1 or self._tokens is not None:
                 tokens = plain if arm == 1 else int(self._tokens or 1)
                 self._score(arm, tokens, max(now - t0 - exclude_s, 1e-9))
                 if arm > 1 and self.contexts:
-                    after = CONTEXTS[2] if tokens >= HIT * plain else CONTEXTS[1]
+                    after = "hit" if tokens >= HIT_TOKENS * plain else "miss"
         self.context = after
         self.cap = self._choose()
         self._pending, self._tokens = (self.cap, now, rows), None

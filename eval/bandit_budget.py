@@ -68,9 +68,6 @@ class BanditBudget:
         seed: the sampler's seed (the output does not depend on it, only the caps).
         clock: seconds now (tests drive a simulated one).
         contexts: one bandit per context (`CONTEXTS`: the outcome of the step before); False: one for all steps.
-        stay: the arm played last in the same context has its sampled rate raised by this fraction: a change
-            of cap costs (the first step at a new cap runs colder code and data; logged on a 2-core Zen 4:
-            0.2-0.35 ms, 3-8% of a step), so arms that serve alike are not swapped step after step (0: none).
     """
 
     cost: CostCurve
@@ -81,7 +78,6 @@ class BanditBudget:
     seed: int = 0
     clock: Callable[[], float] = time.perf_counter
     contexts: bool = True
-    stay: float = 0.04
     cap: int = 1  # the arm of the step under way
     settled: bool = True  # never in a fitting phase: the decoder computes no gain curves for it
     off_for_good: bool = False  # any arm may be played again
@@ -93,7 +89,6 @@ class BanditBudget:
     # context -> arm -> discounted moments (`MOMENTS`), and scored steps per arm in that context
     _stats: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     _plays: dict[str, dict[int, int]] = field(default_factory=dict)
-    _last: dict[str, int] = field(default_factory=dict)  # context -> the arm played there last
     _pending: tuple[int, float, int] | None = None  # (arm, tick time, rows) of the step under way
     _tokens: int | None = None  # tokens the step under way emitted (`observe`); None: not drafted
     _told: int | None = None  # the cap the proposer drafts at
@@ -102,8 +97,6 @@ class BanditBudget:
     def __post_init__(self) -> None:
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"BanditBudget: discount={self.discount} must be in (0, 1]")
-        if self.stay < 0.0:
-            raise ValueError(f"BanditBudget: stay={self.stay} must be >= 0")
         self._rng.seed(self.seed)
 
     def start(self, max_depth: int, node_budget: int = 0) -> int:
@@ -155,7 +148,7 @@ class BanditBudget:
                 if arm > 1 and self.contexts:
                     after = "hit" if tokens >= HIT_TOKENS * plain else "miss"
         self.context = after
-        self.cap = self._last[self.context] = self._choose()
+        self.cap = self._choose()
         self._pending, self._tokens = (self.cap, now, rows), None
         if self.cap > 1 and self.cap != self._told:
             self._told = self.cap
@@ -209,7 +202,7 @@ class BanditBudget:
 
     def _choose(self) -> int:
         """In the coming step's context: the smallest arm with fewer than `explore` scored steps there, else the
-        arm with the highest sampled rate (the arm played last in this context raised by `stay`):
+        arm with the highest sampled rate:
         r ~ N(t / s, var(t - r s) / (w s^2)) with t, s the arm's discounted mean tokens and seconds a step and w
         its discounted weight (the delta-method variance of a ratio of means, covariance included; the
         variances floored at `TOKEN_FLOOR` and `TIME_FLOOR`)."""
@@ -229,9 +222,7 @@ class BanditBudget:
             cov = ts / w - mt * ms
             # (floored: no arm's rate is known better than TIME_FLOOR relative from one step)
             vr = max(vt - 2.0 * r * cov + r * r * vs, (TIME_FLOOR * mt) ** 2) / (w * ms * ms)
-            draw = self._rng.gauss(r, vr**0.5) * (
-                1.0 + self.stay if b == self._last.get(self.context) else 1.0
-            )
+            draw = self._rng.gauss(r, vr**0.5)
             if draw > best:
                 best, pick = draw, b
         return pick

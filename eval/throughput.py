@@ -135,7 +135,7 @@ def throughput_rows(
             from the measured tokens per second of that batch size (`eval.node_budget=bandit`, `auto` on a CPU);
             B's cost curve only bounds its arms. Each batch size learns afresh; only batch 1 learns per context
             (the step before a hit or a miss): a batched step's outcome mixes rows in and out of their streaks,
-            and each context explores every arm (session 69: 1.05-1.08 nodes a step at batch 16 with one bandit,
+            and each context explores every arm (session 69: 1.05 nodes a step at batch 16 with one bandit,
             1.08-1.14 with contexts).
         budget_refit: batched steps after a budget settles on no drafting before it is refitted (0: no
             refits at all; `eval.node_budget_refit`).

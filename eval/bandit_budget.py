@@ -83,7 +83,6 @@ class BanditBudget:
     off_for_good: bool = False  # any arm may be played again
     refits: int = 0  # times the proposer was told a new cap
     gains: list[list[int]] = field(default_factory=list)  # (none: there are no probe steps)
-    plays: dict[int, int] = field(default_factory=dict)  # scored steps per arm, all contexts
     arms: list[int] = field(default_factory=list)  # the candidate caps of this proposer (`start`)
     context: str = "none"  # the context of the step under way (`CONTEXTS`)
     # context -> arm -> discounted moments (`MOMENTS`), and scored steps per arm in that context
@@ -115,8 +114,6 @@ class BanditBudget:
                 for b in arms:
                     self._stats.setdefault(ctx, {}).setdefault(b, [0.0] * MOMENTS)
                     self._plays.setdefault(ctx, {}).setdefault(b, 0)
-            for b in arms:
-                self.plays.setdefault(b, 0)
             if self.label:
                 where = f", one per context {list(CONTEXTS)}" if self.contexts else ""
                 print(
@@ -177,13 +174,20 @@ class BanditBudget:
         `prefix_accept` and `verify_s` are not needed."""
         self._tokens = (self._tokens or 0) + int(accepted)
 
-    def rate(self, arm: int, context: str | None = None) -> float:
-        """The arm's discounted mean tokens per second in `context` (None: over all contexts; 0 before any
-        scored step)."""
-        ctxs = [context] if context is not None else list(self._stats)
+    @property
+    def plays(self) -> dict[int, int]:
+        """Scored steps per arm, all contexts together."""
+        out: dict[int, int] = {}
+        for per_arm in self._plays.values():
+            for b, n in per_arm.items():
+                out[b] = out.get(b, 0) + n
+        return out
+
+    def rate(self, arm: int) -> float:
+        """The arm's discounted mean tokens per second over all contexts (0 before any scored step)."""
         w = tok = s = 0.0
-        for ctx in ctxs:
-            cw, ctok, _, cs, _, _ = self._stats.get(ctx, {}).get(arm, [0.0] * MOMENTS)
+        for per_arm in self._stats.values():
+            cw, ctok, _, cs, _, _ = per_arm.get(arm, [0.0] * MOMENTS)
             w, tok, s = w + cw, tok + ctok, s + cs
         return tok / s if w > 0 and s > 0 else 0.0
 
@@ -198,7 +202,6 @@ class BanditBudget:
         for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, seconds * seconds, tokens * seconds)):
             st[i] += v
         self._plays[self.context][arm] += 1
-        self.plays[arm] += 1
 
     def _choose(self) -> int:
         """In the coming step's context: the smallest arm with fewer than `explore` scored steps there, else the
